@@ -1,0 +1,274 @@
+"""Config loading: precedence, every command-line syntax, every error, TOML round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainer.config.job_config import JobConfig
+from trainer.config.manager import (
+    TRAIN_CONFIGS_DIR,
+    ConfigError,
+    field_docs,
+    help_text,
+    load_config,
+    parse_cli,
+    sections,
+    to_toml,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_defaults_without_file():
+    config = load_config([])
+    assert config == JobConfig()
+    assert config.parallelism.data_parallel_shard_degree == -1
+    assert config.job.config_file == ""
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = write(tmp_path, """
+        [training]
+        steps = 7
+        seq_len = 64
+        [optimizer]
+        lr = 0.01
+    """)
+    config = load_config(["--job.config_file", path, "--training.steps", "3"])
+    assert config.training.steps == 3  # command line beats TOML
+    assert config.training.seq_len == 64  # TOML beats default
+    assert config.optimizer.lr == 0.01
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size  # default
+    assert config.job.config_file == path
+
+
+def test_cli_order_does_not_matter_for_config_file(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n")
+    config = load_config(["--training.steps", "3", "--job.config_file", path])
+    assert (config.training.steps, config.training.seq_len) == (3, 64)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.steps", "5"], 5),
+        (["--training.steps=5"], 5),
+        (["--training.steps=5", "--training.steps", "6"], 6),  # last one wins
+    ],
+)
+def test_value_syntaxes(argv, expected):
+    assert load_config(argv).training.steps == expected
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--debug.deterministic"], True),
+        (["--debug.deterministic=true"], True),
+        (["--debug.deterministic", "true"], True),
+        (["--debug.deterministic=false"], False),
+        (["--debug.deterministic", "false"], False),
+        (["--debug.deterministic", "--debug.no_deterministic"], False),
+        (["--debug.no-deterministic"], False),
+        (["--debug.deterministic", "--training.steps", "4"], True),
+    ],
+)
+def test_boolean_syntaxes(argv, expected):
+    assert load_config(argv).debug.deterministic is expected
+
+
+def test_negated_flag_turns_off_a_toml_true(tmp_path):
+    path = write(tmp_path, "[metrics]\nenable_tensorboard = true\n")
+    assert load_config(["--job.config_file", path]).metrics.enable_tensorboard is True
+    assert load_config(["--job.config_file", path, "--metrics.no_enable_tensorboard"]).metrics.enable_tensorboard is False
+
+
+def test_lists_comma_separated_and_from_toml(tmp_path):
+    config = load_config(["--checkpoint.exclude_from_loading", "optimizer,dataloader"])
+    assert config.checkpoint.exclude_from_loading == ["optimizer", "dataloader"]
+    path = write(tmp_path, '[compile]\ncomponents = ["model"]\n')
+    assert load_config(["--job.config_file", path]).compile.components == ["model"]
+
+
+def test_optional_and_float_values():
+    config = load_config(["--lr_scheduler.decay_ratio", "0.25", "--optimizer.lr", "1e-3"])
+    assert config.lr_scheduler.decay_ratio == 0.25
+    assert config.optimizer.lr == pytest.approx(1e-3)
+    assert load_config(["--lr_scheduler.decay_ratio", "none"]).lr_scheduler.decay_ratio is None
+
+
+def test_config_file_found_in_train_configs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(["--job.config_file", "debug_model.toml"])
+    assert Path(config.job.config_file) == TRAIN_CONFIGS_DIR / "debug_model.toml"
+    assert config.model.flavor == "debugmodel"
+
+
+def test_config_file_in_working_directory_wins(tmp_path, monkeypatch):
+    (tmp_path / "debug_model.toml").write_text('[model]\nflavor = "tiny"\n')
+    monkeypatch.chdir(tmp_path)
+    config = load_config(["--job.config_file", "debug_model.toml"])
+    assert config.model.flavor == "tiny"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one clear message each, naming the key and its source
+
+
+def error_of(argv) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    return str(info.value)
+
+
+def test_unknown_key_in_toml_names_file_and_suggests(tmp_path):
+    path = write(tmp_path, "[training]\nstpes = 5\n")
+    message = error_of(["--job.config_file", path])
+    assert path in message and "training.stpes" in message and "did you mean 'steps'" in message
+
+
+def test_unknown_section_in_toml(tmp_path):
+    path = write(tmp_path, "[trainng]\nsteps = 5\n")
+    message = error_of(["--job.config_file", path])
+    assert "unknown section [trainng]" in message and "did you mean 'training'" in message
+
+
+def test_unknown_key_on_command_line():
+    message = error_of(["--optimizer.learning_rate", "1"])
+    assert "--optimizer.learning_rate" in message and "unknown key optimizer.learning_rate" in message
+
+
+def test_unknown_section_on_command_line():
+    assert "did you mean 'optimizer'" in error_of(["--optimiser.lr", "1"])
+
+
+def test_wrong_types(tmp_path):
+    assert "expected an integer, got 'five'" in error_of(["--training.steps", "five"])
+    assert "expected a number" in error_of(["--optimizer.lr", "fast"])
+    assert "expected true or false" in error_of(["--debug.deterministic=maybe"])
+    path = write(tmp_path, '[training]\nsteps = "10"\n')
+    message = error_of(["--job.config_file", path])
+    assert "training.steps" in message and "expected an integer" in message
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--training.steps", "-1"], "training.steps: must be >= 1, got -1"),
+        (["--training.local_batch_size", "0"], "training.local_batch_size: must be >= 1"),
+        (["--optimizer.name", "SGD"], "choose one of 'AdamW', 'Adam'"),
+        (["--lr_scheduler.decay_type", "cosin"], "did you mean 'cosine'"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio: must be in [0, 1]"),
+        (["--optimizer.beta2", "1.0"], "optimizer.beta2: must be in [0, 1)"),
+        (["--model.flavor", "9B"], "model.flavor: '9B' is unknown; choose one of"),
+        (["--parallelism.data_parallel_shard_degree", "0"], "data_parallel_shard_degree: must be -1"),
+        (["--checkpoint.exclude_from_loading", "weights"], "'weights' is unknown"),
+        (["--activation_checkpoint.selective_ac_option", "x"], "selective_ac_option"),
+    ],
+)
+def test_invalid_values(argv, fragment):
+    assert fragment in error_of(argv)
+
+
+def test_several_problems_reported_together():
+    message = error_of(["--training.steps", "0", "--optimizer.lr", "-1"])
+    assert "training.steps" in message and "optimizer.lr" in message
+
+
+def test_missing_config_file_lists_shipped_configs():
+    message = error_of(["--job.config_file", "nope.toml"])
+    assert "'nope.toml' not found" in message and "llama3_8b.toml" in message
+
+
+def test_invalid_toml_syntax(tmp_path):
+    path = write(tmp_path, "[training\nsteps = 5\n")
+    assert "not valid TOML" in error_of(["--job.config_file", path])
+
+
+def test_bad_argument_shapes():
+    assert "expected --section.key" in error_of(["steps=5"])
+    assert "missing value" in error_of(["--training.steps"])
+    assert "takes no value" in error_of(["--debug.no_deterministic=true"])
+
+
+def test_torchtitan_sections_warn_once(tmp_path, caplog):
+    path = write(tmp_path, """
+        [profiling]
+        enable_profiling = true
+        [quantize.linear.float8]
+        enable_fsdp_float8_all_gather = true
+        [fault_tolerance]
+        enable = false
+        [parallelism]
+        expert_parallel_degree = 1
+        [training]
+        steps = 3
+    """)
+    with caplog.at_level(logging.WARNING):
+        config = load_config(["--job.config_file", path])
+    assert config.training.steps == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    for name in ("[profiling]", "[quantize]", "[fault_tolerance]", "parallelism.expert_parallel_degree"):
+        assert name in warnings[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip, help, docs
+
+
+def test_print_config_round_trips(tmp_path):
+    config = load_config([
+        "--job.config_file", "llama3_8b.toml", "--training.steps", "17", "--lr_scheduler.decay_ratio", "0.2",
+        "--checkpoint.exclude_from_loading", "optimizer", "--debug.deterministic",
+    ])
+    path = write(tmp_path, to_toml(config), "printed.toml")
+    again = load_config(["--job.config_file", path])
+    again.job.config_file = config.job.config_file
+    assert again == config
+
+
+def test_every_field_has_a_docstring_and_appears_in_help():
+    text = help_text()
+    for section, cls in sections().items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
+            assert f"--{section}.{f.name}  (" in text
+
+
+def test_help_shows_type_default_and_config_value():
+    text = help_text(load_config(["--job.config_file", "llama3_8b.toml"]))
+    assert "--training.steps  (int, default 10000)  [config: 1000]" in text
+    assert "--lr_scheduler.decay_type  ('linear' | 'sqrt' | 'cosine', default 'linear')" in text
+
+
+def test_parse_cli_keeps_raw_values():
+    assert parse_cli(["--training.steps=5", "--debug.deterministic"]) == [
+        ("training", "steps", "5"), ("debug", "deterministic", True)]
+
+
+def test_configuration_reference_is_current():
+    """docs/configuration.md is generated from the docstrings; regenerate it when they change."""
+    generated = subprocess.run([sys.executable, "-m", "trainer.config.docs"], capture_output=True, text=True,
+                               check=True, cwd=REPO).stdout
+    assert (REPO / "docs" / "configuration.md").read_text() == generated
+
+
+def test_shipped_configs_load():
+    for path in sorted(TRAIN_CONFIGS_DIR.glob("*.toml")):
+        config = load_config(["--job.config_file", str(path)])
+        assert config.job.config_file == str(path)

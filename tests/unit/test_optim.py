@@ -1,0 +1,79 @@
+"""LR schedule values, optimizer construction and global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.config.job_config import LRScheduler, Optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
+
+
+def factors(total, warmup, ratio, kind, floor):
+    return [lr_factor(s, total_steps=total, warmup_steps=warmup, decay_ratio=ratio, decay_type=kind,
+                      min_lr_factor=floor) for s in range(1, total + 1)]
+
+
+def test_warmup_stable_linear_decay():
+    got = factors(12, 4, 0.5, "linear", 0.1)
+    expected = [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_decay_shapes_at_quarter_progress():
+    # 4 decay steps after 8 (warmup + stable): step 9 is a quarter of the way down.
+    assert factors(12, 4, 0.5, "cosine", 0.1)[8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert factors(12, 4, 0.5, "sqrt", 0.1)[8] == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_no_decay_ratio_decays_over_all_post_warmup_steps():
+    got = factors(6, 2, None, "linear", 0.0)
+    assert got == pytest.approx([0.5, 1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_warmup_longer_than_training_never_reaches_peak():
+    got = factors(3, 10, None, "linear", 0.0)
+    assert got == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_zero_warmup_starts_at_peak():
+    assert factors(4, 0, None, "linear", 0.0)[0] == pytest.approx(0.75)
+
+
+def test_scheduler_applies_factor_of_each_step():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer([param], Optimizer(lr=0.1))
+    scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=4, decay_ratio=0.5, min_lr_factor=0.1), 12)
+    used = []
+    for _ in range(12):
+        used.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert used == pytest.approx([0.1 * f for f in factors(12, 4, 0.5, "linear", 0.1)])
+
+
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
+def test_optimizer_from_config(name, cls):
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = build_optimizer([param], Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2))
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.5, (0.8, 0.9), 1e-6, 0.2)
+
+
+def test_clip_grad_norm_returns_global_norm_and_clips():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    norm = clip_grad_norm([a, b], max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)
+    clipped = torch.cat([a.grad, b.grad]).norm().item()
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_disabled_still_reports_norm():
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([6.0, 8.0])
+    assert clip_grad_norm([a], max_norm=0.0).item() == pytest.approx(10.0)
+    assert a.grad.tolist() == [6.0, 8.0]

@@ -1,0 +1,1 @@
+"""A declarative, TOML-driven trainer for Llama models."""

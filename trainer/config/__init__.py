@@ -1,0 +1,1 @@
+"""Configuration: dataclass sections (job_config) and their loading (manager)."""

@@ -1,0 +1,61 @@
+"""`python -m trainer.config.docs > docs/configuration.md`: the configuration reference.
+
+Generated from the dataclass docstrings so the reference cannot drift from the code; a test
+checks that the committed file is current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+
+from trainer.config.job_config import IGNORED_KEYS, IGNORED_SECTIONS, JobConfig
+from trainer.config.manager import field_docs, field_types, sections, type_name
+
+INTRO = """\
+# Configuration reference
+
+A job is configured by a TOML file (`--job.config_file`, looked up in the working directory, then in
+`train_configs/`) and command-line overrides. Precedence: command line > TOML > the defaults below.
+
+```
+--section.key value      --section.key=value
+--section.flag           --section.no_flag        --section.flag=false
+--section.items a,b,c
+```
+
+Unknown sections and keys, wrong types and invalid values stop the launch with one message naming
+the key, where it came from, and what is valid (exit code 2). `--help` prints this table;
+`--job.print_config` prints the resolved configuration as TOML that loads back to the same config.
+
+This file is generated: `python -m trainer.config.docs > docs/configuration.md`.
+"""
+
+
+def escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    defaults = JobConfig()
+    out = [INTRO]
+    for section, cls in sections().items():
+        out += [f"## [{section}]", "", inspect.cleandoc(cls.__doc__ or ""), "",
+                "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            out.append(f"| `{f.name}` | {escape(type_name(field_types(cls)[f.name]))} | `{default!r}` | "
+                       f"{escape(docs.get(f.name, ''))} |")
+        out.append("")
+    out += ["## Accepted but ignored", "",
+            "These torchtitan v0.2.2 options load without error and are named in one warning:", "",
+            "- sections: " + ", ".join(f"`[{s}]`" for s in sorted(IGNORED_SECTIONS))]
+    for section, keys in IGNORED_KEYS.items():
+        out.append(f"- `[{section}]`: " + ", ".join(f"`{k}`" for k in sorted(keys)))
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,390 @@
+"""The job configuration: one dataclass per TOML section.
+
+Section and key names follow the torchtitan v0.2.2 TOML format so that its configs load here.
+Every field carries a docstring (the string literal right below it); `--help` and
+docs/configuration.md are generated from those docstrings, so they are the reference.
+
+This module imports nothing heavy: the launcher validates a config before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class Job:
+    """Where the configuration comes from and where the run writes."""
+
+    config_file: str = ""
+    """TOML file to load. A bare name is looked up in the working directory, then in train_configs/."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: metrics.jsonl, TensorBoard events, checkpoints."""
+
+    description: str = ""
+    """Free text describing the job; logged at start."""
+
+    print_config: bool = False
+    """Print the resolved configuration as TOML and exit without training."""
+
+
+@dataclass
+class Model:
+    """Which model to build."""
+
+    name: Literal["llama3"] = "llama3"
+    """Model family."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the model family: tiny, debugmodel, 1B, 8B, 70B or 405B."""
+
+    tokenizer_path: str = ""
+    """SentencePiece .model file. Empty: the data source's own token ids (built-in sources)."""
+
+    hf_assets_path: str = ""
+    """Folder with Hugging Face assets (config.json, safetensors) used for weight import and export."""
+
+
+@dataclass
+class Optimizer:
+    """The optimizer."""
+
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warmup."""
+
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+
+    eps: float = 1e-8
+    """Adam epsilon, added to the denominator."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW); L2 penalty for Adam."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Kernel strategy of the torch optimizer: one kernel per tensor, grouped, or fused."""
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule: linear warmup, an optional stable phase, then decay."""
+
+    warmup_steps: int = 200
+    """Steps of linear warmup from lr/warmup_steps to lr. Longer than training.steps: the peak is never reached."""
+
+    decay_ratio: Optional[float] = None
+    """Fraction of the post-warmup steps spent decaying; the rest is a stable phase at peak lr.
+    Unset: decay over all steps after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay from lr to lr * min_lr_factor."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class Training:
+    """Data, batch shape, steps and numerics of the training loop."""
+
+    dataset: str = "synthetic"
+    """Data source: 'synthetic' (built in, no files)."""
+
+    dataset_path: str = ""
+    """Local file, folder or glob for file-based data sources."""
+
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per forward/backward pass (microbatch of gradient accumulation)."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks. -1: local_batch_size x data-parallel degree.
+    Larger values accumulate gradients over several local batches."""
+
+    seq_len: int = 2048
+    """Tokens per sequence."""
+
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value. <= 0 disables clipping (the norm is still logged)."""
+
+    steps: int = 10000
+    """Optimizer steps to train."""
+
+    mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype FSDP casts parameters to for compute. auto: bfloat16 on CUDA, float32 on CPU."""
+
+    mixed_precision_reduce: DType = "float32"
+    """Dtype of the FSDP gradient reduction."""
+
+    enable_cpu_offload: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
+
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic collection is disabled
+    during training so that all ranks pause together)."""
+
+
+@dataclass
+class Parallelism:
+    """Parallel degrees and their options. The product of the degrees must equal the world size."""
+
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP-style); with shard degree > 1 this gives HSDP."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shard group size. -1: whatever the other degrees leave of the world size."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free unsharded parameters after forward (ZeRO-3-like) or keep them to backward (ZeRO-2-like).
+    default: always, except never under pipeline parallelism."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor (+ sequence) parallel degree."""
+
+    disable_loss_parallel: bool = False
+    """Gather the vocabulary-sharded logits before the loss instead of computing it sharded."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with compute (needs compile and CUDA)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages groups (ranks along the pipeline)."""
+
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
+    ] = "1F1B"
+    """Pipeline schedule from torch.distributed.pipelining."""
+
+    pipeline_parallel_layers_per_stage: Optional[int] = None
+    """Transformer layers per pipeline stage (embedding and output count as layers). Unset: as many
+    stages as the schedule needs per rank."""
+
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Layers fewer on the first stage, to make room for the token embedding."""
+
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Layers fewer on the last stage, to make room for the output projection and loss."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline microbatch; local_batch_size must be a multiple."""
+
+    context_parallel_degree: int = 1
+    """Context parallel degree: each rank holds this fraction of every sequence."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context-parallel ranks exchange keys and values."""
+
+
+@dataclass
+class Checkpoint:
+    """Distributed checkpoints (DCP): seed checkpoints, periodic saves, resume."""
+
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one in `folder`."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+
+    initial_load_path: str = ""
+    """Checkpoint to start from when `folder` holds none (e.g. a seed checkpoint)."""
+
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face checkpoint folder (config.json + safetensors)."""
+
+    last_save_model_only: bool = True
+    """The last save holds only the model weights (in export_dtype)."""
+
+    last_save_in_hf: bool = False
+    """Write the last save as Hugging Face safetensors."""
+
+    export_dtype: DType = "float32"
+    """Dtype of a model-only last save."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in a background thread instead of blocking training."""
+
+    keep_latest_k: int = 10
+    """Keep this many newest checkpoints; 0 keeps all."""
+
+    load_step: int = -1
+    """Resume from this step's checkpoint. -1: the newest complete one."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State to skip when resuming: any of model, optimizer, lr_scheduler, dataloader, train_state."""
+
+    create_seed_checkpoint: bool = False
+    """Write a step-0 model-only checkpoint from one process and exit."""
+
+    load_only: bool = False
+    """Load checkpoints but never write any (comparison runs sharing a seed)."""
+
+    enable_first_step_checkpoint: bool = False
+    """Also save right after step 1."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Recompute activations in backward to save memory."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """none, full (every block), or selective (see selective_ac_option)."""
+
+    selective_ac_option: str = "2"
+    """With mode selective: an integer N checkpoints every N-th block; 'op' saves selected ops."""
+
+
+@dataclass
+class Compile:
+    """torch.compile."""
+
+    enable: bool = False
+    """Compile each transformer block (and the loss) with torch.compile."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: model, loss."""
+
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass
+class Metrics:
+    """Console, metrics.jsonl and TensorBoard logging."""
+
+    log_freq: int = 10
+    """Log every this many steps (and step 1 and the last step)."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard events under job.dump_folder/save_tb_folder."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder; each run gets a time-stamped subfolder."""
+
+    disable_color_printing: bool = False
+    """Plain console lines without ANSI colors."""
+
+    save_for_all_ranks: bool = False
+    """Every rank writes its own TensorBoard folder (default: only the rank that logs)."""
+
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU. 0: look the GPU up in the built-in table; on CPU MFU is omitted."""
+
+
+@dataclass
+class Comm:
+    """Collective communication."""
+
+    init_timeout_seconds: int = 300
+    """Timeout for process-group creation and the first collectives."""
+
+    train_timeout_seconds: int = 100
+    """Timeout for collectives once training has started."""
+
+    trace_buf_size: int = 20000
+    """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""
+
+
+@dataclass
+class Debug:
+    """Reproducibility."""
+
+    seed: int = 0
+    """Seed for weight init, data and dropout-free randomness."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower); required for bitwise-reproducible runs."""
+
+    deterministic_warn_only: bool = False
+    """With deterministic: warn instead of failing on an op without a deterministic implementation."""
+
+
+@dataclass
+class Validation:
+    """Held-out evaluation during training."""
+
+    enable: bool = False
+    """Compute validation loss every `freq` steps."""
+
+    dataset: str = ""
+    """Validation data source. Empty: the held-out split of training.dataset."""
+
+    dataset_path: str = ""
+    """Local path for file-based validation sources."""
+
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per validation step."""
+
+    seq_len: int = 2048
+    """Tokens per validation sequence."""
+
+    freq: int = 500
+    """Validate every this many training steps."""
+
+    steps: int = 10
+    """Validation batches per evaluation."""
+
+
+@dataclass
+class JobConfig:
+    """The whole configuration. Section names are the TOML table names."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+    validation: Validation = field(default_factory=Validation)
+
+
+# torchtitan v0.2.2 sections and keys this trainer does not implement. A config that uses them
+# still loads (so upstream configs work as they are), with one warning naming what is ignored.
+IGNORED_SECTIONS = frozenset(
+    {"profiling", "fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
+)
+IGNORED_KEYS = {
+    "job": {"custom_config_module", "use_for_integration_test", "print_args"},
+    "model": {"converters", "print_after_conversion"},
+    "optimizer": {"early_step_in_backward"},
+    "training": {"gc_debug", "dataloader"},
+    "parallelism": {
+        "enable_compiled_autograd",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "module_fqns_per_model_part",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_split_points",
+        "context_parallel_load_balancer",
+    },
+    "checkpoint": {"enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized"},
+    "activation_checkpoint": {
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "memory_budget",
+        "visualize_memory_budget_pareto",
+    },
+    "metrics": {"enable_wandb"},
+    "comm": {"save_traces_folder", "save_traces_file_prefix"},
+    "debug": {"moe_force_load_balance"},
+}

@@ -1,0 +1,1 @@
+"""Token sources and the layout-invariant batch loader."""

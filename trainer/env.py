@@ -1,0 +1,58 @@
+"""The process's runtime: device, backend, process group, seeds and determinism."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is there, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    # On CUDA, gloo still serves CPU tensors (e.g. checkpoint coordination).
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
+    """Join (or, when started without torchrun, create) the process group; returns (rank, world size)."""
+    if "RANK" not in os.environ:  # a plain `python -m trainer.train` is a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def set_collective_timeout(timeout_s: int) -> None:
+    """Tighten the timeout once the slow first collectives (init, compile) are behind us."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
+
+def set_determinism(seed: int, deterministic: bool, warn_only: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        logger.info("deterministic algorithms enabled")

@@ -1,0 +1,39 @@
+"""FSDP2 (fully_shard): sharded parameters, gradients and optimizer state."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' computes in bfloat16 on CUDA and float32 on CPU (where bfloat16 matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool, cpu_offload: bool = False) -> None:
+    """Shard each transformer block, then the rest (embeddings, final norm, output) at the root.
+
+    One FSDP unit per block lets the all-gather of block i+1 overlap the compute of block i.
+    Gradients are SUMMED over data-parallel ranks (divide factor 1): the loss is already divided
+    by the global token count (trainer/loss.py), so averaging again would be wrong.
+    """
+    policy = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+    )
+    policy = {k: v for k, v in policy.items() if v is not None}
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)

@@ -1,0 +1,85 @@
+"""Checks of a configuration against a world size, before any process group exists.
+
+`python -m trainer.preflight --nproc N [overrides]` runs them in one light process (no torch
+import): the launcher calls it so a user's mistake gets one clear message instead of one
+traceback per rank. The trainer repeats the same checks in every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config.job_config import JobConfig
+from trainer.config.manager import ConfigError, load_config
+from trainer.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    dims: ParallelDims
+    global_batch_size: int
+    accumulation_steps: int
+
+
+def unsupported(config: JobConfig) -> list[str]:
+    """Options that are valid but whose feature this trainer does not provide yet."""
+    c = config
+    checks = {
+        "checkpoint.enable": c.checkpoint.enable,
+        "checkpoint.create_seed_checkpoint": c.checkpoint.create_seed_checkpoint,
+        "checkpoint.initial_load_path": bool(c.checkpoint.initial_load_path),
+        "parallelism.data_parallel_replicate_degree > 1": c.parallelism.data_parallel_replicate_degree > 1,
+        "parallelism.tensor_parallel_degree > 1": c.parallelism.tensor_parallel_degree > 1,
+        "parallelism.pipeline_parallel_degree > 1": c.parallelism.pipeline_parallel_degree > 1,
+        "parallelism.context_parallel_degree > 1": c.parallelism.context_parallel_degree > 1,
+        "activation_checkpoint.mode != 'none'": c.activation_checkpoint.mode != "none",
+        "compile.enable": c.compile.enable,
+        "validation.enable": c.validation.enable,
+        "training.enable_cpu_offload": c.training.enable_cpu_offload,
+        "model.tokenizer_path": bool(c.model.tokenizer_path),
+        "training.dataset != 'synthetic'": c.training.dataset != "synthetic",
+    }
+    return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]
+
+
+def plan_run(config: JobConfig, world_size: int) -> RunPlan:
+    """Resolve parallel degrees and the batch split; raise ConfigError naming the key to fix."""
+    problems = unsupported(config)
+    if problems:
+        raise ConfigError("options not available in this version:\n  " + "\n  ".join(problems))
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    local = config.training.local_batch_size
+    per_pass = local * dims.dp
+    global_batch = config.training.global_batch_size
+    if global_batch == -1:
+        global_batch = per_pass
+    if global_batch % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size {local} x "
+            f"data-parallel degree {dims.dp} = {per_pass}; use a multiple of {per_pass} or -1"
+        )
+    return RunPlan(dims=dims, global_batch_size=global_batch, accumulation_steps=global_batch // per_pass)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    if len(argv) < 2 or argv[0] != "--nproc":
+        print("usage: python -m trainer.preflight --nproc N [--section.key value ...]", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(argv[2:])
+        plan = plan_run(config, int(argv[1]))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    degrees = " ".join(f"{k}={v}" for k, v in plan.dims.degrees().items())
+    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {argv[1]} processes ({degrees})")
+    print(f"outputs: {Path(config.job.dump_folder).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

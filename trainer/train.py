@@ -1,0 +1,201 @@
+"""`python -m trainer.train [--section.key value ...]`: assemble the parts and run the loop.
+
+Started by torchrun (see torchrun_launch.sh), one process per device; started alone it trains as a
+world of one.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer import env
+from trainer.config.job_config import JobConfig
+from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
+from trainer.data.loader import BatchLoader
+from trainer.data.sources import build_source
+from trainer.loss import count_targets, cross_entropy_sum
+from trainer.metrics import MetricsLogger, StepFigures, should_log
+from trainer.models.llama3 import Transformer, get_flavor
+from trainer.models.llama3.args import flops_per_token
+from trainer.models.llama3.model import count_params_on_meta
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from trainer.parallel import parallelize
+from trainer.preflight import RunPlan, plan_run
+
+logger = logging.getLogger("trainer")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN or infinite."""
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's share of the global loss (sums to it over data-parallel ranks)
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics of one run in this process."""
+
+    def __init__(self, config: JobConfig, plan: RunPlan):
+        self.config, self.plan = config, plan
+        self.device = env.pick_device()
+        self.rank, world_size = env.init_distributed(self.device, config.comm.init_timeout_seconds)
+        env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
+        self.mesh = plan.dims.build_mesh(self.device.type)
+        self.loss_group = self.mesh["dp_cp"].get_group()
+
+        model_args = get_flavor(config.model.flavor)
+        model_args.max_seq_len = config.training.seq_len
+        with torch.device("meta"):
+            self.model = Transformer(model_args)
+        parallelize(self.model, plan.dims, self.mesh, config, self.device)
+        self.model.to_empty(device=self.device)
+        self.model.init_weights(seed=config.debug.seed, device=self.device)
+        self.model.train()
+
+        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
+        self.source = build_source(config.training.dataset, vocab_size=model_args.vocab_size, seed=config.debug.seed)
+        dp_mesh = self.mesh["dp"]
+        self.loader = BatchLoader(
+            self.source, seq_len=config.training.seq_len, global_batch_size=plan.global_batch_size,
+            local_batch_size=config.training.local_batch_size, dp_rank=dp_mesh.get_local_rank(),
+            dp_degree=plan.dims.dp, device=self.device,
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.tokens_per_step = plan.global_batch_size * config.training.seq_len
+
+        self.metrics = MetricsLogger(
+            config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
+            flops_per_token=flops_per_token(model_args, config.training.seq_len),
+        )
+        self.metrics.write_run_metadata(self._metadata(model_args, world_size))
+
+    def _metadata(self, model_args, world_size: int) -> dict:
+        return {
+            "config": to_dict(self.config),
+            "world_size": world_size,
+            "degrees": self.plan.dims.degrees(),
+            "global_batch_size": self.plan.global_batch_size,
+            "accumulation_steps": self.plan.accumulation_steps,
+            "device": str(self.device),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "num_params": count_params_on_meta(model_args),
+            "data": self.source.describe(),
+        }
+
+    def train_step(self) -> StepResult:
+        microbatches = self.loader.next_batch()
+        # The denominator of invariant 2: target tokens of the whole global batch, all ranks.
+        global_targets = sum(count_targets(labels) for _, labels in microbatches).float()
+        dist.all_reduce(global_targets, group=self.loss_group)
+        loss_share = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            loss = cross_entropy_sum(self.model(inputs), labels) / global_targets
+            loss.backward()
+            loss_share += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_share, grad_norm)
+
+    def global_loss(self, result: StepResult) -> float:
+        loss = result.loss.clone()
+        dist.all_reduce(loss, group=self.loss_group)
+        return loss.item()
+
+    def train(self) -> None:
+        cfg = self.config
+        logger.info(
+            "training %s for %d steps: global batch %d x %d tokens (%d accumulation steps), best achievable loss %.4f",
+            cfg.model.flavor, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
+            self.plan.accumulation_steps, self.source.entropy_floor,
+        )
+        gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
+        last_log_time, last_log_step = time.perf_counter(), self.step
+        while self.step < cfg.training.steps:
+            self.step += 1
+            lr = self.scheduler.get_last_lr()[0]
+            result = self.train_step()
+            self.tokens_seen += self.tokens_per_step
+            # The norm is global, so every rank sees a NaN/inf from any rank and all stop together.
+            if not torch.isfinite(result.grad_norm).item():
+                raise NonFiniteLossError(
+                    f"step {self.step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
+                    "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
+                )
+            if self.step == 1:
+                env.set_collective_timeout(cfg.comm.train_timeout_seconds)
+            if self.step % cfg.training.gc_freq == 0:
+                gc.collect(1)
+            if should_log(self.step, cfg.metrics.log_freq, cfg.training.steps):
+                loss = self.global_loss(result)
+                now = time.perf_counter()
+                steps = self.step - last_log_step
+                self.metrics.log_step(StepFigures(
+                    step=self.step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
+                    tokens=steps * self.tokens_per_step, tokens_seen=self.tokens_seen,
+                    elapsed_s=now - last_log_time, steps_since_log=steps,
+                ))
+                if not torch.isfinite(torch.tensor(loss)):
+                    raise NonFiniteLossError(f"step {self.step}: loss {loss}; stopping")
+                last_log_time, last_log_step = now, self.step
+        logger.info("training done: %d steps, %d tokens; outputs in %s", self.step, self.tokens_seen,
+                    os.path.abspath(cfg.job.dump_folder))
+
+    def close(self) -> None:
+        gc.enable()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def configure_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    configure_logging()
+    try:
+        if "--help" in argv or "-h" in argv:
+            rest = [a for a in argv if a not in ("--help", "-h")]
+            sys.stdout.write(help_text(load_config(rest) if rest else None) + "\n")
+            return 0
+        config = load_config(argv)
+        if config.job.print_config:
+            sys.stdout.write(to_toml(config))
+            return 0
+        plan = plan_run(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    trainer = Trainer(config, plan)
+    try:
+        trainer.train()
+    except NonFiniteLossError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
