@@ -1,0 +1,367 @@
+"""Turning measured step figures into log output.
+
+The training loop measures (loss, gradient norm, tokens, seconds) and hands them over as a
+`StepFigures`; this module derives throughput, TFLOPS, MFU and memory from them and writes
+
+* one console line per logged step (through `logging`, on every rank; the launcher decides which
+  rank's output is shown),
+* one JSON object per logged step to ``<dump_folder>/metrics.jsonl`` (log rank only, flushed
+  after every line so that a crashed or running job can be read),
+* TensorBoard scalars under ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>`` when enabled
+  (``.../rank_<r>`` per rank with ``metrics.save_for_all_ranks``).
+
+metrics.jsonl records
+---------------------
+Training steps (`MetricsLogger.log_step`) have no ``kind`` key::
+
+    {"step", "loss", "grad_norm", "lr", "tokens" (cumulative), "tokens_per_s" (per device),
+     "tflops" (per device), "mfu" (percent, null when the device peak is unknown),
+     "memory" {...}, "time" (unix seconds), "step_time_s" (mean seconds per optimizer step)}
+
+Other records (`MetricsLogger.log_scalars`, e.g. validation) carry ``"kind": <prefix>`` and keys
+``"<prefix>/<name>"``. A diverged run writes ``NaN``/``Infinity`` for its loss, which Python's
+``json`` reads back (strict JSON parsers do not).
+
+TensorBoard tags
+----------------
+``loss_metrics/global_avg_loss``, ``grad_norm``, ``lr``, ``throughput/tps``,
+``throughput/tflops``, ``throughput/mfu_pct`` (only when known), ``memory/<key of memory_stats>``,
+and ``<prefix>/<name>`` for `log_scalars`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+
+METRICS_FILE = "metrics.jsonl"
+RUN_META_FILE = "run_meta.json"
+_STAMP_FORMAT = "%Y%m%d-%H%M%S"
+
+# Dense (no structured sparsity) BF16 tensor throughput of one device, in FLOP/s, keyed by a
+# substring of torch.cuda.get_device_name(). Vendor datasheets quote the sparse figure for NVIDIA
+# Hopper/Ada/Blackwell parts; the values here are half of it. Sources:
+#   NVIDIA A100 datasheet (SXM and PCIe): 312 TFLOPS BF16.
+#   NVIDIA H100 datasheet: SXM 1,979 sparse; PCIe 1,513 sparse; NVL 1,671 sparse.
+#   NVIDIA H200 datasheet: SXM 1,979 sparse; NVL 1,671 sparse. GH200: the H100/H200 SXM figure.
+#   NVIDIA HGX B200 datasheet: 4.5 PFLOPS sparse per GPU.
+#   NVIDIA L40S datasheet: 733 sparse; L40 datasheet: 362 sparse; L4 datasheet: 242 sparse.
+#   AMD Instinct MI300X datasheet: 1,307.4 TFLOPS BF16 dense; MI250X: 383 TFLOPS BF16.
+# Left out on purpose: A10/A10G (the AWS A10G is not in an NVIDIA datasheet, and "A10" would
+# also match it), consumer and workstation cards.
+# Order matters: the first key contained in the device name wins, so a key that is a substring of
+# another key ("H100" of "H100 PCIe", "H200" of "GH200", "L4" of "L40S") must come after it.
+PEAK_BF16_DENSE_FLOPS: dict[str, float] = {
+    "A100": 312e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "GH200": 989e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100": 989e12,  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    "B200": 2.25e15,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+}
+
+_warned_unknown_devices: set[str] = set()
+
+
+def peak_flops_per_device(device: torch.device, configured: float) -> float | None:
+    """Peak FLOP/s of one device used as the MFU denominator.
+
+    A configured value > 0 wins. On CUDA (and ROCm) the device name is looked up in
+    `PEAK_BF16_DENSE_FLOPS`; an unknown name gives None and one warning per name. Other devices
+    (CPU, ...) give None: MFU is then omitted.
+    """
+    if configured and configured > 0:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_DENSE_FLOPS.items():
+        if key.upper() in name.upper():
+            return flops
+    if name not in _warned_unknown_devices:
+        _warned_unknown_devices.add(name)
+        logger.warning(
+            "Peak FLOP/s of device %r is not in the built-in table; MFU will not be reported. "
+            "Set metrics.peak_flops to the device's dense bf16 FLOP/s to report it.",
+            name,
+        )
+    return None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory in GiB: CUDA allocator peaks on CUDA, the process's peak RSS elsewhere."""
+    if device.type == "cuda":
+        return {
+            "max_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        }
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    rss_bytes = maxrss if sys.platform == "darwin" else maxrss * 1024
+    return {"peak_rss_gib": rss_bytes / GIB}
+
+
+def should_log(step: int, log_freq: int, total_steps: int) -> bool:
+    """Log step 1, every log_freq-th step and the last step (log_freq <= 0: first and last only)."""
+    if step == 1 or step == total_steps:
+        return True
+    return log_freq > 0 and step % log_freq == 0
+
+
+@dataclass
+class StepFigures:
+    """What the loop measured since the previous logged step."""
+
+    step: int
+    loss: float
+    """Global average loss of this step (ARCHITECTURE invariant 2)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    tokens: int
+    """Tokens of the whole global batch processed since the previous logged step."""
+    tokens_seen: int
+    """Cumulative tokens since step 0."""
+    elapsed_s: float
+    """Wall seconds since the previous logged step."""
+    steps_since_log: int
+    """Optimizer steps that `tokens` and `elapsed_s` cover."""
+
+
+class _Colors:
+    def __init__(self, enabled: bool):
+        def code(seq: str) -> str:
+            return seq if enabled else ""
+
+        self.reset = code("\033[0m")
+        self.step = code("\033[1;37m")
+        self.loss = code("\033[91m")
+        self.grad = code("\033[93m")
+        self.lr = code("\033[96m")
+        self.tps = code("\033[92m")
+        self.flops = code("\033[94m")
+        self.mfu = code("\033[95m")
+        self.mem = code("\033[36m")
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4f}"
+    return f"{value:.3e}"
+
+
+def _free_name(path: Path) -> Path:
+    """`path` if it does not exist, else path with -1, -2, ... before the suffix."""
+    candidate, counter = path, 0
+    while candidate.exists():
+        counter += 1
+        candidate = path.with_name(f"{path.stem}-{counter}{path.suffix}")
+    return candidate
+
+
+class MetricsLogger:
+    """Console line, metrics.jsonl and TensorBoard for one rank.
+
+    Construct it on every rank. `is_log_rank` marks the one rank that writes metrics.jsonl,
+    run_meta.json and (by default) TensorBoard; other ranks only log the console line and return
+    records, plus their own TensorBoard folder when metrics.save_for_all_ranks is set.
+
+    `resume=False` with an existing metrics.jsonl moves the old file aside (never deletes it);
+    `resume=True` appends to it. `run_stamp` names the TensorBoard subfolder; by default the
+    current time (broadcast from rank 0 when every rank writes TensorBoard in a distributed run,
+    so that all ranks share one folder).
+    """
+
+    def __init__(
+        self,
+        job_config: Any,
+        *,
+        rank: int,
+        is_log_rank: bool,
+        world_size: int,
+        device: torch.device,
+        flops_per_token: float,
+        resume: bool = False,
+        run_stamp: str | None = None,
+    ):
+        mcfg = job_config.metrics
+        self.rank = rank
+        self.is_log_rank = is_log_rank
+        self.world_size = max(int(world_size), 1)
+        self.device = torch.device(device)
+        self.flops_per_token = float(flops_per_token)
+        self.dump_folder = Path(job_config.job.dump_folder)
+        self.metrics_path = self.dump_folder / METRICS_FILE
+        self.colors = _Colors(not mcfg.disable_color_printing)
+        self.peak_flops = peak_flops_per_device(self.device, mcfg.peak_flops)
+        self.tb_dir: Path | None = None
+        self._file = None
+        self._tb = None
+        self._closed = False
+
+        if is_log_rank:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            if self.metrics_path.exists() and not resume:
+                stamp = datetime.fromtimestamp(self.metrics_path.stat().st_mtime).strftime(_STAMP_FORMAT)
+                moved = _free_name(self.metrics_path.with_name(f"metrics.{stamp}.jsonl"))
+                os.replace(self.metrics_path, moved)
+                logger.warning(
+                    "%s already exists and this run does not resume: moved it to %s",
+                    self.metrics_path, moved,
+                )
+            self._file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
+
+        if mcfg.enable_tensorboard and (is_log_rank or mcfg.save_for_all_ranks):
+            if run_stamp is None:
+                run_stamp = self._shared_stamp(broadcast=mcfg.save_for_all_ranks)
+            tb_dir = self.dump_folder / mcfg.save_tb_folder / run_stamp
+            if mcfg.save_for_all_ranks:
+                tb_dir = tb_dir / f"rank_{rank}"
+            tb_dir.mkdir(parents=True, exist_ok=True)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb_dir = tb_dir
+            self._tb = SummaryWriter(log_dir=str(tb_dir))
+            logger.info("TensorBoard events go to %s", tb_dir)
+
+    def _shared_stamp(self, broadcast: bool) -> str:
+        stamp = datetime.now().strftime(_STAMP_FORMAT)
+        dist = torch.distributed
+        if broadcast and self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            box = [stamp]
+            dist.broadcast_object_list(box, src=0, device=self.device)
+            stamp = box[0]
+        return stamp
+
+    # ------------------------------------------------------------------ writing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+
+    def _write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def log_step(self, figures: StepFigures) -> dict:
+        """Derive throughput, TFLOPS, MFU and memory; log, write and return the record."""
+        self._check_open()
+        tokens_per_s = (
+            figures.tokens / figures.elapsed_s / self.world_size if figures.elapsed_s > 0 else 0.0
+        )
+        tflops = self.flops_per_token * tokens_per_s / 1e12
+        mfu = 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        memory = memory_stats(self.device)
+        step_time_s = figures.elapsed_s / figures.steps_since_log if figures.steps_since_log > 0 else 0.0
+        record = {
+            "step": int(figures.step),
+            "loss": float(figures.loss),
+            "grad_norm": float(figures.grad_norm),
+            "lr": float(figures.lr),
+            "tokens": int(figures.tokens_seen),
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "mfu": mfu,
+            "memory": memory,
+            "time": time.time(),
+            "step_time_s": step_time_s,
+        }
+
+        c = self.colors
+        mem_gib = memory.get("max_reserved_gib", memory.get("peak_rss_gib", 0.0))
+        parts = [
+            f"{c.step}step {figures.step}{c.reset}",
+            f"{c.loss}loss {figures.loss:.4f}{c.reset}",
+            f"{c.grad}grad_norm {figures.grad_norm:.4f}{c.reset}",
+            f"{c.lr}lr {figures.lr:.2e}{c.reset}",
+            f"{c.tps}tps {tokens_per_s:,.0f}{c.reset}",
+            f"{c.flops}tflops {tflops:.2f}{c.reset}",
+        ]
+        if mfu is not None:
+            parts.append(f"{c.mfu}mfu {mfu:.2f}%{c.reset}")
+        parts.append(f"{c.mem}mem {mem_gib:.2f}GiB{c.reset}")
+        logger.info("  ".join(parts))
+
+        if self.is_log_rank:
+            self._write(record)
+        if self._tb is not None:
+            step = figures.step
+            self._tb.add_scalar("loss_metrics/global_avg_loss", record["loss"], step)
+            self._tb.add_scalar("grad_norm", record["grad_norm"], step)
+            self._tb.add_scalar("lr", record["lr"], step)
+            self._tb.add_scalar("throughput/tps", tokens_per_s, step)
+            self._tb.add_scalar("throughput/tflops", tflops, step)
+            if mfu is not None:
+                self._tb.add_scalar("throughput/mfu_pct", mfu, step)
+            for key, value in memory.items():
+                self._tb.add_scalar(f"memory/{key}", value, step)
+            self._tb.flush()
+        return record
+
+    def log_scalars(self, step: int, values: dict[str, float], prefix: str) -> None:
+        """Extra figures (e.g. validation loss): console line, a jsonl record with "kind": prefix
+        and keys "<prefix>/<name>", and TensorBoard tags "<prefix>/<name>"."""
+        self._check_open()
+        c = self.colors
+        body = "  ".join(f"{name} {_fmt(float(v))}" for name, v in values.items())
+        logger.info("%s%s step %d%s  %s", c.step, prefix, step, c.reset, body)
+        if self.is_log_rank:
+            record: dict[str, Any] = {"step": int(step), "kind": prefix}
+            record.update({f"{prefix}/{name}": float(v) for name, v in values.items()})
+            record["time"] = time.time()
+            self._write(record)
+        if self._tb is not None:
+            for name, v in values.items():
+                self._tb.add_scalar(f"{prefix}/{name}", float(v), step)
+            self._tb.flush()
+
+    def write_run_metadata(self, meta: dict) -> None:
+        """<dump_folder>/run_meta.json (log rank only); values json cannot encode are str()-ed."""
+        if not self.is_log_rank:
+            return
+        self.dump_folder.mkdir(parents=True, exist_ok=True)
+        with open(self.dump_folder / RUN_META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, default=str)
+            f.write("\n")
+
+    def close(self) -> None:
+        """Close metrics.jsonl and TensorBoard; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
