@@ -33,8 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: int = 0) -> tuple[int, int]:
     """Join (or, when started without torchrun, create) the process group; returns (rank, world size)."""
+    if device.type == "cuda":  # the NCCL flight recorder reads this when the group is created
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(nccl_trace_entries))
     if "RANK" not in os.environ:  # a plain `python -m trainer.train` is a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))

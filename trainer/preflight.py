@@ -40,6 +40,7 @@ def unsupported(config: JobConfig) -> list[str]:
         "validation.enable": c.validation.enable,
         "training.enable_cpu_offload": c.training.enable_cpu_offload,
         "model.tokenizer_path": bool(c.model.tokenizer_path),
+        "model.hf_assets_path": bool(c.model.hf_assets_path),
         "training.dataset != 'synthetic'": c.training.dataset != "synthetic",
     }
     return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]

@@ -50,7 +50,8 @@ class Trainer:
     def __init__(self, config: JobConfig, plan: RunPlan):
         self.config, self.plan = config, plan
         self.device = env.pick_device()
-        self.rank, world_size = env.init_distributed(self.device, config.comm.init_timeout_seconds)
+        self.rank, world_size = env.init_distributed(
+            self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
         self.loss_group = self.mesh["dp_cp"].get_group()
@@ -120,6 +121,8 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.config
+        if cfg.job.description:
+            logger.info("job: %s", cfg.job.description)
         logger.info(
             "training %s for %d steps: global batch %d x %d tokens (%d accumulation steps), best achievable loss %.4f",
             cfg.model.flavor, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
@@ -165,8 +168,8 @@ class Trainer:
 
 
 def configure_logging() -> None:
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+    # torchrun prefixes each line with the rank already.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout)
 
 
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = load_config(argv)
         if config.job.print_config:
+            config.job.print_config = False  # so the printed file trains when loaded back
             sys.stdout.write(to_toml(config))
             return 0
         plan = plan_run(config, int(os.environ.get("WORLD_SIZE", "1")))

@@ -91,14 +91,18 @@ def type_name(tp: Any) -> str:
 # Value conversion
 
 
-def convert(value: Any, tp: Any, where: str) -> Any:
-    """Convert a TOML value or a command-line string to the field type `tp`, or raise ConfigError."""
+def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
+    """Convert a TOML value, or a command-line string (from_text), to the field type `tp`.
+
+    TOML values are typed already and must match (steps = "10" is an error); command-line text is
+    parsed. Raises ConfigError naming `where`.
+    """
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)][0]
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+        if from_text and value.strip().lower() in ("", "none", "null"):
             return None
-        return convert(value, inner, where)
+        return convert(value, inner, where, from_text)
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
@@ -106,20 +110,20 @@ def convert(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not valid; choose one of {', '.join(map(repr, args))}{hint}")
         return value
     if origin is list:
-        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        items = [v.strip() for v in value.split(",") if v.strip()] if from_text else value
         if not isinstance(items, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [convert(v, args[0], where) for v in items]
+        return [convert(v, args[0], where, from_text) for v in items]
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        if from_text and value.strip().lower() in BOOL_WORDS:
             return BOOL_WORDS[value.strip().lower()]
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str):
+        if from_text:
             try:
                 return int(value)
             except ValueError:
@@ -128,7 +132,7 @@ def convert(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):
+        if from_text:
             try:
                 return float(value)
             except ValueError:
@@ -330,7 +334,8 @@ def load_config(argv: list[str]) -> JobConfig:
     known = sections()
     for section, key, value in overrides:
         cls = known[section]
-        setattr(getattr(config, section), key, convert(value, field_types(cls)[key], f"argument --{section}.{key}"))
+        setattr(getattr(config, section), key, convert(value, field_types(cls)[key], f"argument --{section}.{key}",
+                                                        from_text=isinstance(value, str)))
     config.job.config_file = str(path) if path is not None else ""
     validate(config)
     return config

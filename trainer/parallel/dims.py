@@ -73,13 +73,27 @@ class ParallelDims:
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_ORDER}
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str) -> "Meshes":
         """The world mesh with named dimensions and the flattened meshes listed in the module doc."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = MESH_ORDER
-        mesh = init_device_mesh(device_type, tuple(self.degrees()[n] for n in names), mesh_dim_names=names)
-        mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
-        mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
-        return mesh
+        world = init_device_mesh(device_type, tuple(self.degrees()[n] for n in MESH_ORDER), mesh_dim_names=MESH_ORDER)
+        flattened = {name: world[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        return Meshes(world, flattened)
+
+
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+class Meshes:
+    """The world mesh plus the flattened meshes, which torch wants kept by their creator."""
+
+    def __init__(self, world, flattened: dict):
+        self.world, self.flattened = world, flattened
+
+    def __getitem__(self, name: str):
+        return self.flattened[name] if name in self.flattened else self.world[name]

@@ -20,8 +20,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce
     """Shard each transformer block, then the rest (embeddings, final norm, output) at the root.
 
     One FSDP unit per block lets the all-gather of block i+1 overlap the compute of block i.
-    Gradients are SUMMED over data-parallel ranks (divide factor 1): the loss is already divided
-    by the global token count (trainer/loss.py), so averaging again would be wrong.
+    Gradients are SUMMED over data-parallel ranks (divide factor 1, plain SUM collectives, which
+    every backend has): the loss is already divided by the global token count (trainer/loss.py),
+    so averaging again would be wrong.
     """
     policy = dict(
         mesh=mesh,
@@ -37,3 +38,4 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,48 @@
+"""Parallel degrees and batch split, checked before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config.job_config import Parallelism
+from trainer.config.manager import ConfigError, load_config
+from trainer.parallel.dims import ParallelDims
+from trainer.preflight import plan_run
+
+
+def test_shard_degree_minus_one_takes_the_rest():
+    dims = ParallelDims.from_config(Parallelism(), 4)
+    assert (dims.dp_shard, dims.dp, dims.fsdp_enabled) == (4, 4, True)
+    assert dims.degrees() == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
+
+
+def test_degrees_must_multiply_to_world_size():
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_degree=3 .* 3 processes, but the world size is 4"):
+        ParallelDims.from_config(Parallelism(data_parallel_shard_degree=3), 4)
+    with pytest.raises(ConfigError, match="world size 3 is not divisible .*tensor_parallel_degree=2"):
+        ParallelDims.from_config(Parallelism(tensor_parallel_degree=2), 3)
+
+
+def test_world_product_with_other_degrees():
+    dims = ParallelDims.from_config(Parallelism(tensor_parallel_degree=2, pipeline_parallel_degree=2), 8)
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.dp) == (2, 2, 2, 2)
+
+
+def test_batch_split_and_accumulation():
+    plan = plan_run(load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "8"]), 2)
+    assert (plan.global_batch_size, plan.accumulation_steps) == (8, 2)
+    plan = plan_run(load_config(["--training.local_batch_size", "4"]), 2)
+    assert (plan.global_batch_size, plan.accumulation_steps) == (8, 1)
+
+
+def test_global_batch_not_a_multiple():
+    with pytest.raises(ConfigError, match=r"training.global_batch_size: 6 is not a multiple of .* = 4"):
+        plan_run(load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "6"]), 2)
+
+
+@pytest.mark.parametrize("override", [
+    "--checkpoint.enable", "--parallelism.tensor_parallel_degree=2", "--compile.enable", "--validation.enable",
+])
+def test_features_of_later_versions_are_refused_clearly(override):
+    with pytest.raises(ConfigError, match="not implemented yet"):
+        plan_run(load_config([override]), 2)

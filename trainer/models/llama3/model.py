@@ -1,0 +1,203 @@
+"""The Llama 3 decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Built on the meta device and materialized by `init_weights`, which draws every parameter from a
+generator seeded by (seed, parameter name) as the full tensor and keeps the local shard: the same
+seed gives the same global weights whatever the sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.llama3.args import LlamaModelArgs, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32: the mean of squares loses precision in bfloat16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """theta^(-2i/head_dim), optionally with Llama 3.1 scaling of the low frequencies.
+
+    Wavelengths shorter than original_len / high_freq_factor are kept, longer than
+    original_len / low_freq_factor are divided by `factor`, and those in between are blended.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return inv_freq.float()
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+    scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
+    return scaled.float()
+
+
+def rope_table(args: LlamaModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """(max_seq_len, head_dim/2) unit complex numbers e^{i * position * frequency}."""
+    inv_freq = rope_inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(device)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (0,1), (2,3), ... of each head. x: (B, T, H, D); freqs: (B or 1, T, D/2)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(-2)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        repeats = q.shape[2] // k.shape[2]  # grouped-query attention: share each K/V head
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token embedding, blocks, final norm, untied output projection.
+
+    `layers` is a ModuleDict keyed by the original layer index, so a pipeline stage can delete
+    the blocks it does not own and keep parameter names stable; tok_embeddings, norm and output
+    may be None on stages that do not own them.
+    """
+
+    def __init__(self, args: LlamaModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). positions (T) or (B, T) index the RoPE table
+        (default 0..T-1); context parallelism passes each rank's non-contiguous positions."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        freqs = self.freqs_cis[:seq] if positions is None else self.freqs_cis[positions]
+        if freqs.dim() == 2:
+            freqs = freqs.unsqueeze(0)
+        for block in self.layers.values():
+            h = block(h, freqs)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    # -----------------------------------------------------------------------------------------
+    # Initialization
+
+    def init_std(self, name: str) -> tuple[float, bool] | None:
+        """(std, truncated) of the normal a parameter is drawn from; None for ones (norm weights)."""
+        args = self.args
+        leaf = name.split(".")[-2]
+        if name.startswith("tok_embeddings"):
+            return 1.0, False
+        if name.startswith("output"):
+            return args.dim ** -0.5, True
+        if leaf in ("wq", "wk", "wv", "w1", "w3"):
+            return 0.02, True
+        if leaf in ("wo", "w2"):  # residual-stream writers: scale down with depth
+            return 0.02 / math.sqrt(2 * args.n_layers), True
+        return None
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, device: torch.device | str | None = None) -> None:
+        """Fill every parameter deterministically from (seed, name), whatever its sharding."""
+        for name, param in self.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            spec = self.init_std(name)
+            if spec is None:
+                full.fill_(1.0)
+            else:
+                std, truncated = spec
+                generator = torch.Generator(device=full.device).manual_seed(parameter_seed(seed, name))
+                if truncated:
+                    nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=generator)
+                else:
+                    nn.init.normal_(full, std=std, generator=generator)
+            copy_global_into(param, full)
+        device = device if device is not None else self.freqs_cis.device
+        self.freqs_cis = rope_table(self.args, device)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per parameter (Python's hash() changes between processes)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def copy_global_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, keeping only the local shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def count_params_on_meta(args: LlamaModelArgs) -> int:
+    """Parameters of the model, counted without allocating any memory."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(args).parameters())
