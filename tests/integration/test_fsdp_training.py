@@ -50,3 +50,12 @@ def test_same_global_batch_gives_same_losses(tmp_path, one_process_run, layout, 
     assert all(r["tokens"] == 8 * 32 * r["step"] for r in records)
     assert max(diffs) <= 1e-5
     assert norm_rel <= 1e-5
+
+
+def test_non_finite_loss_stops_at_the_step_it_happened(tmp_path):
+    # An absurd learning rate without clipping turns the weights into inf/NaN after step 1.
+    result = launch(2, [*TINY_JOB, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
+                        "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0"])
+    assert result.returncode != 0
+    assert "step 2: loss nan, gradient norm nan; stopping" in result.stdout, describe(result)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 
 import pytest
@@ -55,3 +56,18 @@ def test_runs_from_another_directory_with_a_local_config(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2]
     assert f"outputs: {tmp_path / 'out'}" in result.stdout
     assert not (REPO / "out").exists()
+
+
+def test_default_job_writes_metrics_and_tensorboard(tmp_path):
+    """The quick start's job (debug config, defaults of the launcher), shortened to 3 steps."""
+    result = launch(2, ["--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert set(records[0]) >= {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tflops", "mfu",
+                               "memory", "time"}
+    assert records[0]["tokens"] == 16 * 128
+    assert list((tmp_path / "tb").glob("*/events.out.tfevents.*"))
+    meta = json.loads((tmp_path / "run_meta.json").read_text())
+    assert meta["num_params"] == 5_573_888 and meta["degrees"]["dp_shard"] == 2
+    assert meta["data"]["entropy_floor_nats"] == pytest.approx(2.172, abs=1e-3)

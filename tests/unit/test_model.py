@@ -1,0 +1,179 @@
+"""Llama 3 model: published shapes and counts, FLOPs, attention, RoPE, deterministic init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.models.llama3 import FLAVORS, Transformer, get_flavor
+from trainer.models.llama3.args import LlamaModelArgs, RopeScaling, flops_per_token, num_params
+from trainer.models.llama3.model import apply_rope, count_params_on_meta, rope_inverse_frequencies, rope_table
+
+
+@pytest.mark.parametrize("flavor, published", [
+    ("8B", 8_030_261_248), ("70B", 70_553_706_496), ("405B", 405_853_388_800),
+])
+def test_published_parameter_counts_on_meta(flavor, published):
+    assert count_params_on_meta(get_flavor(flavor)) == published
+
+
+@pytest.mark.parametrize("flavor", list(FLAVORS))
+def test_analytic_count_matches_meta_count(flavor):
+    assert num_params(get_flavor(flavor)) == count_params_on_meta(get_flavor(flavor))
+
+
+@pytest.mark.parametrize("flavor, hidden", [("8B", 14336), ("70B", 28672), ("405B", 53248), ("1B", 8192)])
+def test_ffn_hidden_dims(flavor, hidden):
+    assert get_flavor(flavor).ffn_hidden_dim == hidden
+
+
+def test_flops_per_token_by_hand():
+    # tiny: dim 64, 4 layers, 4 heads (head_dim 16), 2 KV heads, vocab 256, ffn hidden 192.
+    args = get_flavor("tiny")
+    assert args.ffn_hidden_dim == 192
+    attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # wq, wk, wv, wo
+    ffn = 3 * 64 * 192
+    norms = 2 * 64
+    non_embedding = 4 * (attention + ffn + norms) + 64 + 64 * 256  # blocks, final norm, output
+    seq_len = 32
+    expected = 6 * non_embedding + 12 * 4 * 4 * 16 * seq_len
+    assert flops_per_token(args, seq_len) == expected
+
+
+def test_get_flavor_errors_and_copies():
+    with pytest.raises(ValueError, match="choose one of tiny, debugmodel, 1B, 8B, 70B, 405B"):
+        get_flavor("7B")
+    args = get_flavor("tiny")
+    args.max_seq_len = 5
+    assert FLAVORS["tiny"].max_seq_len == 2048
+
+
+def test_validate_catches_bad_shapes():
+    with pytest.raises(ValueError, match="dim 65 is not divisible by n_heads 4"):
+        Transformer(LlamaModelArgs(dim=65, n_layers=1, n_heads=4, vocab_size=8, multiple_of=8))
+    with pytest.raises(ValueError, match="n_heads 4 is not divisible by n_kv_heads 3"):
+        Transformer(LlamaModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=3, vocab_size=8, multiple_of=8))
+
+
+def tiny_model(seed: int = 0, **changes) -> Transformer:
+    args = get_flavor("tiny")
+    args.max_seq_len = 64
+    for key, value in changes.items():
+        setattr(args, key, value)
+    model = Transformer(args)
+    model.init_weights(seed)
+    return model
+
+
+def test_forward_shape_and_causality():
+    model = tiny_model()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (2, 24, 256)
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    other = model(changed)
+    assert (logits[:, :10] - other[:, :10]).abs().max().item() == 0.0
+    assert (logits[:, 10:] - other[:, 10:]).abs().max().item() > 1e-3
+
+
+def test_grouped_query_attention_matches_naive_reference():
+    model = tiny_model().double()
+    attention = model.layers["0"].attention
+    x = torch.randn(2, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    freqs = model.freqs_cis[:12].unsqueeze(0)
+    got = attention(x, freqs)
+
+    q = apply_rope(attention.wq(x).view(2, 12, 4, 16), freqs)
+    k = apply_rope(attention.wk(x).view(2, 12, 2, 16), freqs)
+    v = attention.wv(x).view(2, 12, 2, 16)
+    heads = []
+    for h in range(4):
+        kv = h // 2  # query heads 0,1 share KV head 0; 2,3 share KV head 1
+        scores = q[:, :, h] @ k[:, :, kv].transpose(1, 2) / math.sqrt(16)
+        scores = scores.masked_fill(torch.ones(12, 12).triu(1).bool(), float("-inf"))
+        heads.append(F.softmax(scores, dim=-1) @ v[:, :, kv])
+    expected = attention.wo(torch.stack(heads, dim=2).reshape(2, 12, 64))
+    assert (got - expected).abs().max().item() < 1e-10
+
+
+def test_rope_scaling_keeps_high_and_divides_low_frequencies():
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    plain = rope_inverse_frequencies(128, 500000.0, None)
+    scaled = rope_inverse_frequencies(128, 500000.0, scaling)
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4
+    low = wavelen > 8192 / 1
+    assert high.any() and low.any()
+    assert torch.equal(scaled[high], plain[high])
+    assert torch.allclose(scaled[low], plain[low] / 8.0)
+    middle = ~(high | low)
+    assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8.0)).all()
+
+
+def test_rope_preserves_norm_and_depends_on_relative_position():
+    args = LlamaModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=8, multiple_of=8, max_seq_len=64)
+    table = rope_table(args).unsqueeze(0)  # (1, 64, 8)
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 1, 1, 16, generator=gen), torch.randn(1, 1, 1, 16, generator=gen)
+
+    def at(x, position):
+        return apply_rope(x, table[:, position:position + 1])
+
+    assert torch.allclose(at(q, 7).norm(), q.norm(), atol=1e-5)
+    dot_a = (at(q, 10) * at(k, 3)).sum()
+    dot_b = (at(q, 40) * at(k, 33)).sum()
+    assert dot_a.item() == pytest.approx(dot_b.item(), abs=1e-4)
+    assert abs((at(q, 10) * at(k, 4)).sum().item() - dot_a.item()) > 1e-4
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = tiny_model(0), tiny_model(0), tiny_model(1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+
+
+def test_meta_init_equals_direct_init():
+    direct = tiny_model(3)
+    args = get_flavor("tiny")
+    args.max_seq_len = 64
+    with torch.device("meta"):
+        meta = Transformer(args)
+    meta.to_empty(device="cpu")
+    meta.init_weights(3, device="cpu")
+    for (name, p), q in zip(direct.named_parameters(), meta.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(direct.freqs_cis, meta.freqs_cis)
+
+
+def test_init_standard_deviations():
+    args = LlamaModelArgs(dim=256, n_layers=8, n_heads=4, vocab_size=512, multiple_of=64)
+    model = Transformer(args)
+    model.init_weights(0)
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    block = model.layers["0"]
+    # A normal truncated at +-3 std keeps sqrt(1 - 6 phi(3) / (2 Phi(3) - 1)) = 0.9866 of its std.
+    assert block.attention.wq.weight.std().item() == pytest.approx(0.02 * 0.9866, rel=0.03)
+    assert block.attention.wo.weight.std().item() == pytest.approx(0.02 / 4 * 0.9866, rel=0.03)
+    assert model.output.weight.std().item() == pytest.approx(256 ** -0.5 * 0.9866, rel=0.03)
+    assert block.attention.wq.weight.abs().max().item() <= 3 * 0.02
+    assert torch.equal(block.ffn_norm.weight, torch.ones(256))
+
+
+def test_tiny_model_overfits_one_batch():
+    model = tiny_model(0)
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0]
