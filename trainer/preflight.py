@@ -37,13 +37,35 @@ def unsupported(config: JobConfig) -> list[str]:
         "parallelism.context_parallel_degree > 1": c.parallelism.context_parallel_degree > 1,
         "activation_checkpoint.mode != 'none'": c.activation_checkpoint.mode != "none",
         "compile.enable": c.compile.enable,
-        "validation.enable": c.validation.enable,
         "training.enable_cpu_offload": c.training.enable_cpu_offload,
-        "model.tokenizer_path": bool(c.model.tokenizer_path),
         "model.hf_assets_path": bool(c.model.hf_assets_path),
-        "training.dataset != 'synthetic'": c.training.dataset != "synthetic",
     }
     return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]
+
+
+def check_data(config: JobConfig) -> None:
+    """Cheap checks of the data options: files exist, the tokenizer loads and fits the model."""
+    from trainer.data.text_sources import DataError, find_data_files
+    from trainer.models.llama3.args import FLAVORS
+
+    c = config
+    text_sources = {c.training.dataset, c.validation.dataset if c.validation.enable else ""} - {"", "synthetic"}
+    try:
+        if text_sources and not c.model.tokenizer_path:
+            raise ConfigError(f"model.tokenizer_path: dataset {sorted(text_sources)[0]!r} is text and needs a "
+                              "SentencePiece model (train one: python -m trainer.data.tokenizer train --help)")
+        if c.model.tokenizer_path:
+            from trainer.data.tokenizer import Tokenizer, check_vocab_fits
+
+            check_vocab_fits(Tokenizer(c.model.tokenizer_path), FLAVORS[c.model.flavor].vocab_size)
+        for key, dataset, path in (("training", c.training.dataset, c.training.dataset_path),
+                                   ("validation", c.validation.dataset, c.validation.dataset_path)):
+            if dataset == "files":
+                if not path:
+                    raise ConfigError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
+                find_data_files(path)
+    except (DataError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:
@@ -51,6 +73,7 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     problems = unsupported(config)
     if problems:
         raise ConfigError("options not available in this version:\n  " + "\n  ".join(problems))
+    check_data(config)
     dims = ParallelDims.from_config(config.parallelism, world_size)
     local = config.training.local_batch_size
     per_pass = local * dims.dp

@@ -21,7 +21,8 @@ from trainer import env
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
 from trainer.data.loader import BatchLoader
-from trainer.data.sources import build_source
+from trainer.data.sources import build_sources
+from trainer.data.text_sources import DataError, DataExhausted
 from trainer.loss import count_targets, cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepFigures, should_log
 from trainer.models.llama3 import Transformer, get_flavor
@@ -67,13 +68,21 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
-        self.source = build_source(config.training.dataset, vocab_size=model_args.vocab_size, seed=config.debug.seed)
-        dp_mesh = self.mesh["dp"]
+        self.source, validation_source = build_sources(config, model_args.vocab_size)
+        dp_rank = self.mesh["dp"].get_local_rank()
         self.loader = BatchLoader(
             self.source, seq_len=config.training.seq_len, global_batch_size=plan.global_batch_size,
-            local_batch_size=config.training.local_batch_size, dp_rank=dp_mesh.get_local_rank(),
+            local_batch_size=config.training.local_batch_size, dp_rank=dp_rank,
             dp_degree=plan.dims.dp, device=self.device,
         )
+        self.val_loader = None
+        if validation_source is not None:
+            v = config.validation
+            self.val_loader = BatchLoader(
+                validation_source, seq_len=v.seq_len, global_batch_size=v.local_batch_size * plan.dims.dp,
+                local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=plan.dims.dp,
+                device=self.device, name="validation",
+            )
         self.step = 0
         self.tokens_seen = 0
         self.tokens_per_step = plan.global_batch_size * config.training.seq_len
@@ -96,6 +105,7 @@ class Trainer:
             "python": platform.python_version(),
             "num_params": count_params_on_meta(model_args),
             "data": self.source.describe(),
+            "validation_data": self.val_loader.source.describe() if self.val_loader else None,
         }
 
     def train_step(self) -> StepResult:
@@ -114,6 +124,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_share, grad_norm)
 
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Global mean token cross-entropy over the same validation batches every time."""
+        self.model.eval()
+        self.val_loader.reset()
+        totals = torch.zeros(2, device=self.device)  # cross-entropy sum, target tokens
+        for _ in range(self.config.validation.steps):
+            for inputs, labels in self.val_loader.next_batch():
+                totals[0] += cross_entropy_sum(self.model(inputs), labels)
+                totals[1] += count_targets(labels)
+        dist.all_reduce(totals, group=self.loss_group)
+        self.model.train()
+        return (totals[0] / totals[1]).item()
+
     def global_loss(self, result: StepResult) -> float:
         loss = result.loss.clone()
         dist.all_reduce(loss, group=self.loss_group)
@@ -124,16 +148,23 @@ class Trainer:
         if cfg.job.description:
             logger.info("job: %s", cfg.job.description)
         logger.info(
-            "training %s for %d steps: global batch %d x %d tokens (%d accumulation steps), best achievable loss %.4f",
+            "training %s for %d steps: global batch %d x %d tokens (%d accumulation steps)",
             cfg.model.flavor, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
-            self.plan.accumulation_steps, self.source.entropy_floor,
+            self.plan.accumulation_steps,
         )
+        if self.source.entropy_floor is not None:
+            logger.info("data: %s; best achievable loss %.4f nats/token", cfg.training.dataset, self.source.entropy_floor)
         gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
         last_log_time, last_log_step = time.perf_counter(), self.step
         while self.step < cfg.training.steps:
             self.step += 1
             lr = self.scheduler.get_last_lr()[0]
-            result = self.train_step()
+            try:
+                result = self.train_step()
+            except DataExhausted as e:
+                logger.info("%s; stopping after %d steps", e, self.step - 1)
+                self.step -= 1
+                break
             self.tokens_seen += self.tokens_per_step
             # The norm is global, so every rank sees a NaN/inf from any rank and all stop together.
             if not torch.isfinite(result.grad_norm).item():
@@ -157,6 +188,9 @@ class Trainer:
                 if not torch.isfinite(torch.tensor(loss)):
                     raise NonFiniteLossError(f"step {self.step}: loss {loss}; stopping")
                 last_log_time, last_log_step = now, self.step
+            if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
+                self.metrics.log_scalars(self.step, {"loss": self.validation_loss()}, prefix="validation")
+                last_log_time = time.perf_counter()  # keep evaluation out of the training throughput
         logger.info("training done: %d steps, %d tokens; outputs in %s", self.step, self.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))
 
@@ -190,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         logger.error("%s", e)
         return 2
-    trainer = Trainer(config, plan)
+    try:
+        trainer = Trainer(config, plan)
+    except DataError as e:  # found only when the data is read
+        logger.error("%s", e)
+        return 2
     try:
         trainer.train()
     except NonFiniteLossError as e:

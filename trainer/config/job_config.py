@@ -98,10 +98,19 @@ class Training:
     """Data, batch shape, steps and numerics of the training loop."""
 
     dataset: str = "synthetic"
-    """Data source: 'synthetic' (built in, no files)."""
+    """Data source: 'synthetic' (built in: a random Markov chain with a known best loss), 'files'
+    (local .txt/.jsonl/.json/.parquet at dataset_path), or a Hugging Face dataset streamed by name
+    ('c4', 'fineweb', 'fineweb-edu' or a hub id 'org/name')."""
 
     dataset_path: str = ""
-    """Local file, folder or glob for file-based data sources."""
+    """'files': a file, folder or glob. Hugging Face datasets: a local copy (folder of data files)
+    loaded instead of the hub."""
+
+    dataset_text_field: str = "text"
+    """Field holding the document text in .jsonl/.json/.parquet records and Hugging Face datasets."""
+
+    dataset_end: Literal["wrap", "stop"] = "wrap"
+    """At the end of a finite dataset: start the next epoch (logged), or stop training cleanly."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per forward/backward pass (microbatch of gradient accumulation)."""
@@ -321,10 +330,12 @@ class Validation:
     """Compute validation loss every `freq` steps."""
 
     dataset: str = ""
-    """Validation data source. Empty: the held-out split of training.dataset."""
+    """Validation data source, named as training.dataset. Empty: the held-out split of
+    training.dataset (synthetic: other walks of the same chain; files: every 20th document;
+    Hugging Face: the 'validation' split)."""
 
     dataset_path: str = ""
-    """Local path for file-based validation sources."""
+    """Local path for the validation source (as training.dataset_path)."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per validation step."""
@@ -336,7 +347,7 @@ class Validation:
     """Validate every this many training steps."""
 
     steps: int = 10
-    """Validation batches per evaluation."""
+    """Validation batches per evaluation (the same batches every time)."""
 
 
 @dataclass

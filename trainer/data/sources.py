@@ -2,6 +2,11 @@
 
 Because a row depends only on (source, seed, row index, length), every parallel layout and every
 resumed run reads exactly the same tokens (ARCHITECTURE invariant 1).
+
+Every source has `rows(first_row, count, length) -> int64 array (count, length)`, `describe()`,
+`entropy_floor` (the best achievable loss, or None when unknown) and `random_access` (False: rows
+must be read in order, and the source carries a state_dict). The built-in synthetic source lives
+here; text sources (local files, Hugging Face) in text_sources.py.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+SPLIT_IDS = {"train": 0, "validation": 1}
 
 
 @dataclass(frozen=True)
@@ -25,8 +32,10 @@ class SyntheticMarkovSource:
 
     vocab_size: int
     seed: int
+    split: str = "train"
     branching: int = 16
     zipf_exponent: float = 1.2
+    random_access = True
 
     def __post_init__(self) -> None:
         if self.vocab_size <= self.branching:
@@ -57,8 +66,9 @@ class SyntheticMarkovSource:
         """Rows first_row .. first_row+count-1 of the infinite token stream, each `length` long."""
         starts = np.empty(count, dtype=np.int64)
         slots = np.empty((count, length - 1), dtype=np.int64)
+        split_id = SPLIT_IDS[self.split]  # validation rows are other walks of the same chain
         for i in range(count):
-            rng = np.random.default_rng([self.seed, first_row + i])
+            rng = np.random.default_rng([self.seed, split_id, first_row + i])
             starts[i] = rng.integers(0, self.vocab_size)
             slots[i] = rng.choice(self.branching, size=length - 1, p=self.slot_probs)
         tokens = np.empty((count, length), dtype=np.int64)
@@ -69,9 +79,13 @@ class SyntheticMarkovSource:
             tokens[:, t] = current
         return tokens
 
+    def epoch_of(self, row: int, length: int) -> int:
+        return 0  # an endless stream
+
     def describe(self) -> dict:
         return {
             "source": "synthetic",
+            "split": self.split,
             "vocab_size": self.vocab_size,
             "seed": self.seed,
             "branching": self.branching,
@@ -80,7 +94,56 @@ class SyntheticMarkovSource:
         }
 
 
-def build_source(dataset: str, *, vocab_size: int, seed: int) -> SyntheticMarkovSource:
+HOLDOUT_EVERY = 20  # files without a validation path: every 20th document is held out
+
+
+def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,
+                 text_field: str, wrap: bool, holdout: bool):
+    """The token source of one split.
+
+    holdout: the training split leaves out what the validation split takes (only matters for
+    local files, whose validation documents come out of the same files).
+    """
+    from trainer.data import text_sources as text
+
     if dataset == "synthetic":
-        return SyntheticMarkovSource(vocab_size=vocab_size, seed=seed)
-    raise ValueError(f"training.dataset: {dataset!r} is not available; choose 'synthetic'")
+        return SyntheticMarkovSource(vocab_size=vocab_size, seed=seed, split=split)
+    if tokenizer is None:
+        raise text.DataError(f"training.dataset {dataset!r} is text: set model.tokenizer_path to a SentencePiece "
+                             "model (train one with `python -m trainer.data.tokenizer train`)")
+    if dataset == "files":
+        if not dataset_path:
+            raise text.DataError("training.dataset_path: required for dataset 'files' (a file, folder or glob)")
+        documents = text.read_documents(text.find_data_files(dataset_path), text_field)
+        if holdout:
+            keep_validation = split == "validation"
+            documents = [d for i, d in enumerate(documents)
+                         if (i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1) == keep_validation]
+        if not documents:
+            raise text.DataError(f"training.dataset_path: {dataset_path!r} holds no {split} documents")
+        tokens = text.tokenize_documents(documents, tokenizer)
+        return text.TokenArraySource(tokens, name=f"files:{dataset_path}:{split}", wrap=wrap)
+    opener = text.hub_stream_opener(dataset, dataset_path, split)
+    return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap)
+
+
+def build_sources(config, vocab_size: int):
+    """(training source, validation source or None) for a JobConfig."""
+    tokenizer = None
+    if config.model.tokenizer_path:
+        from trainer.data.tokenizer import Tokenizer, check_vocab_fits
+
+        tokenizer = Tokenizer(config.model.tokenizer_path)
+        check_vocab_fits(tokenizer, vocab_size)
+    t, v = config.training, config.validation
+    separate_validation = bool(v.dataset)
+    common = dict(vocab_size=vocab_size, seed=config.debug.seed, tokenizer=tokenizer, text_field=t.dataset_text_field)
+    train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap",
+                         holdout=v.enable and not separate_validation, **common)
+    if not v.enable:
+        return train, None
+    if separate_validation:
+        validation = build_source(v.dataset, v.dataset_path, split="validation", wrap=True, holdout=False, **common)
+    else:
+        validation = build_source(t.dataset, t.dataset_path, split="validation", wrap=True, holdout=True, **common)
+    return train, validation
