@@ -70,6 +70,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.source, validation_source = build_sources(config, model_args.vocab_size)
         dp_rank = self.mesh["dp"].get_local_rank()
+        assert dp_rank == plan.dims.dp_rank_of(self.rank), "device mesh and ParallelDims disagree on the DP rank"
         self.loader = BatchLoader(
             self.source, seq_len=config.training.seq_len, global_batch_size=plan.global_batch_size,
             local_batch_size=config.training.local_batch_size, dp_rank=dp_rank,

@@ -64,6 +64,7 @@ def read_documents(files: list[str], text_field: str) -> list[str]:
     of .jsonl/.json/.parquet files (its `text_field`)."""
     import datasets
 
+    datasets.disable_progress_bars()
     documents: list[str] = []
     for file in files:
         builder = FILE_BUILDERS[Path(file).suffix]
@@ -76,7 +77,8 @@ def read_documents(files: list[str], text_field: str) -> list[str]:
         if field not in table.column_names:
             raise DataError(f"training.dataset_text_field: {file} has no field {field!r}; "
                             f"its fields are {', '.join(table.column_names)}")
-        documents.extend(t for t in table[field] if isinstance(t, str) and t.strip())
+        texts = [t for t in table[field] if isinstance(t, str) and t.strip()]
+        documents.extend(t.strip() if builder == "text" else t for t in texts)  # paragraphs lose their newline
     return documents
 
 

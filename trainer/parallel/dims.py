@@ -70,6 +70,18 @@ class ParallelDims:
     def fsdp_enabled(self) -> bool:
         return self.dp_shard * self.cp > 1
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Position of a global rank along each mesh dimension (row-major in MESH_ORDER)."""
+        coords = {}
+        for name in reversed(MESH_ORDER):
+            rank, coords[name] = divmod(rank, getattr(self, name))
+        return coords
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The data-parallel rank whose rows a global rank trains on: equal for all TP/CP/PP peers."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_ORDER}
 
