@@ -17,6 +17,20 @@ from dataclasses import dataclass
 import numpy as np
 
 SPLIT_IDS = {"train": 0, "validation": 1}
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer: a well-mixed 64-bit hash, vectorized (uint64 arithmetic wraps)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _to_unit(x: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1) from the top 53 bits."""
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,9 @@ class SyntheticMarkovSource:
         object.__setattr__(self, "successors", self._successor_table(rng))
         weights = 1.0 / np.arange(1, self.branching + 1) ** self.zipf_exponent
         object.__setattr__(self, "slot_probs", weights / weights.sum())
+        object.__setattr__(self, "_cumulative", np.cumsum(self.slot_probs))
+        key = _splitmix64(np.array([self.seed * 1_000_003 + SPLIT_IDS[self.split]], dtype=np.uint64))[0]
+        object.__setattr__(self, "_key", key)
 
     def _successor_table(self, rng: np.random.Generator) -> np.ndarray:
         """(vocab, branching) table of distinct successor states for each state."""
@@ -63,19 +80,20 @@ class SyntheticMarkovSource:
         return float(-(p * np.log(p)).sum())
 
     def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
-        """Rows first_row .. first_row+count-1 of the infinite token stream, each `length` long."""
-        starts = np.empty(count, dtype=np.int64)
-        slots = np.empty((count, length - 1), dtype=np.int64)
-        split_id = SPLIT_IDS[self.split]  # validation rows are other walks of the same chain
-        for i in range(count):
-            rng = np.random.default_rng([self.seed, split_id, first_row + i])
-            starts[i] = rng.integers(0, self.vocab_size)
-            slots[i] = rng.choice(self.branching, size=length - 1, p=self.slot_probs)
+        """Rows first_row .. first_row+count-1 of the infinite token stream, each `length` long.
+
+        The randomness of row r, position t is a counter-based hash of (seed, split, r, t), so any
+        row is computed on its own and a whole batch is drawn with a few vectorized operations.
+        """
+        row_keys = _splitmix64(self._key + np.arange(first_row, first_row + count, dtype=np.uint64) * _GOLDEN)
+        uniform = _to_unit(_splitmix64(row_keys[:, None] + np.arange(length, dtype=np.uint64)))
+        slots = np.minimum(np.searchsorted(self._cumulative, uniform[:, 1:], side="right"), self.branching - 1)
         tokens = np.empty((count, length), dtype=np.int64)
-        tokens[:, 0] = starts
-        current = starts
-        for t in range(1, length):
-            current = self.successors[current, slots[:, t - 1]]
+        current = (uniform[:, 0] * self.vocab_size).astype(np.int64)
+        tokens[:, 0] = current
+        flat = self.successors.ravel()
+        for t in range(1, length):  # the walk itself is sequential; one gather per position
+            current = flat[current * self.branching + slots[:, t - 1]]
             tokens[:, t] = current
         return tokens
 
