@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from tests.launch import describe, launch, read_metrics
+from tests.unit.test_tokenizer import sentences
 from trainer.data.sources import SyntheticMarkovSource
+from trainer.data.tokenizer import train_tokenizer
 
 
 def test_synthetic_loss_approaches_the_entropy_floor(tmp_path):
@@ -28,3 +34,55 @@ def test_synthetic_loss_approaches_the_entropy_floor(tmp_path):
     assert first - floor > 3.0
     assert 0 < val - floor < 0.45  # nothing beats the floor; 200 steps get close to it
     assert abs(val - last) < 0.15  # held-out walks of the same chain: no overfitting
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory):
+    """jsonl documents, a local hub-style folder of the same, and a SentencePiece model."""
+    folder = tmp_path_factory.mktemp("text")
+    docs = sentences(3000)
+    with open(folder / "docs.jsonl", "w") as f:
+        for doc in docs:
+            f.write(json.dumps({"text": doc}) + "\n")
+    (folder / "hub" / "data").mkdir(parents=True)
+    for split, part in (("train", docs[:2800]), ("validation", docs[2800:])):
+        with open(folder / "hub" / "data" / f"{split}-00000-of-00001.jsonl", "w") as f:
+            for doc in part:
+                f.write(json.dumps({"text": doc}) + "\n")
+    tokenizer = train_tokenizer([str(folder / "docs.jsonl")], str(folder / "tok"), 512)
+    return folder, tokenizer
+
+
+TEXT_JOB = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "4",
+            "--training.steps", "30", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3",
+            "--metrics.log_freq", "10", "--metrics.no_enable_tensorboard", "--validation.enable",
+            "--validation.freq", "30", "--validation.local_batch_size", "4", "--validation.seq_len", "32",
+            "--validation.steps", "2"]
+
+
+@pytest.mark.parametrize("source", ["files", "hub folder"])
+def test_text_training_on_local_data(tmp_path, text_corpus, source):
+    folder, tokenizer = text_corpus
+    data = (["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl")]
+            if source == "files" else ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")])
+    result = launch(2, [*TEXT_JOB, *data, "--model.tokenizer_path", str(tokenizer), "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    records = read_metrics(tmp_path)
+    train = [r for r in records if "kind" not in r]
+    validation = [r for r in records if r.get("kind") == "validation"]
+    print(f"{source}: loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}, validation {validation[-1]['validation/loss']:.3f}")
+    assert train[-1]["loss"] < train[0]["loss"] - 1.5
+    assert validation[-1]["validation/loss"] < train[0]["loss"] - 1.5
+
+
+def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
+    folder, tokenizer = text_corpus
+    too_big = launch(2, ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path",
+                         str(folder / "docs.jsonl"), "--model.tokenizer_path", str(tokenizer)])
+    assert too_big.returncode == 2
+    assert "has 512 pieces but the model's vocabulary has 256" in too_big.stderr
+    missing = launch(2, ["--training.dataset", "files", "--training.dataset_path", str(tmp_path / "none"),
+                         "--model.tokenizer_path", str(tokenizer)])
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    no_tokenizer = launch(2, ["--training.dataset", "c4"])
+    assert no_tokenizer.returncode == 2 and "model.tokenizer_path" in no_tokenizer.stderr
