@@ -55,9 +55,9 @@ def text_corpus(tmp_path_factory):
 
 TEXT_JOB = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "4",
             "--training.steps", "30", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3",
-            "--metrics.log_freq", "10", "--metrics.no_enable_tensorboard", "--validation.enable",
-            "--validation.freq", "30", "--validation.local_batch_size", "4", "--validation.seq_len", "32",
-            "--validation.steps", "2"]
+            "--metrics.log_freq", "10", "--metrics.no_enable_tensorboard"]
+VALIDATION = ["--validation.enable", "--validation.freq", "30", "--validation.local_batch_size", "4",
+              "--validation.seq_len", "32", "--validation.steps", "2"]
 
 
 @pytest.mark.parametrize("source", ["files", "hub folder"])
@@ -65,7 +65,7 @@ def test_text_training_on_local_data(tmp_path, text_corpus, source):
     folder, tokenizer = text_corpus
     data = (["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl")]
             if source == "files" else ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")])
-    result = launch(2, [*TEXT_JOB, *data, "--model.tokenizer_path", str(tokenizer), "--job.dump_folder", str(tmp_path)])
+    result = launch(2, [*TEXT_JOB, *VALIDATION, *data, "--model.tokenizer_path", str(tokenizer), "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     records = read_metrics(tmp_path)
     train = [r for r in records if "kind" not in r]
@@ -86,3 +86,16 @@ def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     no_tokenizer = launch(2, ["--training.dataset", "c4"])
     assert no_tokenizer.returncode == 2 and "model.tokenizer_path" in no_tokenizer.stderr
+
+
+def test_finite_dataset_can_stop_training_cleanly(tmp_path, text_corpus):
+    folder, tokenizer = text_corpus
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(40)))
+    result = launch(2, [*TEXT_JOB, "--training.dataset", "files", "--training.dataset_path", str(small),
+                        "--training.dataset_end", "stop", "--model.tokenizer_path", str(tokenizer),
+                        "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path / "out")])
+    assert result.returncode == 0, describe(result)
+    steps = [r["step"] for r in read_metrics(tmp_path / "out")]
+    assert 1 <= steps[-1] < 30
+    assert "the dataset ends after" in result.stdout and f"stopping after {steps[-1]} steps" in result.stdout
