@@ -59,31 +59,11 @@ class Trainer:
 
         model_args = get_flavor(config.model.flavor)
         model_args.max_seq_len = config.training.seq_len
-        with torch.device("meta"):
-            self.model = Transformer(model_args)
-        parallelize(self.model, plan.dims, self.mesh, config, self.device)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(seed=config.debug.seed, device=self.device)
-        self.model.train()
-
+        self.model = self._build_model(model_args)
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
-        self.source, validation_source = build_sources(config, model_args.vocab_size)
-        dp_rank = self.mesh["dp"].get_local_rank()
-        assert dp_rank == plan.dims.dp_rank_of(self.rank), "device mesh and ParallelDims disagree on the DP rank"
-        self.loader = BatchLoader(
-            self.source, seq_len=config.training.seq_len, global_batch_size=plan.global_batch_size,
-            local_batch_size=config.training.local_batch_size, dp_rank=dp_rank,
-            dp_degree=plan.dims.dp, device=self.device,
-        )
-        self.val_loader = None
-        if validation_source is not None:
-            v = config.validation
-            self.val_loader = BatchLoader(
-                validation_source, seq_len=v.seq_len, global_batch_size=v.local_batch_size * plan.dims.dp,
-                local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=plan.dims.dp,
-                device=self.device, name="validation",
-            )
+        self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)
+        self.source = self.loader.source
         self.step = 0
         self.tokens_seen = 0
         self.tokens_per_step = plan.global_batch_size * config.training.seq_len
@@ -93,6 +73,35 @@ class Trainer:
             flops_per_token=flops_per_token(model_args, config.training.seq_len),
         )
         self.metrics.write_run_metadata(self._metadata(model_args, world_size))
+
+    def _build_model(self, model_args) -> Transformer:
+        """Build on the meta device, parallelize, then materialize: no full copy ever exists."""
+        with torch.device("meta"):
+            model = Transformer(model_args)
+        parallelize(model, self.plan.dims, self.mesh, self.config, self.device)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=self.config.debug.seed, device=self.device)
+        model.train()
+        return model
+
+    def _build_loaders(self, vocab_size: int) -> tuple[BatchLoader, BatchLoader | None]:
+        config, dims = self.config, self.plan.dims
+        train_source, validation_source = build_sources(config, vocab_size)
+        dp_rank = self.mesh["dp"].get_local_rank()
+        assert dp_rank == dims.dp_rank_of(self.rank), "device mesh and ParallelDims disagree on the DP rank"
+        train = BatchLoader(
+            train_source, seq_len=config.training.seq_len, global_batch_size=self.plan.global_batch_size,
+            local_batch_size=config.training.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
+        )
+        if validation_source is None:
+            return train, None
+        v = config.validation
+        validation = BatchLoader(
+            validation_source, seq_len=v.seq_len, global_batch_size=v.local_batch_size * dims.dp,
+            local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
+            name="validation",
+        )
+        return train, validation
 
     def _metadata(self, model_args, world_size: int) -> dict:
         return {
@@ -149,8 +158,8 @@ class Trainer:
         if cfg.job.description:
             logger.info("job: %s", cfg.job.description)
         logger.info(
-            "training %s for %d steps: global batch %d x %d tokens (%d accumulation steps)",
-            cfg.model.flavor, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
+            "training %s (%.2fM parameters) for %d steps: global batch %d x %d tokens (%d accumulation steps)",
+            cfg.model.flavor, sum(p.numel() for p in self.model.parameters()) / 1e6, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
             self.plan.accumulation_steps,
         )
         if self.source.entropy_floor is not None:

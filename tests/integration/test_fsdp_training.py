@@ -22,7 +22,9 @@ def test_two_process_fsdp_loss_falls(tmp_path):
     assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30]
     first, last = records[0]["loss"], records[-1]["loss"]
     print(f"2-process FSDP tiny model: loss {first:.4f} -> {last:.4f} in 30 steps")
-    assert abs(first - math.log(256)) < 0.5  # about a uniform guess over the tiny vocabulary
+    # At init the logits have variance ~1 (RMS-normalized hidden state, output std dim^-1/2), so the
+    # expected cross-entropy is ~ ln(vocab) + 1/2.
+    assert abs(first - (math.log(256) + 0.5)) < 0.2
     assert last < first - 1.0
     assert "outputs:" in result.stdout
 
