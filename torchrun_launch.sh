@@ -36,10 +36,12 @@ fi
 LOG_RANK="${LOG_RANK:-0}"
 ARGS=(--job.config_file "${CONFIG_FILE:-debug_model.toml}" "$@")
 
-# Help and config printing need no processes group: answer them in this one process.
+# Help, config printing and the seed checkpoint need no process group: one process answers them
+# (the seed checkpoint must come from exactly one process, whatever NGPU and the degrees say).
 for arg in "$@"; do
   case "$arg" in
-    -h|--help|--job.print_config|--job.print_config=true) exec "$PYTHON" -m trainer.train "${ARGS[@]}" ;;
+    -h|--help|--job.print_config|--job.print_config=true|--checkpoint.create_seed_checkpoint|--checkpoint.create_seed_checkpoint=true)
+      exec "$PYTHON" -m trainer.train "${ARGS[@]}" ;;
   esac
 done
 

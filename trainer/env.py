@@ -13,9 +13,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def pick_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is there, else the CPU."""
-    if torch.cuda.is_available():
+def pick_device(force_cpu: bool = False) -> torch.device:
+    """CUDA device of this local rank when CUDA is there (and not force_cpu), else the CPU."""
+    if torch.cuda.is_available() and not force_cpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device

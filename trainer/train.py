@@ -13,11 +13,13 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainer import env
+from trainer.checkpoint import CheckpointError, CheckpointManager, TrainState, refuse_overwrite, save_seed_checkpoint
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
 from trainer.data.loader import BatchLoader
@@ -64,13 +66,17 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)
         self.source = self.loader.source
-        self.step = 0
-        self.tokens_seen = 0
+        self.state = TrainState()
         self.tokens_per_step = plan.global_batch_size * config.training.seq_len
+        self.checkpointer = CheckpointManager(
+            config, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
+            train_state=self.state, rank=self.rank,
+        )
+        self.checkpointer.resume()
 
         self.metrics = MetricsLogger(
             config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
-            flops_per_token=flops_per_token(model_args, config.training.seq_len),
+            flops_per_token=flops_per_token(model_args, config.training.seq_len), resume=self.state.step > 0,
         )
         self.metrics.write_run_metadata(self._metadata(model_args, world_size))
 
@@ -165,50 +171,78 @@ class Trainer:
         if self.source.entropy_floor is not None:
             logger.info("data: %s; best achievable loss %.4f nats/token", cfg.training.dataset, self.source.entropy_floor)
         gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
-        last_log_time, last_log_step = time.perf_counter(), self.step
-        while self.step < cfg.training.steps:
-            self.step += 1
+        last_log_time, last_log_step = time.perf_counter(), self.state.step
+        while self.state.step < cfg.training.steps:
+            self.state.step += 1
             lr = self.scheduler.get_last_lr()[0]
             try:
                 result = self.train_step()
             except DataExhausted as e:
-                logger.info("%s; stopping after %d steps", e, self.step - 1)
-                self.step -= 1
+                logger.info("%s; stopping after %d steps", e, self.state.step - 1)
+                self.state.step -= 1
                 break
-            self.tokens_seen += self.tokens_per_step
+            self.state.tokens_seen += self.tokens_per_step
             # The norm is global, so every rank sees a NaN/inf from any rank and all stop together.
             if not torch.isfinite(result.grad_norm).item():
                 raise NonFiniteLossError(
-                    f"step {self.step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
+                    f"step {self.state.step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
                     "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
                 )
-            if self.step == 1:
+            if self.state.step == 1:
                 env.set_collective_timeout(cfg.comm.train_timeout_seconds)
-            if self.step % cfg.training.gc_freq == 0:
+            if self.state.step % cfg.training.gc_freq == 0:
                 gc.collect(1)
-            if should_log(self.step, cfg.metrics.log_freq, cfg.training.steps):
+            if should_log(self.state.step, cfg.metrics.log_freq, cfg.training.steps):
                 loss = self.global_loss(result)
                 now = time.perf_counter()
-                steps = self.step - last_log_step
+                steps = self.state.step - last_log_step
                 self.metrics.log_step(StepFigures(
-                    step=self.step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
-                    tokens=steps * self.tokens_per_step, tokens_seen=self.tokens_seen,
+                    step=self.state.step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
+                    tokens=steps * self.tokens_per_step, tokens_seen=self.state.tokens_seen,
                     elapsed_s=now - last_log_time, steps_since_log=steps,
                 ))
                 if not torch.isfinite(torch.tensor(loss)):
-                    raise NonFiniteLossError(f"step {self.step}: loss {loss}; stopping")
-                last_log_time, last_log_step = now, self.step
-            if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or self.step == cfg.training.steps):
-                self.metrics.log_scalars(self.step, {"loss": self.validation_loss()}, prefix="validation")
-                last_log_time = time.perf_counter()  # keep evaluation out of the training throughput
-        logger.info("training done: %d steps, %d tokens; outputs in %s", self.step, self.tokens_seen,
+                    raise NonFiniteLossError(f"step {self.state.step}: loss {loss}; stopping")
+                last_log_time, last_log_step = now, self.state.step
+            paused = time.perf_counter()  # evaluation and saving stay out of the training throughput
+            if self.val_loader is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == cfg.training.steps):
+                self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
+            if self.checkpointer.should_save(self.state.step, cfg.training.steps):
+                self.checkpointer.save(self.state.step, last=self.state.step == cfg.training.steps)
+            self.checkpointer.poll()
+            last_log_time += time.perf_counter() - paused
+        logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))
 
     def close(self) -> None:
         gc.enable()
+        self.checkpointer.wait()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def create_seed_checkpoint(config: JobConfig) -> int:
+    """Initialize the model on the CPU in this one process and save it as a step-0 checkpoint."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint: runs as ONE process, but {world_size} were started; "
+                          "run ./torchrun_launch.sh --checkpoint.create_seed_checkpoint (it starts one)")
+    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    refuse_overwrite(folder / "step-0", config.checkpoint.overwrite)  # before the (long) init
+    model_args = get_flavor(config.model.flavor)
+    model_args.max_seq_len = config.training.seq_len
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=config.debug.seed, device="cpu")
+    path = save_seed_checkpoint(model, folder, overwrite=config.checkpoint.overwrite)
+    count = sum(p.numel() for p in model.parameters())
+    logger.info("seed checkpoint of %s (%d parameters, seed %d) written to %s", config.model.flavor, count,
+                config.debug.seed, path.resolve())
+    logger.info("use it: --checkpoint.enable with --job.dump_folder %s, or --checkpoint.initial_load_path %s "
+                "--checkpoint.load_only for runs that must not write next to it", config.job.dump_folder, path)
+    return 0
 
 
 def configure_logging() -> None:
@@ -230,13 +264,15 @@ def main(argv: list[str] | None = None) -> int:
             config.job.print_config = False  # so the printed file trains when loaded back
             sys.stdout.write(to_toml(config))
             return 0
+        if config.checkpoint.create_seed_checkpoint:
+            return create_seed_checkpoint(config)
         plan = plan_run(config, int(os.environ.get("WORLD_SIZE", "1")))
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         logger.error("%s", e)
         return 2
     try:
         trainer = Trainer(config, plan)
-    except DataError as e:  # found only when the data is read
+    except (DataError, CheckpointError) as e:  # found only when the data or checkpoint is read
         logger.error("%s", e)
         return 2
     try:

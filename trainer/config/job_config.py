@@ -242,6 +242,9 @@ class Checkpoint:
     load_only: bool = False
     """Load checkpoints but never write any (comparison runs sharing a seed)."""
 
+    overwrite: bool = False
+    """Allow replacing existing checkpoints (a seed checkpoint, or steps after checkpoint.load_step)."""
+
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1."""
 

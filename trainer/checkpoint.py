@@ -1,0 +1,289 @@
+"""Distributed checkpoints (DCP): save, resume, seed checkpoints, retention.
+
+Layout: <job.dump_folder>/<checkpoint.folder>/step-<N>/ holds one DCP checkpoint with the items
+model, optimizer, lr_scheduler, dataloader, train_state (a model-only checkpoint holds just
+model). A save is written to .step-<N>.partial/ and renamed to step-<N>/ only when every rank has
+finished, so a run killed while saving leaves nothing that looks like a checkpoint; stale partial
+folders are removed at the next start. DCP reshards on load: a checkpoint saved at one layout
+loads into any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.parallel.fsdp import DTYPES
+
+logger = logging.getLogger(__name__)
+
+ITEMS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint a user named or pointed at cannot be used; the message names it."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+class ModelState(Stateful):
+    """The model's (sharded) state dict under its original parameter names, optionally cast."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+
+    def state_dict(self) -> dict:
+        state = get_model_state_dict(self.model)
+        return {k: v.to(self.dtype) for k, v in state.items()} if self.dtype else state
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting folders
+
+
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    """step -> path of every complete checkpoint in folder."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = STEP_FOLDER.match(path.name)
+        if match and (path / ".metadata").is_file():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def partial_path(folder: Path, step: int) -> Path:
+    return folder / f".step-{step}.partial"
+
+
+def saved_keys(path: Path) -> dict[str, tuple | None]:
+    """Flattened key -> saved tensor shape (None for non-tensor values)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.state_dict_metadata.items()}
+
+
+def saved_items(keys: dict) -> set[str]:
+    return {key.split(".", 1)[0] for key in keys}
+
+
+def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
+    """Refuse a checkpoint of another model shape, naming the first parameter that differs."""
+    keys = saved_keys(path)
+    for name, param in model.state_dict().items():
+        saved = keys.get(f"model.{name}")
+        if f"model.{name}" not in keys:
+            raise CheckpointError(f"{path}: has no parameter {name}; it is not a checkpoint of this model ({flavor})")
+        if saved != tuple(param.shape):
+            raise CheckpointError(f"{path}: parameter {name} has shape {list(saved)} in the checkpoint but "
+                                  f"{list(param.shape)} in this model ({flavor}); it belongs to another model")
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+class CheckpointManager:
+    """Decides what to load at start and when to save, following the [checkpoint] section."""
+
+    def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int):
+        self.cfg = config.checkpoint
+        self.flavor = config.model.flavor
+        self.folder = Path(config.job.dump_folder) / self.cfg.folder
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.train_state = train_state
+        self.rank = rank
+        self.pending = None  # (future, step, partial path) of an asynchronous save
+
+    def _stateful(self, items, *, export_dtype: torch.dtype | None = None) -> dict:
+        objects = {
+            "model": lambda: ModelState(self.model, export_dtype),
+            "optimizer": lambda: OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": lambda: self.scheduler,
+            "dataloader": lambda: self.loader,
+            "train_state": lambda: self.train_state,
+        }
+        return {item: objects[item]() for item in items}
+
+    # ---- loading
+
+    def resume(self) -> Path | None:
+        """Load the newest complete checkpoint of the folder (or checkpoint.load_step), else the
+        initial_load_path; returns what was loaded."""
+        if self.rank == 0:
+            self._remove_stale_partials()
+        found = complete_checkpoints(self.folder) if self.cfg.enable else {}
+        if self.cfg.enable and self.cfg.load_step != -1:
+            path = self._named_step(found, self.cfg.load_step)
+            newer = [s for s in found if s > self.cfg.load_step]
+            if newer and not self.cfg.load_only and not self.cfg.overwrite:
+                raise CheckpointError(
+                    f"checkpoint.load_step={self.cfg.load_step}: {self.folder} holds newer checkpoints "
+                    f"({', '.join(f'step-{s}' for s in newer)}) that this run would overwrite; use another "
+                    "checkpoint.folder, --checkpoint.load_only, or --checkpoint.overwrite")
+        elif found:
+            path = found[max(found)]
+        elif self.cfg.initial_load_path:
+            path = Path(self.cfg.initial_load_path)
+            if not path.exists():
+                raise CheckpointError(f"checkpoint.initial_load_path: {path} does not exist")
+            if not (path / ".metadata").is_file():
+                raise CheckpointError(f"checkpoint.initial_load_path: {path} is not a complete DCP checkpoint "
+                                      "(no .metadata file)")
+            items = ["model"] if self.cfg.initial_load_model_only else list(ITEMS)
+            return self._load(path, items)
+        else:
+            return None
+        return self._load(path, list(ITEMS))
+
+    def _named_step(self, found: dict[int, Path], step: int) -> Path:
+        if step in found:
+            return found[step]
+        if partial_path(self.folder, step).exists():
+            raise CheckpointError(f"checkpoint.load_step={step}: the save of step {step} in {self.folder} never "
+                                  "completed (the run stopped while writing it)")
+        available = ", ".join(str(s) for s in found) or "none"
+        raise CheckpointError(f"checkpoint.load_step={step}: no checkpoint of step {step} in {self.folder}; "
+                              f"complete checkpoints: {available}")
+
+    def _load(self, path: Path, wanted: list[str]) -> Path:
+        check_model_shapes(path, self.model, self.flavor)
+        present = saved_items(saved_keys(path))
+        items = [i for i in wanted if i in present and i not in self.cfg.exclude_from_loading]
+        missing = [i for i in wanted if i not in present and i != "model"]
+        if missing and "train_state" in present:
+            logger.warning("%s has no %s; starting those fresh", path, ", ".join(missing))
+        dcp.load(self._stateful(items), checkpoint_id=str(path))
+        logger.info("loaded %s from %s (step %d)", ", ".join(items), path, self.train_state.step)
+        return path
+
+    def _remove_stale_partials(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for path in self.folder.glob(".step-*.partial"):
+            logger.warning("removing %s: a save that never completed", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ---- saving
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        if not self.cfg.enable or self.cfg.load_only:
+            return False
+        return (step % self.cfg.interval == 0 or step == last_step
+                or (step == 1 and self.cfg.enable_first_step_checkpoint))
+
+    def save(self, step: int, *, last: bool = False) -> None:
+        """Write step-<step>; model only in export_dtype for the last save when configured."""
+        self.wait()
+        model_only = last and self.cfg.last_save_model_only
+        items = ["model"] if model_only else list(ITEMS)
+        dtype = DTYPES[self.cfg.export_dtype] if model_only else None
+        final, partial = self.folder / f"step-{step}", partial_path(self.folder, step)
+        refuse_overwrite(final, self.cfg.overwrite)
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        state = self._stateful(items, export_dtype=dtype)
+        if self.cfg.async_mode != "disabled" and not last:
+            self.pending = (dcp.async_save(state, checkpoint_id=str(partial)), step, partial)
+            return
+        dcp.save(state, checkpoint_id=str(partial))
+        self._finish(step, partial)
+
+    def poll(self) -> None:
+        """Complete an asynchronous save whose writing has finished."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        future, step, partial = self.pending
+        self.pending = None
+        future.result()
+        self._finish(step, partial)
+
+    def _finish(self, step: int, partial: Path) -> None:
+        """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
+        dist.barrier()
+        if self.rank == 0:
+            final = self.folder / f"step-{step}"
+            if final.exists():  # only reachable with checkpoint.overwrite
+                shutil.rmtree(final)
+            partial.rename(final)
+            logger.info("saved checkpoint %s", final)
+            self._apply_retention()
+        dist.barrier()
+
+    def _apply_retention(self) -> None:
+        """Keep the newest keep_latest_k checkpoints; never the newest one or the step-0 seed."""
+        k = self.cfg.keep_latest_k
+        if k <= 0:
+            return
+        steps = [s for s in complete_checkpoints(self.folder) if s != 0]
+        for step in steps[:-max(k, 1)]:
+            shutil.rmtree(self.folder / f"step-{step}")
+            logger.info("removed checkpoint step-%d (keep_latest_k=%d)", step, k)
+
+
+def refuse_overwrite(path: Path, overwrite: bool) -> None:
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} exists already; refusing to overwrite it (use --checkpoint.overwrite)")
+
+
+def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool) -> Path:
+    """A step-0, model-only checkpoint written by a single process."""
+    final = folder / "step-0"
+    refuse_overwrite(final, overwrite)
+    partial = partial_path(folder, 0)
+    shutil.rmtree(partial, ignore_errors=True)
+    with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial), no_dist=True)
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final
