@@ -42,6 +42,10 @@ class CheckpointError(ValueError):
     """A checkpoint a user named or pointed at cannot be used; the message names it."""
 
 
+class TrainingComplete(Exception):
+    """The checkpoint folder already holds the final checkpoint of this run."""
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -131,6 +135,7 @@ class CheckpointManager:
     def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int):
         self.cfg = config.checkpoint
         self.flavor = config.model.flavor
+        self.total_steps = config.training.steps
         self.folder = Path(config.job.dump_folder) / self.cfg.folder
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.train_state = train_state
@@ -164,7 +169,7 @@ class CheckpointManager:
                     f"({', '.join(f'step-{s}' for s in newer)}) that this run would overwrite; use another "
                     "checkpoint.folder, --checkpoint.load_only, or --checkpoint.overwrite")
         elif found:
-            path = found[max(found)]
+            path = self._resume_point(found)
         elif self.cfg.initial_load_path:
             path = Path(self.cfg.initial_load_path)
             if not path.exists():
@@ -176,7 +181,19 @@ class CheckpointManager:
             return self._load(path, items)
         else:
             return None
-        return self._load(path, list(ITEMS))
+        return self._load(path, list(ITEMS)) if path is not None else None
+
+    def _resume_point(self, found: dict[int, Path]) -> Path | None:
+        """The newest checkpoint to continue from: a full one, or the step-0 seed. A newer
+        model-only checkpoint is a final export: at or past training.steps the run is complete."""
+        resumable = {s: p for s, p in found.items() if s == 0 or "train_state" in saved_items(saved_keys(p))}
+        newest = max(found)
+        if newest not in resumable:
+            if newest >= self.total_steps:
+                raise TrainingComplete(f"{found[newest]} is the final checkpoint of this run (training.steps = "
+                                       f"{self.total_steps}); nothing to do. Raise training.steps to continue.")
+            logger.warning("%s holds the model only; resuming from the newest full checkpoint", found[newest])
+        return resumable[max(resumable)] if resumable else None
 
     def _named_step(self, found: dict[int, Path], step: int) -> Path:
         if step in found:

@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from trainer import env
-from trainer.checkpoint import CheckpointError, CheckpointManager, TrainState, refuse_overwrite, save_seed_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    TrainingComplete,
+    TrainState,
+    refuse_overwrite,
+    save_seed_checkpoint,
+)
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
 from trainer.data.loader import BatchLoader
@@ -275,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, CheckpointError) as e:  # found only when the data or checkpoint is read
         logger.error("%s", e)
         return 2
+    except TrainingComplete as e:
+        logger.info("%s", e)
+        return 0
     try:
         trainer.train()
     except NonFiniteLossError as e:

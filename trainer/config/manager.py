@@ -271,7 +271,7 @@ def validate(config: JobConfig) -> None:
     )
     need(c.training.seq_len >= 2, f"training.seq_len: must be >= 2, got {c.training.seq_len}")
     need(c.training.gc_freq >= 1, f"training.gc_freq: must be >= 1, got {c.training.gc_freq}")
-    need(c.optimizer.lr > 0, f"optimizer.lr: must be > 0, got {c.optimizer.lr}")
+    need(c.optimizer.lr >= 0, f"optimizer.lr: must be >= 0, got {c.optimizer.lr}")
     for key in ("beta1", "beta2"):
         beta = getattr(c.optimizer, key)
         need(0.0 <= beta < 1.0, f"optimizer.{key}: must be in [0, 1), got {beta}")

@@ -1,0 +1,168 @@
+"""Checkpoints: seed checkpoints, exact resume after SIGKILL, resharding, retention, bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.launch import LAUNCHER, REPO, TINY_JOB, describe, launch, read_metrics
+
+JOB = [*TINY_JOB, "--training.steps", "20", "--lr_scheduler.warmup_steps", "4"]
+
+
+def model_tensors(checkpoint, tmp_path) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def losses_by_step(dump) -> dict[int, float]:
+    """Last logged loss of each step (a resumed run appends to metrics.jsonl)."""
+    return {r["step"]: r["loss"] for r in read_metrics(dump) if "kind" not in r}
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    """A seed checkpoint of debug.seed 7 (the runs below use seed 0), made by asking for 4 processes."""
+    dump = tmp_path_factory.mktemp("seed")
+    result = launch(4, [*TINY_JOB, "--debug.seed", "7", "--job.dump_folder", str(dump),
+                        "--checkpoint.create_seed_checkpoint"])
+    assert result.returncode == 0, describe(result)
+    assert "seed checkpoint of tiny (229952 parameters, seed 7)" in result.stdout
+    return dump / "checkpoint" / "step-0"
+
+
+def test_seed_checkpoint_refuses_several_processes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer.train",
+         *TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.create_seed_checkpoint"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert result.returncode != 0
+    assert "runs as ONE process, but 2 were started" in result.stdout
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def test_seed_checkpoint_is_never_overwritten(seed):
+    before = (seed / "__0_0.distcp").read_bytes()
+    result = launch(1, [*TINY_JOB, "--job.dump_folder", str(seed.parent.parent), "--checkpoint.create_seed_checkpoint"])
+    assert result.returncode == 2 and "exists already; refusing to overwrite it" in result.stdout
+    assert (seed / "__0_0.distcp").read_bytes() == before
+
+
+def test_seed_loads_bitwise_into_any_layout(seed, tmp_path):
+    """lr 0 keeps the loaded weights; the last (model-only) save then shows exactly what was loaded."""
+    seed_tensors = model_tensors(seed, tmp_path)
+    losses = {}
+    for nproc, local in ((1, 8), (2, 4)):
+        dump = tmp_path / f"fsdp{nproc}"
+        result = launch(nproc, [*TINY_JOB, "--training.steps", "1", "--optimizer.lr", "0", "--training.local_batch_size",
+                                str(local), "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+                                "--job.dump_folder", str(dump)])
+        assert result.returncode == 0, describe(result)
+        loaded = model_tensors(dump / "checkpoint" / "step-1", tmp_path)
+        assert loaded.keys() == seed_tensors.keys()
+        assert all(torch.equal(loaded[k], seed_tensors[k]) for k in seed_tensors), f"{nproc} processes"
+        losses[nproc] = read_metrics(dump)[0]["loss"]
+    print(f"step-1 loss from the seed: 1 process {losses[1]:.8f}, 2 processes {losses[2]:.8f}")
+    assert abs(losses[1] - losses[2]) <= 1e-6
+
+
+def test_load_only_never_writes_next_to_the_seed(seed, tmp_path):
+    result = launch(2, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4",
+                        "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.interval", "1",
+                        "--checkpoint.initial_load_path", str(seed), "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert f"loaded model from {seed}" in result.stdout
+    assert not (tmp_path / "checkpoint").exists()
+    assert sorted(p.name for p in seed.parent.iterdir()) == ["step-0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    result = launch(2, [*JOB, "--training.local_batch_size", "4", "--job.dump_folder", str(dump)])
+    assert result.returncode == 0, describe(result)
+    return losses_by_step(dump)
+
+
+def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
+    """Start a run and SIGKILL all its processes as soon as the checkpoint of `step` is published."""
+    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable)
+    proc = subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    published = dump / "checkpoint" / f"step-{step}"
+    deadline = time.time() + 240
+    while not published.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)  # the log reaches us late; the folder appears the moment it is renamed
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers live in their own groups
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def descendants(root: int) -> list[int]:
+    """All processes below `root`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+RESUMABLE = [*JOB, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "10"]
+
+
+@pytest.fixture(scope="module")
+def killed_at_10(tmp_path_factory):
+    """A 2-process run of the 20-step job, SIGKILLed right after publishing its step-10 checkpoint."""
+    dump = tmp_path_factory.mktemp("killed")
+    kill_after_checkpoint([*RESUMABLE, "--job.dump_folder", str(dump)], dump, 10)
+    assert (dump / "checkpoint" / "step-10" / ".metadata").is_file()
+    time.sleep(3)  # a surviving worker would go on to write later checkpoints
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-10"]
+    return dump
+
+
+def test_exact_resume_after_sigkill(tmp_path, killed_at_10, uninterrupted):
+    shutil.copytree(killed_at_10, tmp_path, dirs_exist_ok=True)
+    result = launch(2, [*RESUMABLE, "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert "loaded model, optimizer, lr_scheduler, dataloader, train_state" in result.stdout
+    resumed = losses_by_step(tmp_path)
+    diffs = [abs(resumed[s] - uninterrupted[s]) for s in range(11, 21)]
+    print(f"resume after SIGKILL at step 10: largest |loss diff| over steps 11-20 = {max(diffs):.3e}")
+    assert max(diffs) == 0.0
+
+
+@pytest.mark.parametrize("nproc, local", [(1, 8), (4, 2)])
+def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, nproc, local):
+    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    # Step 11's loss depends only on the step-10 weights and batch 11, so 12 steps suffice.
+    result = launch(nproc, [*JOB, "--training.steps", "12", "--training.local_batch_size", str(local),
+                            "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    losses = losses_by_step(tmp_path)
+    print(f"saved at 2 processes, resumed at {nproc}: step-11 loss diff {abs(losses[11] - uninterrupted[11]):.2e}")
+    assert abs(losses[11] - uninterrupted[11]) <= 1e-5
+    assert min(losses) == 11  # data position restored: it continued at step 11, not step 1
