@@ -141,6 +141,8 @@ class CheckpointManager:
         self.train_state = train_state
         self.rank = rank
         self.pending = None  # (future, step, partial path) of an asynchronous save
+        # Background saves talk over their own group so they never interleave with training collectives.
+        self.async_group = dist.new_group(backend="gloo") if self.cfg.async_mode != "disabled" else None
 
     def _stateful(self, items, *, export_dtype: torch.dtype | None = None) -> dict:
         objects = {
@@ -157,9 +159,8 @@ class CheckpointManager:
     def resume(self) -> Path | None:
         """Load the newest complete checkpoint of the folder (or checkpoint.load_step), else the
         initial_load_path; returns what was loaded."""
-        if self.rank == 0:
-            self._remove_stale_partials()
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
+        items = list(ITEMS)
         if self.cfg.enable and self.cfg.load_step != -1:
             path = self._named_step(found, self.cfg.load_step)
             newer = [s for s in found if s > self.cfg.load_step]
@@ -177,11 +178,12 @@ class CheckpointManager:
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"checkpoint.initial_load_path: {path} is not a complete DCP checkpoint "
                                       "(no .metadata file)")
-            items = ["model"] if self.cfg.initial_load_model_only else list(ITEMS)
-            return self._load(path, items)
+            items = ["model"] if self.cfg.initial_load_model_only else items
         else:
-            return None
-        return self._load(path, list(ITEMS)) if path is not None else None
+            path = None
+        if self.rank == 0 and self.cfg.enable and not self.cfg.load_only:
+            self._remove_stale_partials()
+        return self._load(path, items) if path is not None else None
 
     def _resume_point(self, found: dict[int, Path]) -> Path | None:
         """The newest checkpoint to continue from: a full one, or the step-0 seed. A newer
@@ -245,17 +247,15 @@ class CheckpointManager:
         dist.barrier()
         state = self._stateful(items, export_dtype=dtype)
         if self.cfg.async_mode != "disabled" and not last:
-            self.pending = (dcp.async_save(state, checkpoint_id=str(partial)), step, partial)
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            self.pending = (future, step, partial)
             return
         dcp.save(state, checkpoint_id=str(partial))
         self._finish(step, partial)
 
-    def poll(self) -> None:
-        """Complete an asynchronous save whose writing has finished."""
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
-
     def wait(self) -> None:
+        """Finish an asynchronous save: called by every rank at the same point (the next save, the
+        end of training), so the collectives of publishing it stay in step across ranks."""
         if self.pending is None:
             return
         future, step, partial = self.pending

@@ -216,7 +216,6 @@ class Trainer:
                 self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
             if self.checkpointer.should_save(self.state.step, cfg.training.steps):
                 self.checkpointer.save(self.state.step, last=self.state.step == cfg.training.steps)
-            self.checkpointer.poll()
             last_log_time += time.perf_counter() - paused
         logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))

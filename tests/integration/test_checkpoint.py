@@ -166,3 +166,71 @@ def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, npro
     print(f"saved at 2 processes, resumed at {nproc}: step-11 loss diff {abs(losses[11] - uninterrupted[11]):.2e}")
     assert abs(losses[11] - uninterrupted[11]) <= 1e-5
     assert min(losses) == 11  # data position restored: it continued at step 11, not step 1
+
+
+def test_retention_async_save_and_model_only_export(seed, tmp_path):
+    shutil.copytree(seed, tmp_path / "checkpoint" / "step-0")
+    result = launch(2, [*TINY_JOB, "--training.steps", "8", "--training.local_batch_size", "4", "--checkpoint.enable",
+                        "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode",
+                        "async", "--checkpoint.export_dtype", "bfloat16", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert f"loaded model from {tmp_path / 'checkpoint' / 'step-0'}" in result.stdout  # the seed in its folder
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0", "step-6", "step-8"]
+    full = torch.load(dcp_to_torch_save(str(tmp_path / "checkpoint" / "step-6"), str(tmp_path / "6.pt")) or
+                      tmp_path / "6.pt", weights_only=False)
+    assert set(full) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    assert full["train_state"] == {"step": 6, "tokens_seen": 6 * 8 * 32} and full["dataloader"]["step"] == 6
+    final = model_tensors(tmp_path / "checkpoint" / "step-8", tmp_path)
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def other_model_seed(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("debugmodel-seed")
+    result = launch(1, ["--model.flavor", "debugmodel", "--job.dump_folder", str(dump),
+                        "--checkpoint.create_seed_checkpoint"])
+    assert result.returncode == 0, describe(result)
+    return dump / "checkpoint" / "step-0"
+
+
+def test_bad_checkpoint_input(tmp_path, seed, other_model_seed):
+    def run(*args):
+        return launch(1, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "8", *args])
+
+    missing = run("--checkpoint.initial_load_path", str(tmp_path / "nope"), "--job.dump_folder", str(tmp_path / "a"))
+    assert missing.returncode != 0 and "initial_load_path: " in missing.stdout and "does not exist" in missing.stdout
+
+    other = run("--checkpoint.initial_load_path", str(other_model_seed), "--job.dump_folder", str(tmp_path / "b"))
+    assert other.returncode != 0
+    assert "parameter tok_embeddings.weight has shape [2048, 256] in the checkpoint but [256, 64]" in other.stdout
+
+    (tmp_path / "c" / "checkpoint").mkdir(parents=True)
+    none = run("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "c"))
+    assert none.returncode != 0 and "no checkpoint of step 4" in none.stdout and "complete checkpoints: none" in none.stdout
+
+    shutil.copytree(seed, tmp_path / "d" / "checkpoint" / ".step-4.partial")
+    incomplete = run("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "d"))
+    assert incomplete.returncode != 0 and "the save of step 4" in incomplete.stdout and "never completed" in incomplete.stdout
+
+    not_dcp = tmp_path / "e"
+    not_dcp.mkdir()
+    plain = run("--checkpoint.initial_load_path", str(not_dcp), "--job.dump_folder", str(tmp_path / "f"))
+    assert plain.returncode != 0 and "is not a complete DCP checkpoint" in plain.stdout
+
+
+def test_stale_partial_save_is_ignored_and_removed(tmp_path, killed_at_10):
+    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / ".step-15.partial")
+    result = launch(2, [*RESUMABLE, "--training.steps", "11", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert "a save that never completed" in result.stdout
+    assert "(step 10)" in result.stdout and not (tmp_path / "checkpoint" / ".step-15.partial").exists()
+
+
+def test_older_load_step_never_overwrites_newer_checkpoints(tmp_path, killed_at_10):
+    for step in ("step-10",):
+        shutil.copytree(killed_at_10 / "checkpoint" / step, tmp_path / "checkpoint" / step)
+    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-5")
+    result = launch(2, [*RESUMABLE, "--checkpoint.load_step", "5", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode != 0
+    assert "holds newer checkpoints (step-10) that this run would overwrite" in result.stdout
