@@ -175,6 +175,9 @@ class CheckpointManager:
             path = Path(self.cfg.initial_load_path)
             if not path.exists():
                 raise CheckpointError(f"checkpoint.initial_load_path: {path} does not exist")
+            if self.cfg.initial_load_in_hf:
+                self._load_hf(path)
+                return path
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"checkpoint.initial_load_path: {path} is not a complete DCP checkpoint "
                                       "(no .metadata file)")
@@ -218,6 +221,28 @@ class CheckpointManager:
         logger.info("loaded %s from %s (step %d)", ", ".join(items), path, self.train_state.step)
         return path
 
+    @torch.no_grad()
+    def _load_hf(self, path: Path) -> None:
+        """Weights from a Hugging Face folder: every rank reads the full tensors, keeps its shards."""
+        from trainer.models.llama3.hf_adapter import HFCheckpointError, read_hf_folder
+        from trainer.models.llama3.model import copy_global_into
+
+        try:
+            state = read_hf_folder(path, self.model.args)
+        except HFCheckpointError as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
+        for name, param in self.model.named_parameters():
+            copy_global_into(param, state[name].to(param.device, param.dtype))
+        logger.info("loaded model weights from the Hugging Face folder %s", path)
+
+    def _export_hf(self, folder: Path, dtype: torch.dtype) -> None:
+        """Full weights gathered to rank 0 and written as config.json + model.safetensors."""
+        from trainer.models.llama3.hf_adapter import write_hf_folder
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            write_hf_folder(folder, state, self.model.args, dtype)
+
     def _remove_stale_partials(self) -> None:
         if not self.folder.is_dir():
             return
@@ -251,6 +276,8 @@ class CheckpointManager:
             self.pending = (future, step, partial)
             return
         dcp.save(state, checkpoint_id=str(partial))
+        if last and self.cfg.last_save_in_hf:  # inside the folder, so it is published with it
+            self._export_hf(partial / "hf", DTYPES[self.cfg.export_dtype])
         self._finish(step, partial)
 
     def wait(self) -> None:

@@ -28,8 +28,6 @@ def unsupported(config: JobConfig) -> list[str]:
     """Options that are valid but whose feature this trainer does not provide yet."""
     c = config
     checks = {
-        "checkpoint.initial_load_in_hf": c.checkpoint.initial_load_in_hf,
-        "checkpoint.last_save_in_hf": c.checkpoint.last_save_in_hf,
         "parallelism.data_parallel_replicate_degree > 1": c.parallelism.data_parallel_replicate_degree > 1,
         "parallelism.tensor_parallel_degree > 1": c.parallelism.tensor_parallel_degree > 1,
         "parallelism.pipeline_parallel_degree > 1": c.parallelism.pipeline_parallel_degree > 1,

@@ -234,3 +234,27 @@ def test_older_load_step_never_overwrites_newer_checkpoints(tmp_path, killed_at_
     result = launch(2, [*RESUMABLE, "--checkpoint.load_step", "5", "--job.dump_folder", str(tmp_path)])
     assert result.returncode != 0
     assert "holds newer checkpoints (step-10) that this run would overwrite" in result.stdout
+
+
+def test_hugging_face_weights_in_and_out_of_a_run(tmp_path):
+    """Start from a Hugging Face folder, train one step at lr 0, export: the same tensors come back."""
+    from safetensors.torch import load_file
+
+    from trainer.models.llama3 import Transformer, get_flavor
+    from trainer.models.llama3.hf_adapter import write_hf_folder
+
+    args = get_flavor("tiny")
+    args.max_seq_len = 32
+    model = Transformer(args)
+    model.init_weights(11)
+    write_hf_folder(tmp_path / "hf_in", model.state_dict(), args)
+    result = launch(2, [*TINY_JOB, "--training.steps", "1", "--optimizer.lr", "0", "--training.local_batch_size", "4",
+                        "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf_in"),
+                        "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
+                        "--job.dump_folder", str(tmp_path / "run")])
+    assert result.returncode == 0, describe(result)
+    assert "loaded model weights from the Hugging Face folder" in result.stdout
+    exported = load_file(str(tmp_path / "run" / "checkpoint" / "step-1" / "hf" / "model.safetensors"))
+    original = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)

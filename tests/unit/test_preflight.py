@@ -41,7 +41,7 @@ def test_global_batch_not_a_multiple():
 
 
 @pytest.mark.parametrize("override", [
-    "--checkpoint.last_save_in_hf", "--parallelism.tensor_parallel_degree=2", "--compile.enable",
+    "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--compile.enable",
 ])
 def test_features_of_later_versions_are_refused_clearly(override):
     with pytest.raises(ConfigError, match="not implemented yet"):

@@ -289,6 +289,10 @@ def validate(config: JobConfig) -> None:
     need(c.checkpoint.interval >= 1, f"checkpoint.interval: must be >= 1, got {c.checkpoint.interval}")
     need(c.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {c.checkpoint.keep_latest_k}")
     need(c.checkpoint.load_step >= -1, f"checkpoint.load_step: must be -1 (newest) or a step, got {c.checkpoint.load_step}")
+    need(not c.checkpoint.last_save_in_hf or c.checkpoint.enable,
+         "checkpoint.last_save_in_hf: needs checkpoint.enable (the export is part of the last save)")
+    need(not c.checkpoint.initial_load_in_hf or bool(c.checkpoint.initial_load_path),
+         "checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
     loadable = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     for item in c.checkpoint.exclude_from_loading:
         need(item in loadable, f"checkpoint.exclude_from_loading: {item!r} is unknown; choose from {', '.join(sorted(loadable))}")
