@@ -11,7 +11,6 @@ loads into any other.
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -30,12 +29,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer.checkpoint_layout import (
+    check_initial_load_path,
+    complete_checkpoints,
+    named_step,
+    partial_path,
+)
 from trainer.parallel.fsdp import DTYPES
 
 logger = logging.getLogger(__name__)
 
 ITEMS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(ValueError):
@@ -85,22 +89,6 @@ class OptimizerState(Stateful):
 
 # ---------------------------------------------------------------------------------------------
 # Inspecting folders
-
-
-def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """step -> path of every complete checkpoint in folder."""
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for path in folder.iterdir():
-        match = STEP_FOLDER.match(path.name)
-        if match and (path / ".metadata").is_file():
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
-
-
-def partial_path(folder: Path, step: int) -> Path:
-    return folder / f".step-{step}.partial"
 
 
 def saved_keys(path: Path) -> dict[str, tuple | None]:
@@ -173,14 +161,13 @@ class CheckpointManager:
             path = self._resume_point(found)
         elif self.cfg.initial_load_path:
             path = Path(self.cfg.initial_load_path)
-            if not path.exists():
-                raise CheckpointError(f"checkpoint.initial_load_path: {path} does not exist")
+            try:
+                check_initial_load_path(path, self.cfg.initial_load_in_hf)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
             if self.cfg.initial_load_in_hf:
                 self._load_hf(path)
                 return path
-            if not (path / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint.initial_load_path: {path} is not a complete DCP checkpoint "
-                                      "(no .metadata file)")
             items = ["model"] if self.cfg.initial_load_model_only else items
         else:
             path = None
@@ -201,14 +188,10 @@ class CheckpointManager:
         return resumable[max(resumable)] if resumable else None
 
     def _named_step(self, found: dict[int, Path], step: int) -> Path:
-        if step in found:
-            return found[step]
-        if partial_path(self.folder, step).exists():
-            raise CheckpointError(f"checkpoint.load_step={step}: the save of step {step} in {self.folder} never "
-                                  "completed (the run stopped while writing it)")
-        available = ", ".join(str(s) for s in found) or "none"
-        raise CheckpointError(f"checkpoint.load_step={step}: no checkpoint of step {step} in {self.folder}; "
-                              f"complete checkpoints: {available}")
+        try:
+            return named_step(self.folder, found, step)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
     def _load(self, path: Path, wanted: list[str]) -> Path:
         check_model_shapes(path, self.model, self.flavor)

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.checkpoint_layout import check_load_options
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config
 from trainer.parallel.dims import ParallelDims
@@ -71,6 +72,10 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     if problems:
         raise ConfigError("options not available in this version:\n  " + "\n  ".join(problems))
     check_data(config)
+    try:
+        check_load_options(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     dims = ParallelDims.from_config(config.parallelism, world_size)
     local = config.training.local_batch_size
     per_pass = local * dims.dp

@@ -194,28 +194,31 @@ def other_model_seed(tmp_path_factory):
 
 
 def test_bad_checkpoint_input(tmp_path, seed, other_model_seed):
-    def run(*args):
-        return launch(1, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "8", *args])
+    def refused(*args) -> str:
+        """Mistakes found from the file system stop in the launcher's preflight: exit 2, no processes."""
+        result = launch(1, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "8", *args])
+        assert result.returncode == 2, describe(result)
+        return result.stdout + result.stderr
 
-    missing = run("--checkpoint.initial_load_path", str(tmp_path / "nope"), "--job.dump_folder", str(tmp_path / "a"))
-    assert missing.returncode != 0 and "initial_load_path: " in missing.stdout and "does not exist" in missing.stdout
+    assert "initial_load_path: " in refused("--checkpoint.initial_load_path", str(tmp_path / "nope"),
+                                            "--job.dump_folder", str(tmp_path / "a"))
+    (tmp_path / "c" / "checkpoint").mkdir(parents=True)
+    message = refused("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "c"))
+    assert "no checkpoint of step 4" in message and "complete checkpoints: none" in message
+    shutil.copytree(seed, tmp_path / "d" / "checkpoint" / ".step-4.partial")
+    message = refused("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "d"))
+    assert "the save of step 4" in message and "never completed" in message
+    (tmp_path / "e").mkdir()
+    assert "is not a complete DCP checkpoint" in refused("--checkpoint.initial_load_path", str(tmp_path / "e"),
+                                                         "--job.dump_folder", str(tmp_path / "f"))
+    assert "has no config.json" in refused("--checkpoint.initial_load_path", str(tmp_path / "e"),
+                                           "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path / "f"))
 
-    other = run("--checkpoint.initial_load_path", str(other_model_seed), "--job.dump_folder", str(tmp_path / "b"))
+    # Shapes need the model: found by the trainer, which stops with the parameter named.
+    other = launch(1, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "8",
+                       "--checkpoint.initial_load_path", str(other_model_seed), "--job.dump_folder", str(tmp_path / "b")])
     assert other.returncode != 0
     assert "parameter tok_embeddings.weight has shape [2048, 256] in the checkpoint but [256, 64]" in other.stdout
-
-    (tmp_path / "c" / "checkpoint").mkdir(parents=True)
-    none = run("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "c"))
-    assert none.returncode != 0 and "no checkpoint of step 4" in none.stdout and "complete checkpoints: none" in none.stdout
-
-    shutil.copytree(seed, tmp_path / "d" / "checkpoint" / ".step-4.partial")
-    incomplete = run("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "d"))
-    assert incomplete.returncode != 0 and "the save of step 4" in incomplete.stdout and "never completed" in incomplete.stdout
-
-    not_dcp = tmp_path / "e"
-    not_dcp.mkdir()
-    plain = run("--checkpoint.initial_load_path", str(not_dcp), "--job.dump_folder", str(tmp_path / "f"))
-    assert plain.returncode != 0 and "is not a complete DCP checkpoint" in plain.stdout
 
 
 def test_stale_partial_save_is_ignored_and_removed(tmp_path, killed_at_10):
