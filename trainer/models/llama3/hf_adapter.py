@@ -59,16 +59,22 @@ def _halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def _rope_heads(ours: str, args: LlamaModelArgs) -> int | None:
+    """Heads whose rows a weight's RoPE layout spans (wq, wk), else None."""
+    if ours.endswith("attention.wq.weight"):
+        return args.n_heads
+    if ours.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def _convert(w: torch.Tensor, heads: int | None, permute) -> torch.Tensor:
+    return (permute(w, heads) if heads else w).contiguous()
+
+
 def to_hf(state: dict[str, torch.Tensor], args: LlamaModelArgs) -> dict[str, torch.Tensor]:
-    out = {}
-    for ours, theirs in key_map(args).items():
-        w = state[ours]
-        if ours.endswith("attention.wq.weight"):
-            w = _pairs_to_halves(w, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            w = _pairs_to_halves(w, args.kv_heads)
-        out[theirs] = w.contiguous()
-    return out
+    return {theirs: _convert(state[ours], _rope_heads(ours, args), _pairs_to_halves)
+            for ours, theirs in key_map(args).items()}
 
 
 def from_hf(state: dict[str, torch.Tensor], args: LlamaModelArgs, source: str = "") -> dict[str, torch.Tensor]:
@@ -76,12 +82,7 @@ def from_hf(state: dict[str, torch.Tensor], args: LlamaModelArgs, source: str = 
     for ours, theirs in key_map(args).items():
         if theirs not in state:
             raise HFCheckpointError(f"{source}: missing tensor {theirs} (needed for {ours})")
-        w = state[theirs]
-        if ours.endswith("attention.wq.weight"):
-            w = _halves_to_pairs(w, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            w = _halves_to_pairs(w, args.kv_heads)
-        out[ours] = w.contiguous()
+        out[ours] = _convert(state[theirs], _rope_heads(ours, args), _halves_to_pairs)
     return out
 
 
