@@ -261,3 +261,14 @@ def test_hugging_face_weights_in_and_out_of_a_run(tmp_path):
     original = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_exclude_from_loading(tmp_path, killed_at_10, uninterrupted):
+    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    result = launch(2, [*RESUMABLE, "--training.steps", "11", "--checkpoint.exclude_from_loading", "dataloader",
+                        "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert "loaded model, optimizer, lr_scheduler, train_state from" in result.stdout
+    losses = losses_by_step(tmp_path)
+    assert list(losses) == [11]  # the step counter came back...
+    assert losses[11] != uninterrupted[11]  # ...the data position did not: step 11 trained on batch 1
