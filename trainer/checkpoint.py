@@ -97,6 +97,20 @@ def saved_keys(path: Path) -> dict[str, tuple | None]:
     return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.state_dict_metadata.items()}
 
 
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a DCP checkpoint as plain CPU tensors, read by this process alone
+    (whatever layout wrote it: every shard and pipeline stage is in the folder)."""
+    # What torch's own dcp_to_torch_save does, without the detour through a file: the public
+    # dcp.load only fills keys the caller already has.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
 def saved_items(keys: dict) -> set[str]:
     return {key.split(".", 1)[0] for key in keys}
 
@@ -218,13 +232,15 @@ class CheckpointManager:
             copy_global_into(param, state[name].to(param.device, param.dtype))
         logger.info("loaded model weights from the Hugging Face folder %s", path)
 
-    def _export_hf(self, folder: Path, dtype: torch.dtype) -> None:
-        """Full weights gathered to rank 0 and written as config.json + model.safetensors."""
+    def _export_hf(self, checkpoint: Path, dtype: torch.dtype) -> None:
+        """Rank 0 converts the model of a just-written checkpoint to checkpoint/hf (config.json +
+        model.safetensors). Reading the checkpoint, not the ranks' memory, gets every stage of a
+        pipeline-parallel run."""
         from trainer.models.llama3.hf_adapter import write_hf_folder
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        dist.barrier()  # every rank's shard is on disk
         if self.rank == 0:
-            write_hf_folder(folder, state, self.model.args, dtype)
+            write_hf_folder(checkpoint / "hf", read_model_state(checkpoint), self.model.args, dtype)
 
     def _remove_stale_partials(self) -> None:
         if not self.folder.is_dir():
@@ -260,7 +276,7 @@ class CheckpointManager:
             return
         dcp.save(state, checkpoint_id=str(partial))
         if last and self.cfg.last_save_in_hf:  # inside the folder, so it is published with it
-            self._export_hf(partial / "hf", DTYPES[self.cfg.export_dtype])
+            self._export_hf(partial, DTYPES[self.cfg.export_dtype])
         self._finish(step, partial)
 
     def wait(self) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from trainer.checkpoint_layout import check_load_options
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config
-from trainer.parallel.dims import ParallelDims
+from trainer.parallel.dims import ParallelDims, layout_problems
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,7 @@ class RunPlan:
 
 def unsupported(config: JobConfig) -> list[str]:
     """Options that are valid but whose feature this trainer does not provide yet."""
-    c = config
-    checks = {
-        "parallelism.data_parallel_replicate_degree > 1": c.parallelism.data_parallel_replicate_degree > 1,
-        "parallelism.tensor_parallel_degree > 1": c.parallelism.tensor_parallel_degree > 1,
-        "parallelism.pipeline_parallel_degree > 1": c.parallelism.pipeline_parallel_degree > 1,
-        "parallelism.context_parallel_degree > 1": c.parallelism.context_parallel_degree > 1,
-        "activation_checkpoint.mode != 'none'": c.activation_checkpoint.mode != "none",
-        "compile.enable": c.compile.enable,
-        "training.enable_cpu_offload": c.training.enable_cpu_offload,
-        "model.hf_assets_path": bool(c.model.hf_assets_path),
-    }
+    checks = {"model.hf_assets_path": bool(config.model.hf_assets_path)}
     return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]
 
 
@@ -77,6 +67,9 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     dims = ParallelDims.from_config(config.parallelism, world_size)
+    problems = layout_problems(config, dims)
+    if problems:
+        raise ConfigError(f"parallel layout {describe_degrees(dims)} does not fit this job:\n  " + "\n  ".join(problems))
     local = config.training.local_batch_size
     per_pass = local * dims.dp
     global_batch = config.training.global_batch_size
@@ -90,6 +83,10 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     return RunPlan(dims=dims, global_batch_size=global_batch, accumulation_steps=global_batch // per_pass)
 
 
+def describe_degrees(dims: ParallelDims) -> str:
+    return "(" + " ".join(f"{k}={v}" for k, v in dims.degrees().items()) + ")"
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if len(argv) < 2 or argv[0] != "--nproc":
@@ -101,8 +98,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    degrees = " ".join(f"{k}={v}" for k, v in plan.dims.degrees().items())
-    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {argv[1]} processes ({degrees})")
+    degrees = describe_degrees(plan.dims)
+    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {argv[1]} processes {degrees}")
     print(f"outputs: {Path(config.job.dump_folder).resolve()}")
     return 0
 

@@ -32,14 +32,14 @@ from trainer.config.manager import ConfigError, help_text, load_config, to_dict,
 from trainer.data.loader import BatchLoader
 from trainer.data.sources import build_sources
 from trainer.data.text_sources import DataError, DataExhausted
-from trainer.loss import count_targets, cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepFigures, should_log
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from trainer.parallel import parallelize
+from trainer.parallel import ParallelModel, parallelize
 from trainer.preflight import RunPlan, plan_run
+from trainer.step import StepRunner
 
 logger = logging.getLogger("trainer")
 
@@ -64,11 +64,12 @@ class Trainer:
             self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
-        self.loss_group = self.mesh["dp_cp"].get_group()
 
         model_args = get_flavor(config.model.flavor)
-        model_args.max_seq_len = config.training.seq_len
-        self.model = self._build_model(model_args)
+        model_args.max_seq_len = max(config.training.seq_len, config.validation.seq_len if config.validation.enable else 0)
+        parallel = self._build_model(model_args)
+        self.model = parallel.model  # every parameter of this rank, under its original name
+        self.runner = StepRunner(parallel, plan.dims, self.mesh, config, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)
@@ -85,17 +86,21 @@ class Trainer:
             config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
             flops_per_token=flops_per_token(model_args, config.training.seq_len), resume=self.state.step > 0,
         )
+        self.metrics_num_params = count_params_on_meta(model_args)
         self.metrics.write_run_metadata(self._metadata(model_args, world_size))
 
-    def _build_model(self, model_args) -> Transformer:
+    def _build_model(self, model_args) -> ParallelModel:
         """Build on the meta device, parallelize, then materialize: no full copy ever exists."""
         with torch.device("meta"):
             model = Transformer(model_args)
-        parallelize(model, self.plan.dims, self.mesh, self.config, self.device)
-        model.to_empty(device=self.device)
-        model.init_weights(seed=self.config.debug.seed, device=self.device)
-        model.train()
-        return model
+        parallel = parallelize(model, self.plan.dims, self.mesh, self.config, self.device)
+        for stage in parallel.stages.values():
+            stage.to_empty(device=self.device)
+            stage.init_weights(seed=self.config.debug.seed, device=self.device)
+            stage.train()
+        if parallel.stage_plan is not None:
+            logger.info("pipeline: %s", parallel.stage_plan.describe())
+        return parallel
 
     def _build_loaders(self, vocab_size: int) -> tuple[BatchLoader, BatchLoader | None]:
         config, dims = self.config, self.plan.dims
@@ -132,16 +137,9 @@ class Trainer:
         }
 
     def train_step(self) -> StepResult:
-        microbatches = self.loader.next_batch()
-        # The denominator of invariant 2: target tokens of the whole global batch, all ranks.
-        global_targets = sum(count_targets(labels) for _, labels in microbatches).float()
-        dist.all_reduce(global_targets, group=self.loss_group)
-        loss_share = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            loss = cross_entropy_sum(self.model(inputs), labels) / global_targets
-            loss.backward()
-            loss_share += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm)
+        loss_share = self.runner.forward_backward(self.loader.next_batch())
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm,
+                                   extra_reduce_groups=self.runner.grad_norm_groups())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,17 +152,12 @@ class Trainer:
         self.val_loader.reset()
         totals = torch.zeros(2, device=self.device)  # cross-entropy sum, target tokens
         for _ in range(self.config.validation.steps):
-            for inputs, labels in self.val_loader.next_batch():
-                totals[0] += cross_entropy_sum(self.model(inputs), labels)
-                totals[1] += count_targets(labels)
-        dist.all_reduce(totals, group=self.loss_group)
+            totals += self.runner.evaluate(self.val_loader.next_batch())
         self.model.train()
         return (totals[0] / totals[1]).item()
 
     def global_loss(self, result: StepResult) -> float:
-        loss = result.loss.clone()
-        dist.all_reduce(loss, group=self.loss_group)
-        return loss.item()
+        return self.runner.global_sum(result.loss)
 
     def train(self) -> None:
         cfg = self.config
@@ -172,7 +165,7 @@ class Trainer:
             logger.info("job: %s", cfg.job.description)
         logger.info(
             "training %s (%.2fM parameters) for %d steps: global batch %d x %d tokens (%d accumulation steps)",
-            cfg.model.flavor, sum(p.numel() for p in self.model.parameters()) / 1e6, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
+            cfg.model.flavor, self.metrics_num_params / 1e6, cfg.training.steps, self.plan.global_batch_size, cfg.training.seq_len,
             self.plan.accumulation_steps,
         )
         if self.source.entropy_floor is not None:

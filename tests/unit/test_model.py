@@ -84,8 +84,8 @@ def test_grouped_query_attention_matches_naive_reference():
     model = tiny_model().double()
     attention = model.layers["0"].attention
     x = torch.randn(2, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    freqs = model.freqs_cis[:12].unsqueeze(0)
-    got = attention(x, freqs)
+    got = attention(x, model.freqs_cis)
+    freqs = model.freqs_cis[:12]
 
     q = apply_rope(attention.wq(x).view(2, 12, 4, 16), freqs)
     k = apply_rope(attention.wk(x).view(2, 12, 2, 16), freqs)

@@ -147,7 +147,8 @@ class Parallelism:
     """Parallel degrees and their options. The product of the degrees must equal the world size."""
 
     data_parallel_replicate_degree: int = 1
-    """Replicas of the model (DDP-style); with shard degree > 1 this gives HSDP."""
+    """Replicas of the model. With data_parallel_shard_degree = 1 (and no context parallelism)
+    this is DDP; with shard degree > 1 it is HSDP (sharded within, replicated across groups)."""
 
     data_parallel_shard_degree: int = -1
     """FSDP shard group size. -1: whatever the other degrees leave of the world size."""
@@ -157,25 +158,30 @@ class Parallelism:
     default: always, except never under pipeline parallelism."""
 
     tensor_parallel_degree: int = 1
-    """Tensor (+ sequence) parallel degree."""
+    """Tensor parallel degree, with sequence parallelism for norms and the residual stream. Must
+    divide the model's heads, KV heads and vocabulary, and seq_len / context_parallel_degree."""
 
     disable_loss_parallel: bool = False
-    """Gather the vocabulary-sharded logits before the loss instead of computing it sharded."""
+    """Under tensor parallelism, gather the vocabulary-sharded logits before the loss instead of
+    computing the cross-entropy on the shards."""
 
     enable_async_tensor_parallel: bool = False
-    """Overlap tensor-parallel communication with compute (needs compile and CUDA)."""
+    """Overlap tensor-parallel communication with the neighbouring matmuls (a compiler pass: needs
+    compile.enable and CUDA)."""
 
     pipeline_parallel_degree: int = 1
-    """Pipeline stages groups (ranks along the pipeline)."""
+    """Ranks along the pipeline; each runs one or more stages (see pipeline_parallel_schedule)."""
 
     pipeline_parallel_schedule: Literal[
-        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
     ] = "1F1B"
-    """Pipeline schedule from torch.distributed.pipelining."""
+    """Pipeline schedule from torch.distributed.pipelining. GPipe and 1F1B run one stage per PP rank;
+    Interleaved1F1B, LoopedBFS and InterleavedZeroBubble two or more (stage s on rank s % degree);
+    ZBVZeroBubble and DualPipeV exactly two, in a V (rank r runs stages r and 2 x degree - 1 - r)."""
 
     pipeline_parallel_layers_per_stage: Optional[int] = None
-    """Transformer layers per pipeline stage (embedding and output count as layers). Unset: as many
-    stages as the schedule needs per rank."""
+    """Layers per pipeline stage, the embedding and the output counted as first/last_stage_less_layers
+    layers; sets the number of stages. Unset: one stage per PP rank (two for multi-stage schedules)."""
 
     pipeline_parallel_first_stage_less_layers: int = 1
     """Layers fewer on the first stage, to make room for the token embedding."""
@@ -184,13 +190,17 @@ class Parallelism:
     """Layers fewer on the last stage, to make room for the output projection and loss."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline microbatch; local_batch_size must be a multiple."""
+    """Sequences per pipeline microbatch; local_batch_size must be a multiple. 1F1B and the
+    interleaved schedules need at least pipeline_parallel_degree microbatches, the V schedules at
+    least 2 x pipeline_parallel_degree."""
 
     context_parallel_degree: int = 1
-    """Context parallel degree: each rank holds this fraction of every sequence."""
+    """Context parallel degree: each rank holds 1/degree of every sequence (two chunks of
+    2 x degree, head and tail, for an even causal workload). seq_len must be a multiple of 2 x degree."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How context-parallel ranks exchange keys and values."""
+    """How context-parallel ranks exchange keys and values. Only 'allgather' (every rank gathers all
+    keys and values, on any backend) is available; 'alltoall' is refused."""
 
 
 @dataclass

@@ -1,26 +1,75 @@
 """Parallelisms, each in its own module with one apply_* entry point, composed by `parallelize`.
 
-Composition order (each step sees the model the previous one produced):
-  1. data parallelism: FSDP2 over the dp_shard mesh (fsdp.py)
+Composition order, on the model built on the meta device (each step sees what the previous made):
+  1. pipeline parallelism: cut the model into this PP rank's stages (pipeline.py, stages.py);
+     every later step applies to each stage
+  2. tensor + sequence parallelism over the tp mesh, loss parallelism (tensor.py)
+  3. context parallelism over the cp mesh: the attention core of every block (context.py)
+  4. activation checkpointing (checkpointing.py)
+  5. torch.compile per block (compile.py)
+  6. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py)
+TP comes before FSDP so FSDP shards the TP shards (2-D parameters); AC and compile wrap the
+blocks FSDP will shard. The trainer then materializes the weights and, under PP, builds the
+schedule over the stages (pipeline.Pipeline).
+
+This package imports torch only inside functions: the launcher's preflight imports
+trainer.parallel.dims and must stay fast.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from trainer.parallel.dims import ParallelDims
-from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
+from trainer.parallel.dims import ParallelDims, stage_plan
+from trainer.parallel.stages import StagePlan
+
+if TYPE_CHECKING:
+    import torch
 
 
-def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh, config, device: torch.device) -> None:
-    """Apply the configured parallelisms to a model built on the meta device, in place."""
-    p = config.parallelism
+@dataclass
+class ParallelModel:
+    model: "torch.nn.Module"  # every parameter this rank holds, under its original name
+    stages: dict[int, "torch.nn.Module"]  # what runs: {0: model} without PP, else this rank's stages
+    stage_plan: StagePlan | None
+
+
+def data_parallel_mesh(dims: ParallelDims, mesh):
+    """FSDP's mesh: 1-D (dp_shard x cp), or 2-D (dp_replicate, dp_shard x cp) for HSDP and DDP."""
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+
+
+def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
+    """Apply the configured parallelisms to a model built on the meta device."""
+    from trainer.parallel.checkpointing import apply_ac
+    from trainer.parallel.compile import apply_compile
+    from trainer.parallel.context import apply_cp
+    from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
+    from trainer.parallel.pipeline import RankModel, split_into_stages
+    from trainer.parallel.tensor import apply_tp, enable_async_tp
+
+    p, ac = config.parallelism, config.activation_checkpoint
+    plan = stage_plan(config, dims)
+    stages = split_into_stages(model, plan, mesh["pp"].get_local_rank()) if plan else {0: model}
     reshard = p.fsdp_reshard_after_forward
-    apply_fsdp(
-        model,
-        mesh["dp_shard_cp"],
-        param_dtype=resolve_param_dtype(config.training.mixed_precision_param, device),
-        reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
-        reshard_after_forward=reshard == "always" or (reshard == "default" and dims.pp == 1),
-        cpu_offload=config.training.enable_cpu_offload,
-    )
+    for stage in stages.values():
+        if dims.tp > 1:
+            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel)
+        if dims.cp > 1:
+            apply_cp(stage, mesh["cp"])
+        apply_ac(stage, ac.mode, ac.selective_ac_option)
+        if config.compile.enable and "model" in config.compile.components:
+            apply_compile(stage, config.compile.backend)
+        apply_fsdp(
+            stage,
+            data_parallel_mesh(dims, mesh),
+            param_dtype=resolve_param_dtype(config.training.mixed_precision_param, device),
+            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+            reshard_after_forward=reshard == "always" or (reshard == "default" and dims.pp == 1),
+            cpu_offload=config.training.enable_cpu_offload,
+        )
+    if p.enable_async_tensor_parallel:
+        enable_async_tp(mesh["tp"], device)
+    owned = list(stages.values())
+    return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)

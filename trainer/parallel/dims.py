@@ -9,7 +9,9 @@ Derived (flattened) meshes:
   dp_shard_cp  = dp_shard x cp             ranks FSDP shards parameters over
   dp_cp        = dp_replicate x dp_shard x cp  ranks the loss is averaged over
 
-Validation here is pure Python so the launcher can check a config before any process starts.
+Validation here is pure Python so the launcher can check a config before any process starts:
+`ParallelDims.from_config` checks the degrees against the world size, `layout_problems` checks
+them against the model, the batch and the other options, naming the fix for each problem.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.manager import ConfigError
+from trainer.parallel.stages import ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches, plan_stages
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -77,6 +80,11 @@ class ParallelDims:
             rank, coords[name] = divmod(rank, getattr(self, name))
         return coords
 
+    @property
+    def dp_shard_cp(self) -> int:
+        """Ranks FSDP shards parameters over: context-parallel ranks join the shard group."""
+        return self.dp_shard * self.cp
+
     def dp_rank_of(self, rank: int) -> int:
         """The data-parallel rank whose rows a global rank trains on: equal for all TP/CP/PP peers."""
         c = self.coordinates(rank)
@@ -107,5 +115,88 @@ class Meshes:
     def __init__(self, world, flattened: dict):
         self.world, self.flattened = world, flattened
 
-    def __getitem__(self, name: str):
-        return self.flattened[name] if name in self.flattened else self.world[name]
+    def __getitem__(self, name: str | tuple[str, ...]):
+        """A named or flattened dimension, or several of them (a tuple) as one mesh."""
+        if isinstance(name, str) and name in self.flattened:
+            return self.flattened[name]
+        return self.world[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout against the model, the batch and the other options
+
+
+def stage_plan(config, dims: ParallelDims) -> StagePlan | None:
+    """The pipeline stage split of this layout (None without pipeline parallelism)."""
+    if dims.pp == 1:
+        return None
+    from trainer.models.llama3.args import FLAVORS
+
+    p = config.parallelism
+    return plan_stages(FLAVORS[config.model.flavor].n_layers, dims.pp, p.pipeline_parallel_schedule,
+                       p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_first_stage_less_layers,
+                       p.pipeline_parallel_last_stage_less_layers)
+
+
+def layout_problems(config, dims: ParallelDims) -> list[str]:
+    """Every reason the degrees cannot run this model and batch, each with the fix."""
+    from trainer.models.llama3.args import FLAVORS
+
+    c, p = config, config.parallelism
+    model = FLAVORS[c.model.flavor]
+    problems = []
+    if dims.tp > 1:
+        for what, size in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads),
+                           ("vocab_size", model.vocab_size), ("FFN hidden size", model.ffn_hidden_dim)):
+            if size % dims.tp:
+                problems.append(f"parallelism.tensor_parallel_degree={dims.tp}: the {c.model.flavor} model's {what} "
+                                f"({size}) is not divisible by it; choose a degree that divides {size}")
+    seq_lens = {"training.seq_len": c.training.seq_len}
+    if c.validation.enable:
+        seq_lens["validation.seq_len"] = c.validation.seq_len
+    for key, seq_len in seq_lens.items():
+        problems += sequence_problems(key, seq_len, dims)
+    if dims.cp > 1 and p.context_parallel_rotate_method != "allgather":
+        problems.append(f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not "
+                        "available; context parallelism here gathers keys and values ('allgather')")
+    if p.enable_async_tensor_parallel and (dims.tp == 1 or not c.compile.enable):
+        problems.append("parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and "
+                        "compile.enable (it is a compiler pass), on CUDA")
+    if dims.pp > 1:
+        problems += pipeline_problems(config, dims)
+    return problems
+
+
+def sequence_problems(key: str, seq_len: int, dims: ParallelDims) -> list[str]:
+    """Context parallelism cuts each sequence into 2 x cp chunks (head-tail load balancing);
+    sequence parallelism then splits each rank's part over the TP ranks."""
+    if dims.cp > 1 and seq_len % (2 * dims.cp):
+        return [f"{key}={seq_len}: context_parallel_degree={dims.cp} splits sequences into 2 x {dims.cp} equal "
+                f"chunks; use a multiple of {2 * dims.cp}"]
+    local = seq_len // dims.cp
+    if dims.tp > 1 and local % dims.tp:
+        multiple = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+        return [f"{key}={seq_len}: sequence parallelism splits each rank's {local} tokens over "
+                f"tensor_parallel_degree={dims.tp} ranks; use a multiple of {multiple}"]
+    return []
+
+
+def pipeline_problems(config, dims: ParallelDims) -> list[str]:
+    c, p = config, config.parallelism
+    try:
+        plan = stage_plan(config, dims)
+        check_microbatches(p.pipeline_parallel_schedule, c.training.local_batch_size,
+                           p.pipeline_parallel_microbatch_size, dims.pp, plan.num_stages)
+    except StageError as e:
+        return [str(e)]
+    problems = []
+    if c.compile.enable and "model" in c.compile.components and p.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES:
+        problems.append(f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule}: zero-bubble "
+                        "schedules split backward in two, which torch.compile does not support; disable compile.enable "
+                        "or choose Interleaved1F1B")
+    if c.validation.enable and (c.validation.local_batch_size, c.validation.seq_len) != (
+            c.training.local_batch_size, c.training.seq_len):
+        problems.append("validation.local_batch_size / validation.seq_len: under pipeline parallelism validation runs "
+                        "through the training pipeline, so they must equal training.local_batch_size "
+                        f"({c.training.local_batch_size}) and training.seq_len ({c.training.seq_len})")
+    return problems

@@ -1,4 +1,12 @@
-"""FSDP2 (fully_shard): sharded parameters, gradients and optimizer state."""
+"""Data parallelism with FSDP2 (`fully_shard`): FSDP, HSDP and DDP from one entry point.
+
+The data-parallel mesh has two dimensions, (dp_replicate, dp_shard_cp):
+  FSDP  1 x N   parameters, gradients and optimizer state sharded over N ranks (ZeRO-3-like);
+  HSDP  R x N   sharded within groups of N, replicated across R groups;
+  DDP   R x 1   every rank holds everything and gradients are all-reduced.
+Context-parallel ranks are part of the shard dimension: they hold different tokens of the same
+rows, so their gradients are summed like those of data-parallel ranks.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +27,11 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce
                reshard_after_forward: bool, cpu_offload: bool = False) -> None:
     """Shard each transformer block, then the rest (embeddings, final norm, output) at the root.
 
-    One FSDP unit per block lets the all-gather of block i+1 overlap the compute of block i.
-    Gradients are SUMMED over data-parallel ranks (divide factor 1, plain SUM collectives, which
-    every backend has): the loss is already divided by the global token count (trainer/loss.py),
-    so averaging again would be wrong.
+    `mesh` is the 1-D shard mesh or the 2-D (replicate, shard) mesh. One FSDP unit per block lets
+    the all-gather of block i+1 overlap the compute of block i. Gradients are SUMMED over
+    data-parallel ranks (divide factor 1, plain SUM collectives, which every backend has): the
+    loss is already divided by the global token count (trainer/loss.py), so averaging again
+    would be wrong.
     """
     policy = dict(
         mesh=mesh,

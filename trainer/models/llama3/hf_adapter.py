@@ -163,7 +163,8 @@ def write_hf_folder(path: str | Path, state: dict[str, torch.Tensor], args: Llam
 
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from trainer.checkpoint import read_model_state
 
     parser = argparse.ArgumentParser(prog="python -m trainer.models.llama3.hf_adapter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,12 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             state = read_hf_folder(a.hf, args)
             dcp.save({"model": state}, checkpoint_id=a.out, no_dist=True)
         else:
-            flat = Path(a.out) / ".model.pt"
-            Path(a.out).mkdir(parents=True)
-            dcp_to_torch_save(a.dcp, str(flat))
-            state = torch.load(flat, weights_only=False)["model"]
-            flat.unlink()
-            write_hf_folder(a.out, state, args, getattr(torch, a.dtype))
+            write_hf_folder(a.out, read_model_state(Path(a.dcp)), args, getattr(torch, a.dtype))
     except (HFCheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

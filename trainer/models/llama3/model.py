@@ -3,6 +3,10 @@
 Built on the meta device and materialized by `init_weights`, which draws every parameter from a
 generator seeded by (seed, parameter name) as the full tensor and keeps the local shard: the same
 seed gives the same global weights whatever the sharding.
+
+Two hooks let the parallelisms change how a block computes without changing its parameters or
+their names: `Attention.core` (which query positions this rank holds and how it attends: context
+parallelism replaces it) and `TransformerBlock.recompute` (activation checkpointing).
 """
 
 from __future__ import annotations
@@ -58,10 +62,33 @@ def rope_table(args: LlamaModelArgs, device: torch.device | str | None = None) -
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (0,1), (2,3), ... of each head. x: (B, T, H, D); freqs: (B or 1, T, D/2)."""
+    """Rotate consecutive pairs (0,1), (2,3), ... of each head. x: (B, T, H, D); freqs: (T, D/2) or (B, T, D/2)."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(-2)
+    rotated = torch.view_as_real(pairs * freqs.unsqueeze(-2)).flatten(-2)
     return rotated.type_as(x)
+
+
+class CausalAttention:
+    """The attention core of a rank that holds whole sequences: positions 0..T-1, causal mask.
+
+    Context parallelism swaps in a core whose rank holds a subset of the positions and gathers
+    the keys and values of the others (trainer/parallel/context.py); both keep this interface.
+    """
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Sequence positions of the local query rows (they index the RoPE table)."""
+        return torch.arange(local_len, device=device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, T, H_kv, D) -> (B, T, H, D)."""
+        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return out.transpose(1, 2)
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query attention: each K/V head serves heads / kv_heads consecutive query heads."""
+    return x.repeat_interleave(heads // x.shape[2], dim=2)
 
 
 class Attention(nn.Module):
@@ -72,18 +99,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim); rope is the whole RoPE table, indexed by the core's positions."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        repeats = q.shape[2] // k.shape[2]  # grouped-query attention: share each K/V head
-        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        freqs = rope[self.core.positions(seq, rope.device)]
+        out = self.core(apply_rope(q, freqs), apply_rope(k, freqs), v)
+        return self.wo(out.reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -106,9 +133,17 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Activation checkpointing sets this to a function that runs `compute` without keeping
+        # (all of) its activations for backward (trainer/parallel/checkpointing.py).
+        self.recompute = None
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.recompute is not None:
+            return self.recompute(self.compute, x, rope)
+        return self.compute(x, rope)
+
+    def compute(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -130,16 +165,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab). positions (T) or (B, T) index the RoPE table
-        (default 0..T-1); context parallelism passes each rank's non-contiguous positions."""
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). A pipeline stage without the embedding takes the
+        hidden state (B, T, dim) instead, and one without the output returns it."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        freqs = self.freqs_cis[:seq] if positions is None else self.freqs_cis[positions]
-        if freqs.dim() == 2:
-            freqs = freqs.unsqueeze(0)
         for block in self.layers.values():
-            h = block(h, freqs)
+            h = block(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

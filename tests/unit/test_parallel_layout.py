@@ -1,0 +1,148 @@
+"""Pipeline stage planning and the layout checks that run before any process starts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from trainer.config.manager import ConfigError, load_config
+from trainer.parallel.dims import ParallelDims, layout_problems
+from trainer.parallel.stages import StageError, check_microbatches, plan_stages
+from trainer.preflight import plan_run
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage planning
+
+
+def test_single_stage_split_counts_embedding_and_output_as_layers():
+    plan = plan_stages(32, 8, "1F1B", None, 1, 1)
+    # 34 virtual layers over 8 stages: 5,5,4,4,4,4,4,4; the first gives one to the embedding,
+    # the last one to the output.
+    assert [len(b) for b in plan.blocks] == [4, 5, 4, 4, 4, 4, 4, 3]
+    assert plan.blocks[0] == (0, 1, 2, 3) and plan.blocks[-1] == (29, 30, 31)
+    assert [b for stage in plan.blocks for b in stage] == list(range(32))  # every block exactly once
+    assert [plan.rank_of_stage(s) for s in range(8)] == list(range(8))
+
+
+def test_interleaved_schedules_get_two_stages_per_rank_in_a_loop():
+    plan = plan_stages(8, 2, "Interleaved1F1B", None, 1, 1)
+    assert plan.num_stages == 4 and plan.stages_per_rank == 2
+    assert plan.blocks == ((0, 1), (2, 3, 4), (5, 6), (7,))
+    assert plan.stages_of_rank(0) == [0, 2] and plan.stages_of_rank(1) == [1, 3]
+
+
+def test_v_schedules_put_first_and_last_stage_on_rank_zero():
+    plan = plan_stages(8, 2, "ZBVZeroBubble", None, 1, 1)
+    assert plan.stages_of_rank(0) == [0, 3] and plan.stages_of_rank(1) == [1, 2]
+    assert plan_stages(8, 4, "DualPipeV", None, 0, 0).stages_of_rank(1) == [1, 6]
+
+
+def test_layers_per_stage_sets_the_number_of_stages():
+    plan = plan_stages(6, 2, "Interleaved1F1B", 2, 1, 1)  # 8 virtual layers / 2 = 4 stages
+    assert plan.blocks == ((0,), (1, 2), (3, 4), (5,))
+    assert plan_stages(6, 2, "LoopedBFS", 1, 1, 1).num_stages == 8
+    assert plan.describe().startswith("stage 0 (pp rank 0): embedding, layer 0; stage 1 (pp rank 1): layer 1, layer 2")
+
+
+def test_without_less_layers_blocks_split_evenly():
+    assert plan_stages(4, 2, "Interleaved1F1B", None, 0, 0).blocks == ((0,), (1,), (2,), (3,))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 2, "Interleaved1F1B", None, 0, 0), "needs 4 stages, but the model has only 2 layers"),
+    ((8, 2, "1F1B", 3, 1, 1), "1F1B runs exactly one stage per PP rank"),
+    ((8, 2, "Interleaved1F1B", 2, 1, 1), "gives 5 stages, but Interleaved1F1B needs a multiple of 2"),
+    ((8, 2, "Interleaved1F1B", 5, 1, 1), "at least 2 per PP rank"),
+    ((6, 2, "ZBVZeroBubble", 1, 1, 1), "gives 8 stages, but ZBVZeroBubble runs exactly 2 stages per PP rank"),
+    ((2, 2, "Interleaved1F1B", None, 4, 0), "stage 1 of 4 would hold no layers"),
+    ((8, 2, "1F1B", None, -1, 1), "first_stage_less_layers: must be >= 0"),
+    ((8, 2, "Zigzag", None, 1, 1), "unknown schedule 'Zigzag'"),
+])
+def test_impossible_stage_splits(args, message):
+    with pytest.raises(StageError, match=message):
+        plan_stages(*args)
+
+
+@pytest.mark.parametrize("schedule, local, micro, pp, stages, expected", [
+    ("GPipe", 1, 1, 4, 4, 1),
+    ("1F1B", 8, 2, 4, 4, 4),
+    ("Interleaved1F1B", 4, 1, 2, 4, 4),
+    ("Interleaved1F1B", 6, 1, 4, 8, 6),  # one round of 6
+    ("ZBVZeroBubble", 4, 1, 2, 4, 4),
+])
+def test_microbatches_schedules_accept(schedule, local, micro, pp, stages, expected):
+    assert check_microbatches(schedule, local, micro, pp, stages) == expected
+
+
+@pytest.mark.parametrize("schedule, local, micro, pp, stages, message", [
+    ("1F1B", 6, 4, 2, 2, "local_batch_size=6 is not a multiple of parallelism.pipeline_parallel_microbatch_size=4"),
+    ("1F1B", 2, 1, 4, 4, "needs at least 4 microbatches, .* gives 2; raise the local batch size to 4"),
+    ("Interleaved1F1B", 1, 1, 2, 4, "needs at least 2 microbatches"),
+    ("ZBVZeroBubble", 2, 1, 2, 4, "needs at least 4 microbatches"),
+    ("DualPipeV", 6, 2, 2, 4, "needs at least 4 microbatches, .* gives 3; raise the local batch size to 8"),
+    ("Interleaved1F1B", 9, 1, 4, 8, "in 2 equal rounds .* gives 9; use a multiple of 4 microbatches"),
+])
+def test_microbatches_schedules_refuse(schedule, local, micro, pp, stages, message):
+    with pytest.raises(StageError, match=message):
+        check_microbatches(schedule, local, micro, pp, stages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout against model, batch and options
+
+
+def problems(nproc: int, *args: str) -> list[str]:
+    config = load_config(["--model.flavor", "tiny", "--training.seq_len", "32", *args])
+    return layout_problems(config, ParallelDims.from_config(config.parallelism, nproc))
+
+
+def test_a_valid_4d_layout_has_no_problems():
+    assert problems(16, "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4") == []
+
+
+@pytest.mark.parametrize("nproc, args, message", [
+    (4, ["--parallelism.tensor_parallel_degree", "4"], "n_kv_heads \\(2\\) is not divisible by it"),
+    (3, ["--parallelism.tensor_parallel_degree", "3", "--model.flavor", "debugmodel", "--training.seq_len", "48"],
+     "n_heads \\(16\\) is not divisible by it; choose a degree that divides 16"),
+    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+     "training.seq_len=30: context_parallel_degree=2 splits sequences into 2 x 2 equal chunks; use a multiple of 4"),
+    (8, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",
+         "--model.flavor", "debugmodel", "--training.seq_len", "36"],
+     "sequence parallelism splits each rank's 18 tokens over tensor_parallel_degree=4 ranks; use a multiple of 16"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"], "use a multiple of 2"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--validation.enable", "--validation.seq_len", "31"],
+     "validation.seq_len=31"),
+    (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+     "'alltoall' is not available"),
+    (2, ["--parallelism.enable_async_tensor_parallel"], "needs tensor_parallel_degree > 1 and compile.enable"),
+    (4, ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+         "Interleaved1F1B"], "needs 8 stages, but the model has only 4 layers"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"],
+     "1F1B with 2 PP ranks and 2 stages needs at least 2 microbatches"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+         "--compile.enable"], "zero-bubble schedules split backward in two"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--validation.enable", "--validation.local_batch_size", "2"],
+     "validation runs through the training pipeline"),
+])
+def test_each_impossible_layout_names_its_fix(nproc, args, message):
+    found = problems(nproc, *args)
+    assert any(re.search(message, problem) for problem in found), found
+
+
+def test_plan_run_lists_every_problem_at_once():
+    config = load_config(["--model.flavor", "tiny", "--training.seq_len", "30", "--parallelism.tensor_parallel_degree",
+                          "4", "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError) as error:
+        plan_run(config, 8)
+    message = str(error.value)
+    assert message.startswith("parallel layout (pp=1 dp_replicate=1 dp_shard=1 cp=2 tp=4) does not fit this job")
+    assert "n_kv_heads (2)" in message and "training.seq_len=30" in message
+
+
+def test_degrees_that_do_not_fill_the_world_are_refused_before_the_model():
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by the product of the other degrees"):
+        plan_run(load_config(["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree",
+                              "2"]), 6)

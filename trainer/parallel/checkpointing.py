@@ -1,0 +1,57 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of keeping them.
+
+Modes (activation_checkpoint.mode):
+  full       every block keeps only its input; its forward runs again in backward.
+  selective  with selective_ac_option = N: every N-th block (layer index divisible by N) as in
+             full, the others keep everything; with "op": every block keeps the outputs of its
+             expensive ops (matmuls, attention, collectives) and recomputes the cheap ones
+             (norms, activations, RoPE).
+
+The recompute runs inside the block's forward (`TransformerBlock.recompute`), so parameter names,
+FSDP units and pipeline stages are the same with and without it. Layer indices are global, so a
+pipeline-parallel run checkpoints the same blocks as a run without pipelining.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+
+def _ops_worth_saving() -> set:
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"),
+             (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
+             (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+             (aten, "_scaled_dot_product_attention_math"),
+             (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor")]
+    return {getattr(getattr(ns, name), "default") for ns, name in names if hasattr(ns, name)}
+
+
+def _save_expensive_ops(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_all(compute, *args):
+    return checkpoint(compute, *args, use_reentrant=False)
+
+
+def recompute_cheap_ops(compute, *args):
+    policy = partial(_save_expensive_ops, _ops_worth_saving())
+    return checkpoint(compute, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+def apply_ac(model: torch.nn.Module, mode: str, selective_option: str) -> None:
+    """Set the recompute strategy of the blocks of `model` (a whole Llama or a pipeline stage)."""
+    if mode == "none":
+        return
+    for index, block in model.layers.items():
+        if mode == "full":
+            block.recompute = recompute_all
+        elif selective_option == "op":
+            block.recompute = recompute_cheap_ops
+        elif int(index) % int(selective_option) == 0:
+            block.recompute = recompute_all

@@ -1,0 +1,67 @@
+"""Context parallelism that runs on every backend (gloo on CPU, NCCL on CUDA).
+
+Each of the cp ranks holds 1/cp of every sequence. With a causal mask, late tokens attend to more
+keys than early ones, so the sequence is cut into 2 x cp chunks and rank i takes chunks i and
+2cp-1-i (head-tail load balancing): every rank then does the same attention work.
+
+Attention is exact: each rank all-gathers the keys and values of its CP group (their gradients are
+reduce-scattered back in backward) and masks by the true sequence positions of queries and keys,
+so the result is the causal attention of the whole sequence, only computed in pieces. RoPE uses
+the same true positions. The K/V all-gather costs memory for the full sequence's keys and
+values per rank (not its queries, scores or activations); attention scores stay (T/cp) x T.
+
+The inputs and labels are cut the same way before the forward (`shard_sequence`); the loss of a
+rank is the sum over its tokens divided by the global token count, and FSDP sums gradients over
+the CP ranks (they are part of the shard mesh), which together give the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+from trainer.models.llama3.model import repeat_kv
+
+
+def load_balanced_positions(cp_rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
+    """Sequence positions held by `cp_rank`: chunks cp_rank and 2cp-1-cp_rank of 2cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """This rank's tokens of a (B, T, ...) batch, in the order of `load_balanced_positions`."""
+    return x.index_select(1, load_balanced_positions(cp_rank, cp, x.shape[1], x.device))
+
+
+class ContextParallelAttention:
+    """Attention core (see trainer.models.llama3.model.CausalAttention) of one CP rank."""
+
+    def __init__(self, cp_mesh):
+        self.mesh = cp_mesh
+        self.rank, self.degree = cp_mesh.get_local_rank(), cp_mesh.size()
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        return load_balanced_positions(self.rank, self.degree, local_len * self.degree, device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        local_len = q.shape[1]
+        # Keys and values of all CP ranks, concatenated in rank order along the sequence.
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=1, group=self.mesh)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=1, group=self.mesh)
+        query_positions = self.positions(local_len, q.device)
+        key_positions = torch.cat([load_balanced_positions(r, self.degree, local_len * self.degree, q.device)
+                                   for r in range(self.degree)])
+        visible = query_positions[:, None] >= key_positions[None, :]  # causal, by true positions
+        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
+        return out.transpose(1, 2)
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh) -> None:
+    """Make every attention layer of `model` (a whole Llama or a pipeline stage) context parallel."""
+    for block in model.layers.values():
+        block.attention.core = ContextParallelAttention(cp_mesh)

@@ -1,0 +1,106 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The model built on the meta device is cut into stages by layer (trainer/parallel/stages.py says
+which blocks each stage holds and which PP rank runs it). A stage is a copy of the Llama with the
+modules it does not own removed, so its parameters keep their original names: checkpoints,
+initialization and the optimizer see the same names whatever the pipeline layout.
+
+The schedule runs the microbatches of one local batch through the stages and calls the loss on
+the last stage for each microbatch. The loss of a microbatch is its cross-entropy sum divided by
+the global token count (invariant 2), so the schedule must not scale gradients again
+(scale_grads=False), and the sum of the microbatch losses is this rank's share of the global loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from trainer.parallel.stages import SINGLE_STAGE_SCHEDULES, StagePlan
+
+
+def split_into_stages(model: nn.Module, plan: StagePlan, pp_rank: int) -> dict[int, nn.Module]:
+    """stage index -> copy of `model` (on the meta device) holding only that stage's modules."""
+    stages = {}
+    for stage in plan.stages_of_rank(pp_rank):
+        part = copy.deepcopy(model)
+        keep = {str(b) for b in plan.blocks[stage]}
+        for name in [n for n in part.layers if n not in keep]:
+            del part.layers[name]
+        if stage != 0:
+            part.tok_embeddings = None
+        if stage != plan.num_stages - 1:
+            part.norm = None
+            part.output = None
+        stages[stage] = part
+    return stages
+
+
+class RankModel(nn.Module):
+    """Every module this PP rank holds, under its original name: the stages' modules, shared (no
+    copy). The optimizer, checkpoints and gradient clipping use it; the schedule runs the stages."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.args = stages[0].args
+        self.tok_embeddings = next((s.tok_embeddings for s in stages if s.tok_embeddings is not None), None)
+        blocks = sorted(((name, block) for s in stages for name, block in s.layers.items()), key=lambda nb: int(nb[0]))
+        self.layers = nn.ModuleDict(blocks)
+        self.norm = next((s.norm for s in stages if s.norm is not None), None)
+        self.output = next((s.output for s in stages if s.output is not None), None)
+
+
+class MicrobatchLoss:
+    """The loss the schedule calls on the last stage: cross-entropy sum / global target tokens.
+    The denominator changes every step, so the trainer sets it before running the schedule."""
+
+    def __init__(self, cross_entropy_sum: Callable):
+        self.cross_entropy_sum = cross_entropy_sum
+        self.denominator: torch.Tensor | float = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.cross_entropy_sum(logits, labels) / self.denominator
+
+
+class Pipeline:
+    """The stages of this PP rank and the schedule that drives them."""
+
+    def __init__(self, stages: dict[int, nn.Module], plan: StagePlan, pp_mesh, device: torch.device,
+                 n_microbatches: int, loss: MicrobatchLoss):
+        self.plan, self.loss = plan, loss
+        group = pp_mesh.get_group()
+        pipeline_stages = [PipelineStage(module, index, plan.num_stages, device, group=group)
+                           for index, module in sorted(stages.items())]
+        self.has_first_stage = 0 in stages
+        self.has_last_stage = plan.num_stages - 1 in stages
+        schedule_class = get_schedule_class(plan.schedule)
+        owned = pipeline_stages[0] if plan.schedule in SINGLE_STAGE_SCHEDULES else pipeline_stages
+        self.schedule = schedule_class(owned, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+        assert isinstance(self.schedule, PipelineScheduleSingle) == (plan.schedule in SINGLE_STAGE_SCHEDULES)
+
+    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
+        self.loss.denominator = denominator
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        run(*args, target=target, losses=losses if self.has_last_stage else None)
+        total = torch.zeros((), device=labels.device)
+        for loss in losses:
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        return total
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
+        """Train on one local batch; returns the sum of its microbatch losses on the rank with the
+        last stage, zero elsewhere."""
+        return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, labels, denominator)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy sum of one local batch (forward only), on the rank with the last stage."""
+        return self._run(self.schedule.eval, inputs, labels, 1.0)

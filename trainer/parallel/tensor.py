@@ -1,0 +1,75 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), on the `tp` mesh.
+
+Inside a block, the attention projections and the SwiGLU FFN are split by heads / hidden units:
+wq, wk, wv, w1, w3 column-wise (each rank computes some heads / units in full), wo and w2
+row-wise (each rank's partial sums are reduce-scattered). Between those, the residual stream,
+the RMSNorms and the embedding output are split along the sequence (sequence parallelism), so
+activations outside attention and FFN are never replicated across TP ranks:
+
+    x (B, T/tp) -norm-> all-gather -> (B, T) -> attention / FFN -> reduce-scatter -> (B, T/tp)
+
+The token embedding is split by vocabulary rows, the output projection by vocabulary columns.
+With loss parallelism the logits stay split by vocabulary and the cross-entropy is computed on
+the shards (torch's `loss_parallel`), never gathering a (B, T, vocab) tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool) -> None:
+    """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks, in place."""
+    outer = {}
+    if model.tok_embeddings is not None:
+        outer["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        outer["norm"] = SequenceParallel()
+    if model.output is not None:
+        outer["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,  # the loss needs the DTensor to compute on shards
+        )
+    parallelize_module(model, tp_mesh, outer)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Forward and backward of a vocabulary-sharded loss must run inside torch's loss_parallel."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def enable_async_tp(tp_mesh, device: torch.device) -> None:
+    """Let the compiler overlap TP collectives with the matmuls next to them (CUDA only)."""
+    if device.type != "cuda":
+        raise RuntimeError("parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory)")
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

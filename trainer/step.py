@@ -1,0 +1,100 @@
+"""Forward and backward of one global batch under the configured parallelisms.
+
+Whatever the layout, a step computes the loss of ARCHITECTURE invariant 2: each rank adds the
+cross-entropy sums of its tokens divided by the number of target tokens of the whole global batch.
+Context-parallel ranks first keep their part of every sequence; the pipeline, when there is one,
+runs the microbatches through the stages; a vocabulary-sharded loss runs inside loss_parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer.loss import count_targets, cross_entropy_sum
+from trainer.parallel.context import shard_sequence
+from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
+from trainer.parallel.tensor import loss_context
+
+Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepRunner:
+    def __init__(self, parallel, dims, mesh, config, device: torch.device):
+        p = config.parallelism
+        self.model = parallel.model
+        self.device = device
+        self.cp, self.cp_rank = dims.cp, mesh["cp"].get_local_rank()
+        self.loss_group = mesh["dp_cp"].get_group()  # ranks holding different tokens of the batch
+        self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        self.loss_parallel = dims.tp > 1 and not p.disable_loss_parallel
+        compile_loss = config.compile.enable and "loss" in config.compile.components
+        self.cross_entropy_sum = torch.compile(cross_entropy_sum, backend=config.compile.backend) if compile_loss \
+            else cross_entropy_sum
+        self.pipeline = None
+        if parallel.stage_plan is not None:
+            n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+            self.pipeline = Pipeline(parallel.stages, parallel.stage_plan, mesh["pp"], device, n_microbatches,
+                                     MicrobatchLoss(self._loss_sum))
+
+    def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.cross_entropy_sum(logits, labels)
+        # A vocabulary-sharded loss comes back as a DTensor replicated over the TP ranks.
+        return loss.to_local() if hasattr(loss, "to_local") else loss
+
+    def _local_tokens(self, microbatches: Microbatches) -> Microbatches:
+        if self.cp == 1:
+            return microbatches
+        return [(shard_sequence(i, self.cp_rank, self.cp), shard_sequence(l, self.cp_rank, self.cp))
+                for i, l in microbatches]
+
+    def forward_backward(self, microbatches: Microbatches) -> torch.Tensor:
+        """Accumulate the gradients of the global loss; returns this rank's share of the loss
+        (the shares of all ranks sum to the global loss, see `global_sum`)."""
+        microbatches = self._local_tokens(microbatches)
+        global_targets = sum(count_targets(labels) for _, labels in microbatches).float()
+        dist.all_reduce(global_targets, group=self.loss_group)
+        share = torch.zeros((), device=self.device)
+        with loss_context(self.loss_parallel):
+            for inputs, labels in microbatches:
+                if self.pipeline is not None:
+                    share += self.pipeline.forward_backward(inputs, labels, global_targets)
+                    continue
+                loss = self._loss_sum(self.model(inputs), labels) / global_targets
+                loss.backward()
+                share += loss.detach()
+        return share
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Microbatches) -> torch.Tensor:
+        """(cross-entropy sum, target tokens) of these microbatches, summed over all ranks."""
+        microbatches = self._local_tokens(microbatches)
+        totals = torch.zeros(2, device=self.device)
+        with loss_context(self.loss_parallel):
+            for inputs, labels in microbatches:
+                if self.pipeline is not None:
+                    totals[0] += self.pipeline.evaluate(inputs, labels)
+                else:
+                    totals[0] += self._loss_sum(self.model(inputs), labels)
+                totals[1] += count_targets(labels)
+        if self.pp_group is not None:
+            totals[0] = self._pipeline_sum(totals[0])
+        dist.all_reduce(totals, group=self.loss_group)
+        return totals
+
+    def _pipeline_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Under PP the loss lives on the rank with the last stage: add it up over the pipeline."""
+        value = value.clone()
+        dist.all_reduce(value, group=self.pp_group)
+        return value
+
+    def global_sum(self, share: torch.Tensor) -> float:
+        """The sum over all ranks of a per-rank loss share: the global loss."""
+        total = self._pipeline_sum(share) if self.pp_group is not None else share.clone()
+        dist.all_reduce(total, group=self.loss_group)
+        return total.item()
+
+    def grad_norm_groups(self) -> list:
+        """Process groups a gradient norm must still be reduced over (DTensor covers FSDP and TP;
+        pipeline stages hold disjoint parameters)."""
+        return [self.pp_group] if self.pp_group is not None else []
