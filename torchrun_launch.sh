@@ -21,7 +21,7 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 count_gpus() {
-  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # set, even empty (= no GPU), it decides
     tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true
   elif command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
@@ -29,8 +29,11 @@ count_gpus() {
     echo 0
   fi
 }
+GPUS=$(count_gpus)
+DEVICE=cuda
+[ "$GPUS" -gt 0 ] || DEVICE=cpu
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$(count_gpus)
+  NGPU=$GPUS
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 LOG_RANK="${LOG_RANK:-0}"
@@ -46,7 +49,7 @@ for arg in "$@"; do
 done
 
 # Check the configuration against the world size once, before starting NGPU processes.
-"$PYTHON" -m trainer.preflight --nproc "$NGPU" "${ARGS[@]}"
+"$PYTHON" -m trainer.preflight --nproc "$NGPU" --device "$DEVICE" "${ARGS[@]}"
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

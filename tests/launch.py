@@ -21,7 +21,8 @@ TINY_JOB = [
 
 def launch(nproc: int, args: list[str], *, cwd: Path | None = None, timeout: int = 300,
            log_rank: str = "0") -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, LOG_RANK=log_rank)
+    # The tests run on CPUs with gloo, also on a machine with GPUs.
+    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, LOG_RANK=log_rank, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([str(LAUNCHER), *args], cwd=cwd or REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

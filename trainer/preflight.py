@@ -1,6 +1,6 @@
 """Checks of a configuration against a world size, before any process group exists.
 
-`python -m trainer.preflight --nproc N [overrides]` runs them in one light process (no torch
+`python -m trainer.preflight --nproc N --device cpu|cuda [overrides]` runs them in one light process (no torch
 import): the launcher calls it so a user's mistake gets one clear message instead of one
 traceback per rank. The trainer repeats the same checks in every rank.
 """
@@ -29,6 +29,16 @@ def unsupported(config: JobConfig) -> list[str]:
     """Options that are valid but whose feature this trainer does not provide yet."""
     checks = {"model.hf_assets_path": bool(config.model.hf_assets_path)}
     return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]
+
+
+def check_device_options(config: JobConfig, device_type: str) -> None:
+    """Options that only make sense with accelerators."""
+    if device_type == "cpu":
+        if config.training.enable_cpu_offload:
+            raise ConfigError("training.enable_cpu_offload: moves FSDP state from GPU to CPU memory; this run is on "
+                              "the CPU already, where it has nothing to offload")
+        if config.parallelism.enable_async_tensor_parallel:
+            raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory)")
 
 
 def check_data(config: JobConfig) -> None:
@@ -88,18 +98,22 @@ def describe_degrees(dims: ParallelDims) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """python -m trainer.preflight --nproc N --device cpu|cuda [--section.key value ...]"""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    if len(argv) < 2 or argv[0] != "--nproc":
-        print("usage: python -m trainer.preflight --nproc N [--section.key value ...]", file=sys.stderr)
+    if len(argv) < 4 or argv[0] != "--nproc" or argv[2] != "--device" or argv[3] not in ("cpu", "cuda"):
+        print("usage: python -m trainer.preflight --nproc N --device cpu|cuda [--section.key value ...]", file=sys.stderr)
         return 2
+    nproc, device_type = int(argv[1]), argv[3]
     try:
-        config = load_config(argv[2:])
-        plan = plan_run(config, int(argv[1]))
+        config = load_config(argv[4:])
+        plan = plan_run(config, nproc)
+        check_device_options(config, device_type)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     degrees = describe_degrees(plan.dims)
-    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {argv[1]} processes {degrees}")
+    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {nproc} processes "
+          f"on {device_type} {degrees}")
     print(f"outputs: {Path(config.job.dump_folder).resolve()}")
     return 0
 

@@ -38,7 +38,7 @@ from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
-from trainer.preflight import RunPlan, plan_run
+from trainer.preflight import RunPlan, check_device_options, plan_run
 from trainer.step import StepRunner
 
 logger = logging.getLogger("trainer")
@@ -60,6 +60,7 @@ class Trainer:
     def __init__(self, config: JobConfig, plan: RunPlan):
         self.config, self.plan = config, plan
         self.device = env.pick_device()
+        check_device_options(config, self.device.type)
         self.rank, world_size = env.init_distributed(
             self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer = Trainer(config, plan)
-    except (DataError, CheckpointError) as e:  # found only when the data or checkpoint is read
+    except (ConfigError, DataError, CheckpointError) as e:  # found on the device, or reading data or checkpoints
         logger.error("%s", e)
         return 2
     except TrainingComplete as e:

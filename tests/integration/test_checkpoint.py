@@ -41,7 +41,7 @@ def seed(tmp_path_factory):
 
 
 def test_seed_checkpoint_refuses_several_processes(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer.train",
          *TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.create_seed_checkpoint"],
@@ -96,7 +96,7 @@ def uninterrupted(tmp_path_factory):
 
 def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
     """Start a run and SIGKILL all its processes as soon as the checkpoint of `step` is published."""
-    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable)
+    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     published = dump / "checkpoint" / f"step-{step}"
@@ -155,16 +155,23 @@ def test_exact_resume_after_sigkill(tmp_path, killed_at_10, uninterrupted):
     assert max(diffs) == 0.0
 
 
-@pytest.mark.parametrize("nproc, local", [(1, 8), (4, 2)])
-def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, nproc, local):
+INTERLEAVED_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                   "Interleaved1F1B")
+
+
+@pytest.mark.parametrize("name, nproc, local, layout", [
+    ("1 process", 1, 8, ()), ("FSDP 4", 4, 2, ()), ("FSDP 2 x PP 2 Interleaved1F1B", 4, 4, INTERLEAVED_PP2)])
+def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, name, nproc, local, layout, measured):
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
-    # Step 11's loss depends only on the step-10 weights and batch 11, so 12 steps suffice.
-    result = launch(nproc, [*JOB, "--training.steps", "12", "--training.local_batch_size", str(local),
+    # Steps 11 and 12 depend only on the step-10 state (weights, optimizer, schedule, data position).
+    result = launch(nproc, [*JOB, "--training.steps", "12", "--training.global_batch_size", "8",
+                            "--training.local_batch_size", str(local), *layout,
                             "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     losses = losses_by_step(tmp_path)
-    print(f"saved at 2 processes, resumed at {nproc}: step-11 loss diff {abs(losses[11] - uninterrupted[11]):.2e}")
-    assert abs(losses[11] - uninterrupted[11]) <= 1e-5
+    diff = max(abs(losses[s] - uninterrupted[s]) for s in (11, 12))
+    measured(f"saved at FSDP 2, resumed at {name}: steps 11-12 max |loss diff| {diff:.2e}")
+    assert diff <= 1e-5
     assert min(losses) == 11  # data position restored: it continued at step 11, not step 1
 
 
@@ -272,3 +279,22 @@ def test_exclude_from_loading(tmp_path, killed_at_10, uninterrupted):
     losses = losses_by_step(tmp_path)
     assert list(losses) == [11]  # the step counter came back...
     assert losses[11] != uninterrupted[11]  # ...the data position did not: step 11 trained on batch 1
+
+
+def test_hugging_face_export_of_a_pipeline_run_has_every_stage(seed, tmp_path):
+    """Each PP rank holds some layers; the export is read from the checkpoint, which has them all."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import read_model_state
+    from trainer.models.llama3 import get_flavor
+    from trainer.models.llama3.hf_adapter import to_hf
+
+    result = launch(4, [*TINY_JOB, "--training.steps", "1", "--optimizer.lr", "0", "--training.local_batch_size", "4",
+                        *INTERLEAVED_PP2, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+                        "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    exported = load_file(str(tmp_path / "checkpoint" / "step-1" / "hf" / "model.safetensors"))
+    args = get_flavor("tiny")
+    expected = to_hf(read_model_state(seed), args)
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)

@@ -39,6 +39,11 @@ def test_print_config_of_8b_round_trips_without_allocating(tmp_path):
         (["--training.steps", "-3"], "training.steps: must be >= 1, got -3"),
         (["--job.config_file", "missing.toml"], "'missing.toml' not found"),
         (["--parallelism.data_parallel_shard_degree", "3"], "but the world size is 2"),
+        (["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "tiny", "--training.seq_len", "31"],
+         "training.seq_len=31: sequence parallelism splits each rank's 31 tokens"),
+        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+          "--training.local_batch_size", "2"], "ZBVZeroBubble with 2 PP ranks and 4 stages needs at least 4 microbatches"),
+        (["--training.enable_cpu_offload"], "training.enable_cpu_offload: moves FSDP state from GPU to CPU memory"),
     ],
 )
 def test_user_mistakes_give_one_message_and_exit_2(args, message):

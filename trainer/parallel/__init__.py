@@ -18,6 +18,7 @@ trainer.parallel.dims and must stay fast.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ from trainer.parallel.stages import StagePlan
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,5 +74,29 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
         )
     if p.enable_async_tensor_parallel:
         enable_async_tp(mesh["tp"], device)
+    logger.info("parallelisms: %s", describe(dims, config, plan))
     owned = list(stages.values())
     return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)
+
+
+def describe(dims: ParallelDims, config, plan: StagePlan | None) -> str:
+    """One line naming what `parallelize` applies, in the order it applies it."""
+    p, ac = config.parallelism, config.activation_checkpoint
+    parts = []
+    if plan is not None:
+        parts.append(f"PP {dims.pp} ({plan.schedule}, {plan.num_stages} stages)")
+    if dims.tp > 1:
+        parts.append(f"TP {dims.tp} with sequence parallelism" + ("" if p.disable_loss_parallel else " and loss parallelism")
+                     + (", async" if p.enable_async_tensor_parallel else ""))
+    if dims.cp > 1:
+        parts.append(f"CP {dims.cp} (load-balanced, all-gathered keys/values)")
+    if ac.mode != "none":
+        parts.append(f"activation checkpointing {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""))
+    if config.compile.enable:
+        parts.append(f"torch.compile per block ({config.compile.backend})")
+    if dims.dp_replicate > 1:
+        kind = "DDP" if dims.dp_shard_cp == 1 else "HSDP"
+        parts.append(f"{kind} {dims.dp_replicate} replicas x {dims.dp_shard_cp} shards")
+    else:
+        parts.append(f"FSDP over {dims.dp_shard_cp} ranks")
+    return ", ".join(parts)
