@@ -122,3 +122,21 @@ def test_fsdp_controls_of_both_dp_degrees_agree(runs, measured):
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
     measured(f"parity FSDP dp4 x 2 vs FSDP dp2 x 4: max |dloss| over {STEPS} steps {max(diffs):.1e}")
     assert max(diffs) <= 1e-4
+
+
+@pytest.mark.parametrize("schedule, stages", [
+    ("GPipe", 2), ("LoopedBFS", 4), ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)])
+def test_other_pipeline_schedules_match_the_control(schedule, stages, seed, runs, tmp_path, measured):
+    """3 steps: with 2 warmup steps, the losses of steps 1-3 do not depend on the total step count,
+    so they must equal the first 3 of the 20-step control."""
+    result = launch(4, [*JOB, "--training.steps", "3", *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
+                        "--checkpoint.initial_load_path", str(seed), "--checkpoint.load_only",
+                        "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert f"PP 2 ({schedule}, {stages} stages)" in result.stdout
+    control, test = runs("FSDP dp2").records[:3], read_metrics(tmp_path)
+    diffs = [abs(c["loss"] - t["loss"]) for c, t in zip(control, test)]
+    norm_diff = abs(control[0]["grad_norm"] - test[0]["grad_norm"]) / control[0]["grad_norm"]
+    measured(f"parity FSDP+PP2 {schedule:22s} 4 procs: max |dloss| over 3 steps {max(diffs):.1e}, "
+             f"step-1 grad-norm rel diff {norm_diff:.1e}")
+    assert len(test) == 3 and max(diffs) <= 1e-5 and norm_diff <= 1e-5

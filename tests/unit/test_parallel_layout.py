@@ -146,3 +146,22 @@ def test_degrees_that_do_not_fill_the_world_are_refused_before_the_model():
     with pytest.raises(ConfigError, match="world size 6 is not divisible by the product of the other degrees"):
         plan_run(load_config(["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree",
                               "2"]), 6)
+
+
+@pytest.mark.parametrize("config_file, world, degrees, accumulation", [
+    ("llama3_8b.toml", 8, {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1}, 1),
+    ("llama3_70b.toml", 64, {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}, 1),
+    ("llama3_405b.toml", 512, {"pp": 8, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}, 1),
+])
+def test_presets_fit_the_clusters_they_are_sized_for(config_file, world, degrees, accumulation):
+    plan = plan_run(load_config(["--job.config_file", config_file]), world)
+    assert plan.dims.degrees() == degrees and plan.accumulation_steps == accumulation
+
+
+def test_405b_pipeline_has_sixteen_stages_of_about_eight_layers():
+    from trainer.parallel.dims import stage_plan
+
+    config = load_config(["--job.config_file", "llama3_405b.toml"])
+    plan = stage_plan(config, ParallelDims.from_config(config.parallelism, 512))
+    assert plan.num_stages == 16 and plan.stages_of_rank(0) == [0, 8]
+    assert [len(b) for b in plan.blocks] == [7] + [8] * 14 + [7]
