@@ -18,8 +18,8 @@ the CP ranks (they are part of the shard mesh), which together give the gradient
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from trainer.models.llama3.model import repeat_kv
 
@@ -37,11 +37,38 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     return x.index_select(1, load_balanced_positions(cp_rank, cp, x.shape[1], x.device))
 
 
+class GatherSequence(torch.autograd.Function):
+    """All-gather a (B, T_local, ...) tensor along the sequence over a process group, in rank order;
+    backward reduce-scatters (sums) the gradient back to the owner of each piece.
+
+    Plain blocking c10d calls rather than functional collectives: on gloo the functional
+    reduce-scatter is an allreduce plus a deferred copy that only happens at wait time, and
+    keeping the collective synchronous keeps the ordering explicit and identical on every backend.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        # Collectives concatenate along dim 0: (world * B, T_local, ...), then move ranks into the sequence.
+        gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+        return gathered.unflatten(0, (world, -1)).movedim(0, 1).flatten(1, 2)  # (B, world * T_local, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        per_rank = grad.unflatten(1, (world, -1)).movedim(1, 0).flatten(0, 1).contiguous()  # (world * B, T_local, ...)
+        local = per_rank.new_empty((per_rank.shape[0] // world, *per_rank.shape[1:]))
+        dist.reduce_scatter_tensor(local, per_rank, op=dist.ReduceOp.SUM, group=ctx.group)
+        return local, None
+
+
 class ContextParallelAttention:
     """Attention core (see trainer.models.llama3.model.CausalAttention) of one CP rank."""
 
     def __init__(self, cp_mesh):
-        self.mesh = cp_mesh
+        self.group = cp_mesh.get_group()
         self.rank, self.degree = cp_mesh.get_local_rank(), cp_mesh.size()
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
@@ -50,8 +77,8 @@ class ContextParallelAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         local_len = q.shape[1]
         # Keys and values of all CP ranks, concatenated in rank order along the sequence.
-        k = all_gather_single_autograd(k.contiguous(), gather_dim=1, group=self.mesh)
-        v = all_gather_single_autograd(v.contiguous(), gather_dim=1, group=self.mesh)
+        k = GatherSequence.apply(k, self.group)
+        v = GatherSequence.apply(v, self.group)
         query_positions = self.positions(local_len, q.device)
         key_positions = torch.cat([load_balanced_positions(r, self.degree, local_len * self.degree, q.device)
                                    for r in range(self.degree)])

@@ -1,0 +1,56 @@
+"""Context-parallel attention over 2 gloo processes equals causal attention of the whole sequence,
+in the forward and in the gradients of queries, keys and values (GQA: 4 query heads, 2 K/V heads)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.models.llama3.model import CausalAttention
+from trainer.parallel.context import ContextParallelAttention, shard_sequence
+
+CP = 2
+B, T, HEADS, KV_HEADS, DIM = 2, 16, 4, 2, 8
+
+
+def reference_inputs():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, HEADS, DIM, generator=generator, dtype=torch.float64)
+    k = torch.randn(B, T, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    v = torch.randn(B, T, KV_HEADS, DIM, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(B, T, HEADS, DIM, generator=generator, dtype=torch.float64)
+    return q, k, v, upstream
+
+
+def run_rank(rank: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
+    q, k, v, upstream = reference_inputs()
+    local = [shard_sequence(t, rank, CP).detach().requires_grad_() for t in (q, k, v)]
+    core = ContextParallelAttention(mesh)
+    out = core(*local)
+    (out * shard_sequence(upstream, rank, CP)).sum().backward()
+    results[rank] = (out.detach(), *(t.grad for t in local), core.positions(T // CP, out.device))
+    dist.destroy_process_group()
+
+
+def test_cp_attention_matches_full_sequence_attention(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(run_rank, args=(str(tmp_path / "init"), results), nprocs=CP, join=True)
+        results = dict(results)
+
+    q, k, v, upstream = (t.requires_grad_() if i < 3 else t for i, t in enumerate(reference_inputs()))
+    out = CausalAttention()(q, k, v)
+    (out * upstream).sum().backward()
+
+    for rank in range(CP):
+        cp_out, dq, dk, dv, positions = results[rank]
+        torch.testing.assert_close(positions, torch.cat([torch.arange(rank * 4, rank * 4 + 4),
+                                                         torch.arange((3 - rank) * 4, (4 - rank) * 4)]))
+        torch.testing.assert_close(cp_out, shard_sequence(out.detach(), rank, CP), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dq, shard_sequence(q.grad, rank, CP), rtol=1e-12, atol=1e-12)
+        # Keys and values serve every rank's queries: their gradients were summed back by reduce-scatter.
+        torch.testing.assert_close(dk, shard_sequence(k.grad, rank, CP), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dv, shard_sequence(v.grad, rank, CP), rtol=1e-12, atol=1e-12)
