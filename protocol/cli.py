@@ -1,0 +1,178 @@
+"""`protocol plan | run | compare`: from a convergence test plan to launches, runs and a verdict.
+
+    protocol plan PLAN.toml [--format table|json|shell|slurm] [--out DIR]
+    protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm] [--compare]
+    protocol compare PLAN.toml [--out DIR]
+    protocol compare --control DIR [--control DIR ...] --test [NAME=]DIR [...] [--mode exact|statistical] ...
+
+Exit codes: 0 success (compare: every set passes), 1 a run failed or a set failed, 2 a user error
+(bad plan, missing folder, unknown name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+from protocol.tolerance import MODES, Tolerance
+
+log = logging.getLogger("protocol")
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="protocol", description="Convergence protocol: a 1D FSDP control vs N-D "
+                                  "test sets at fixed local batch and DP degree, from a plan to a verdict.")
+    commands = top.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="validate a plan and print its launches")
+    plan.add_argument("plan", type=Path, help="plan TOML (see docs/converging.md)")
+    plan.add_argument("--format", choices=("table", "json", "shell", "slurm"), default="table",
+                      help="table (default), json, shell (a runnable script) or slurm (sbatch scripts, needs --out)")
+    plan.add_argument("--out", type=Path, help="folder for the slurm scripts")
+    plan.set_defaults(handler=cmd_plan)
+
+    run = commands.add_parser("run", help="create the seed checkpoint, then run the control and the test sets")
+    run.add_argument("plan", type=Path)
+    run.add_argument("--only", default="", help="comma-separated run names (see `protocol plan`)")
+    run.add_argument("--launcher", choices=("local", "slurm"), default="local",
+                     help="local: one run after another on this node; slurm: submit and wait")
+    run.add_argument("--compare", action="store_true", help="compare and write the report when the runs are done")
+    run.set_defaults(handler=cmd_run)
+
+    compare = commands.add_parser("compare", help="compare the loss curves with the control and give a verdict")
+    compare.add_argument("plan", type=Path, nargs="?", help="plan TOML whose runs to compare")
+    compare.add_argument("--control", type=Path, action="append", default=[],
+                         help="control run folder, metrics.jsonl or TensorBoard folder (repeat for seed repeats)")
+    compare.add_argument("--test", action="append", default=[], metavar="[NAME=]PATH", help="a test set's curves")
+    compare.add_argument("--out", type=Path, help="report folder (default: the plan's output folder, or ./report)")
+    compare.add_argument("--loss-tag", help="TensorBoard tag of the loss (default: this trainer's or torchtitan's)")
+    compare.add_argument("--grad-norm-tag", help="TensorBoard tag of the gradient norm")
+    for item in fields(Tolerance):
+        flag = "--" + item.name.replace("_", "-")
+        kwargs = {"choices": MODES} if item.name == "mode" else {"type": type(item.default)}
+        compare.add_argument(flag, dest=f"tolerance_{item.name}", help=f"tolerance.{item.name} (default "
+                             f"{item.default!r}, or the plan's)", **kwargs)
+    compare.set_defaults(handler=cmd_compare)
+    return top
+
+
+def load(path: Path):
+    from protocol.plan import load_plan
+
+    if not path.is_file():
+        raise UsageError(f"{path}: no such plan file")
+    return load_plan(path)
+
+
+def cmd_plan(args) -> int:
+    from protocol.launch import render, write_slurm
+
+    plan = load(args.plan)
+    launches = plan.launches()
+    if args.format == "slurm":
+        if args.out is None:
+            raise UsageError("--format slurm writes one sbatch script per run: give the folder with --out DIR")
+        for path in write_slurm(plan, launches, args.out):
+            print(path)
+        return 0
+    print(render(launches, args.format))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from protocol.launch import run_local, run_slurm
+
+    plan = load(args.plan)
+    launches = plan.launches()
+    only = [name.strip() for name in args.only.split(",") if name.strip()] or None
+    if args.launcher == "slurm":
+        results = run_slurm(plan, launches, plan.output / "slurm", only=only)
+    else:
+        results = run_local(plan, launches, only=only, on_progress=log.info)
+    failed = [r for r in results if not r.ok]
+    status = 1 if failed else 0
+    if args.compare and not failed:
+        status = compare_plan(plan, out=None, overrides={})
+    return status
+
+
+def cmd_compare(args) -> int:
+    overrides = {item.name: getattr(args, f"tolerance_{item.name}") for item in fields(Tolerance)
+                 if getattr(args, f"tolerance_{item.name}") is not None}
+    tags = {"loss_tag": args.loss_tag, "grad_norm_tag": args.grad_norm_tag}
+    if args.plan is not None:
+        if args.control or args.test:
+            raise UsageError("give either a plan or --control/--test folders, not both")
+        return compare_plan(load(args.plan), args.out, overrides, **tags)
+    if not args.control or not args.test:
+        raise UsageError("compare needs a plan, or --control PATH and at least one --test [NAME=]PATH")
+    tolerance = replace(Tolerance(), **overrides)
+    problems = tolerance.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    controls = [read(path, None, **tags) for path in args.control]
+    tests = [read(*split_test(spec), **tags) for spec in args.test]
+    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), layouts={})
+
+
+def split_test(spec: str) -> tuple[Path, str | None]:
+    name, sep, path = spec.partition("=")
+    return (Path(path), name) if sep else (Path(spec), None)
+
+
+def read(path: Path, name: str | None, loss_tag=None, grad_norm_tag=None):
+    from protocol.curves import read_curve
+
+    return read_curve(path, name=name, loss_tag=loss_tag, grad_norm_tag=grad_norm_tag)
+
+
+def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None) -> int:
+    tolerance = replace(plan.tolerance, **overrides)
+    problems = tolerance.problems()
+    if problems:
+        raise UsageError("; ".join(problems))
+    launches = plan.launches()
+    controls = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches
+                if launch.role == "control"]
+    tests = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches if launch.role == "test"]
+    layouts = {launch.name: describe_layout(launch.degrees) for launch in launches}
+    return compare_and_report(controls, tests, tolerance, out or plan.output, layouts)
+
+
+def describe_layout(degrees: dict) -> str:
+    return " ".join(f"{key} {value}" for key, value in degrees.items() if value not in (1, None, ""))
+
+
+def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, layouts: dict) -> int:
+    from protocol.compare import compare
+    from protocol.report import format_table, write_report
+
+    comparison = compare(controls, tests, tolerance)
+    paths = write_report(comparison, controls, tests, out, layouts=layouts)
+    print(format_table(comparison, layouts))
+    for path in paths.values():
+        print(f"wrote {path}")
+    print("PASS: every test set trains like the control" if comparison.passed else
+          "FAIL: " + ", ".join(r.name for r in comparison.results if not r.verdict))
+    return 0 if comparison.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""The plan model: validation messages (one rule broken at a time), expansion into launches, and
+the two shipped plans."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from protocol.plan import REPO_ROOT, PlanError, load_plan, override_args, slugify
+
+PLANS = REPO_ROOT / "protocol" / "plans"
+
+BASE = """
+[plan]
+name = "small"
+config = "debug_model.toml"
+output = "{output}"
+steps = 4
+warmup_steps = 1
+local_batch_size = 4
+dp_degree = 2
+overrides = {{ "model.flavor" = "tiny", "training.seq_len" = 32 }}
+{plan_extra}
+
+[tolerance]
+{tolerance}
+
+[control]
+name = "control"
+{control}
+
+{sets}
+"""
+
+TP_SET = """
+[[sets]]
+name = "FSDP+TP2"
+kind = "parallelism"
+tp = 2
+"""
+
+
+def plan_text(tmp_path: Path, plan_extra: str = "", tolerance: str = 'mode = "exact"', control: str = "",
+              sets: str = TP_SET) -> str:
+    return BASE.format(output=tmp_path / "out", plan_extra=plan_extra, tolerance=tolerance, control=control,
+                       sets=sets)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    return path
+
+
+def load(tmp_path: Path, **parts):
+    return load_plan(write(tmp_path, plan_text(tmp_path, **parts)))
+
+
+def problems(tmp_path: Path, text: str | None = None, **parts) -> str:
+    with pytest.raises(PlanError) as info:
+        load_plan(write(tmp_path, text if text is not None else plan_text(tmp_path, **parts)))
+    return str(info.value)
+
+
+def arg(launch, key: str) -> str:
+    args = list(launch.args)
+    return args[args.index(key) + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped plans
+
+
+def test_cpu_smoke_expands_into_seed_control_and_small_sets():
+    plan = load_plan(PLANS / "cpu_smoke.toml")
+    launches = plan.launches()
+    assert [(l.name, l.role, l.kind, l.nproc, l.nodes) for l in launches] == [
+        ("seed", "seed", "seed", 1, 1),
+        ("1D FSDP", "control", "control", 2, 1),
+        ("3D FSDP+TP2+PP2", "test", "parallelism", 8, 1),
+        ("2D FSDP+CP2", "test", "parallelism", 4, 1),
+        ("AC full", "test", "technique", 2, 1),
+    ]
+    assert max(l.nproc for l in launches) <= 8  # no 16-process run on a small CPU machine
+    assert plan.tolerance.mode == "exact"
+    assert launches[2].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1, "pp": 2,
+                                   "pp_schedule": "Interleaved1F1B"}
+    assert launches[3].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2, "pp": 1}
+    seed_path = plan.output / "seed" / "checkpoint" / "step-0"
+    assert plan.seed_checkpoint_path == seed_path
+    for launch in launches[1:]:
+        assert arg(launch, "--training.local_batch_size") == "4"
+        assert arg(launch, "--training.global_batch_size") == "-1"
+        assert arg(launch, "--training.steps") == "20"
+        assert arg(launch, "--lr_scheduler.warmup_steps") == "2"
+        assert arg(launch, "--model.flavor") == "tiny" and arg(launch, "--training.seq_len") == "32"
+        assert "--debug.deterministic=true" in launch.args
+        assert launch.args[-3:] == ("--checkpoint.initial_load_path", str(seed_path), "--checkpoint.load_only")
+        assert launch.output == plan.output / slugify(launch.name)
+        assert launch.depends_on == ("seed",)
+    assert arg(launches[4], "--activation_checkpoint.mode") == "full"
+
+
+def test_cpu_smoke_commands_are_exact():
+    plan = load_plan(PLANS / "cpu_smoke.toml")
+    seed, control = plan.launches()[:2]
+    common = ("--model.flavor tiny --training.seq_len 32 --optimizer.lr 0.003 --optimizer.weight_decay 0.0 "
+              "--metrics.log_freq 1 --metrics.enable_tensorboard=false --debug.deterministic=true --debug.seed 0")
+    assert seed.command() == (f"./torchrun_launch.sh --job.config_file debug_model.toml --job.dump_folder "
+                              f"{plan.output / 'seed'} {common} --checkpoint.create_seed_checkpoint")
+    assert control.command() == (
+        f"NGPU=2 ./torchrun_launch.sh --job.config_file debug_model.toml --job.dump_folder {plan.output / '1d-fsdp'} "
+        f"{common} --training.steps 20 --lr_scheduler.warmup_steps 2 --training.local_batch_size 4 "
+        "--training.global_batch_size -1 --parallelism.data_parallel_replicate_degree 1 "
+        "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
+        "--parallelism.context_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
+        f"--checkpoint.initial_load_path {plan.seed_checkpoint_path} --checkpoint.load_only")
+
+
+def test_converging_llama3_8b_validates_at_128_gpus():
+    plan = load_plan(PLANS / "converging_llama3_8b.toml")
+    launches = plan.launches()
+    assert plan.tolerance.mode == "statistical" and plan.tolerance.control_repeats == 3
+    assert [(l.name, l.role, l.seed, l.nproc, l.nodes, l.procs_per_node) for l in launches] == [
+        ("seed", "seed", 0, 1, 1, 1),
+        ("1D FSDP", "control", 0, 16, 2, 8),
+        ("1D FSDP-seed1", "control", 1, 16, 2, 8),
+        ("1D FSDP-seed2", "control", 2, 16, 2, 8),
+        ("3D FSDP+TP2+PP2", "test", 0, 64, 8, 8),
+        ("4D FSDP+TP2+CP2+PP2", "test", 0, 128, 16, 8),
+        ("2D FSDP+CP8", "test", 0, 128, 16, 8),
+    ]
+    assert launches[5].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 2, "cp": 2, "pp": 2,
+                                   "pp_schedule": "Interleaved1F1B"}
+    assert launches[6].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 1, "cp": 8, "pp": 1}
+    for launch in launches[1:]:
+        assert arg(launch, "--job.config_file") == "llama3_8b.toml"
+        assert (arg(launch, "--training.steps"), arg(launch, "--lr_scheduler.warmup_steps")) == ("3000", "600")
+        assert arg(launch, "--training.local_batch_size") == "4"
+        assert arg(launch, "--parallelism.data_parallel_shard_degree") == "16"
+        assert arg(launch, "--debug.seed") == str(launch.seed)
+
+
+def test_multi_node_command_uses_torchrun_rendezvous_and_the_seed_has_no_ngpu():
+    plan = load_plan(PLANS / "converging_llama3_8b.toml")
+    seed, control = plan.launches()[:2]
+    assert seed.command().startswith("./torchrun_launch.sh --job.config_file llama3_8b.toml")
+    assert "NGPU" not in seed.command() and seed.command().endswith("--checkpoint.create_seed_checkpoint")
+    command = control.command()
+    assert command.startswith("PYTHONPATH=. python -m torch.distributed.run --nnodes 2 --nproc_per_node 8 "
+                              "--rdzv_backend c10d --rdzv_endpoint")
+    assert command.endswith("-m trainer.train " + shlex.join(control.args))
+
+
+# ---------------------------------------------------------------------------------------------
+# Expansion
+
+
+def test_statistical_mode_repeats_the_control_with_successive_seeds(tmp_path):
+    plan = load(tmp_path, plan_extra="seed = 7", tolerance='mode = "statistical"\ncontrol_repeats = 3')
+    launches = plan.launches()
+    assert [(l.name, l.role, l.seed) for l in launches] == [
+        ("seed", "seed", 7), ("control", "control", 7), ("control-seed8", "control", 8),
+        ("control-seed9", "control", 9), ("FSDP+TP2", "test", 7)]
+    assert [arg(l, "--debug.seed") for l in launches] == ["7", "7", "8", "9", "7"]
+    assert launches[2].output == plan.output / "control-seed8"
+    # Every run starts from the one seed checkpoint, made with the plan's seed.
+    assert {arg(l, "--checkpoint.initial_load_path") for l in launches[1:]} == {str(plan.seed_checkpoint_path)}
+
+
+def test_exact_mode_runs_the_control_once(tmp_path):
+    plan = load(tmp_path, tolerance='mode = "exact"\ncontrol_repeats = 5')
+    assert [l.name for l in plan.launches()] == ["seed", "control", "FSDP+TP2"]
+
+
+def test_without_seed_checkpoint_no_seed_run_and_nothing_to_load(tmp_path):
+    plan = load(tmp_path, plan_extra="seed_checkpoint = false")
+    launches = plan.launches()
+    assert [l.role for l in launches] == ["control", "test"]
+    assert all("--checkpoint.initial_load_path" not in l.args and not l.depends_on for l in launches)
+    assert plan.seed_checkpoint_path is None
+
+
+def test_global_batch_mode_lets_a_set_change_dp_and_local_batch(tmp_path):
+    sets = '[[sets]]\nname = "FSDP4 x 2"\nkind = "parallelism"\ndp_shard = 4\nlocal_batch_size = 2\n'
+    plan = load(tmp_path, plan_extra='batch = "global"', sets=sets)
+    control, test = plan.launches()[1:]
+    assert (control.nproc, arg(control, "--training.local_batch_size")) == (2, "4")
+    assert (test.nproc, arg(test, "--training.local_batch_size")) == (4, "2")
+    assert arg(control, "--training.global_batch_size") == arg(test, "--training.global_batch_size") == "8"
+
+
+def test_technique_set_runs_on_the_control_layout_with_its_overrides(tmp_path):
+    sets = '[[sets]]\nname = "compile"\nkind = "technique"\noverrides = { "compile.enable" = true }\n'
+    plan = load(tmp_path, sets=sets)
+    control, test = plan.launches()[1:]
+    assert test.degrees == control.degrees and test.nproc == 2
+    assert "--compile.enable=true" in test.args and "--compile.enable=true" not in control.args
+
+
+def test_nested_override_tables_equal_dotted_keys(tmp_path):
+    text = plan_text(tmp_path).replace('overrides = { "model.flavor" = "tiny", "training.seq_len" = 32 }',
+                                       'overrides = { model = { flavor = "tiny" }, training = { seq_len = 32 } }')
+    launch = load_plan(write(tmp_path, text)).launches()[1]
+    assert arg(launch, "--model.flavor") == "tiny" and arg(launch, "--training.seq_len") == "32"
+
+
+def test_override_values_become_command_line_text():
+    assert override_args({"compile.enable": True, "metrics.enable_tensorboard": False, "optimizer.lr": 0.003,
+                          "compile.components": ["model", "loss"], "training.steps": 5,
+                          "job.description": "-x"}) == [
+        "--compile.enable=true", "--metrics.enable_tensorboard=false", "--optimizer.lr", "0.003",
+        "--compile.components", "model,loss", "--training.steps", "5", "--job.description=-x"]
+
+
+def test_slugs_name_the_run_folders():
+    assert slugify("3D FSDP+TP2+PP2") == "3d-fsdp-tp2-pp2"
+    assert slugify("  AC (full) ") == "ac-full"
+    assert slugify("+++") == "run"
+
+
+def test_relative_output_is_relative_to_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = plan_text(tmp_path).replace(f'output = "{tmp_path / "out"}"', 'output = "runs/x"')
+    plan = load_plan(write(tmp_path, text))
+    assert plan.output == tmp_path / "runs" / "x"
+    default = load_plan(write(tmp_path, text.replace('output = "runs/x"\n', "")))
+    assert default.output == tmp_path / "outputs" / "protocol" / "small"
+
+
+def test_a_config_outside_train_configs_is_passed_as_an_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "mine.toml").write_text((REPO_ROOT / "train_configs" / "debug_model.toml").read_text())
+    monkeypatch.chdir(tmp_path)
+    text = plan_text(tmp_path).replace('config = "debug_model.toml"', 'config = "mine.toml"')
+    launch = load_plan(write(tmp_path, text)).launches()[1]
+    assert arg(launch, "--job.config_file") == str(tmp_path / "mine.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: each rule broken once
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    with pytest.raises(PlanError, match="cannot be read"):
+        load_plan(tmp_path / "missing.toml")
+    assert "not valid TOML" in problems(tmp_path, "[plan\n")
+
+
+def test_unknown_keys_name_the_closest_valid_one(tmp_path):
+    message = problems(tmp_path, plan_extra="stpes = 3", control="tpp = 2",
+                       sets=TP_SET + "pp_shedule = \"1F1B\"\n")
+    assert "plan.stpes: unknown key; did you mean 'steps'?" in message
+    assert "control.tpp: unknown key; did you mean 'tp'?" in message
+    assert "sets[0].pp_shedule: unknown key; did you mean 'pp_schedule'?" in message
+    assert "3 problems" in message
+
+
+def test_unknown_table(tmp_path):
+    assert "[tolerence]: unknown table; did you mean 'tolerance'?" in problems(
+        tmp_path, plan_text(tmp_path) + "\n[tolerence]\nmode = 'exact'\n")
+
+
+def test_wrong_types(tmp_path):
+    message = problems(tmp_path, plan_extra='seed_checkpoint = "yes"', sets=TP_SET.replace("tp = 2", 'tp = "2"'))
+    assert "plan.seed_checkpoint: expected true or false, got 'yes'" in message
+    assert "sets[0].tp: expected an integer, got '2'" in message
+
+
+def test_missing_required_keys(tmp_path):
+    text = plan_text(tmp_path, sets='[[sets]]\nname = "x"\ntp = 2\n').replace("dp_degree = 2\n", "")
+    message = problems(tmp_path, text)
+    assert "plan.dp_degree: missing (required)" in message
+    assert "sets[0].kind: missing (required)" in message
+
+
+def test_a_plan_needs_test_sets(tmp_path):
+    assert "sets: the plan has no test sets" in problems(tmp_path, sets="")
+
+
+def test_invalid_choices_and_ranges(tmp_path):
+    message = problems(tmp_path, plan_extra='batch = "locall"',
+                       sets=TP_SET.replace('kind = "parallelism"', 'kind = "parallelsm"') + "cp = 0\n")
+    assert "plan.batch: 'locall' is not one of 'local', 'global'; did you mean 'local'?" in message
+    assert "sets[0].kind: 'parallelsm' is not one of 'parallelism', 'technique'; did you mean 'parallelism'?" in message
+    assert "sets[0].cp: must be >= 1, got 0" in message
+
+
+def test_unknown_schedule_and_schedule_without_pp(tmp_path):
+    sets = TP_SET + 'pp = 2\npp_schedule = "Interleaved1f1b"\n[[sets]]\nname = "b"\nkind = "parallelism"\n' \
+                    'cp = 2\npp_schedule = "1F1B"\n'
+    message = problems(tmp_path, sets=sets)
+    assert "sets[0].pp_schedule: 'Interleaved1f1b' is not one of" in message
+    assert "did you mean 'Interleaved1F1B'?" in message
+    assert "sets[1].pp_schedule: has no effect without pipeline parallelism; set sets[1].pp >= 2" in message
+
+
+def test_duplicate_set_names(tmp_path):
+    message = problems(tmp_path, sets=TP_SET + TP_SET.replace("FSDP+TP2", "fsdp tp2"))
+    assert "sets[1] ('fsdp tp2'): name 'fsdp tp2' gives the output folder 'fsdp-tp2', as sets[0] ('FSDP+TP2') does" \
+        in message
+
+
+def test_a_set_named_like_a_control_repeat(tmp_path):
+    message = problems(tmp_path, tolerance='mode = "statistical"',
+                       sets=TP_SET.replace("FSDP+TP2", "control-seed1"))
+    assert "name 'control-seed1' gives the output folder 'control-seed1', as control ('control-seed1') does" in message
+
+
+def test_tolerance_problems(tmp_path):
+    message = problems(tmp_path, tolerance='mode = "exakt"\nloss_atl = 1e-4\nfinal_window = 2.0')
+    assert "tolerance.mode: 'exakt' is not one of exact, statistical" in message
+    assert "tolerance.loss_atl: unknown key; did you mean 'loss_atol'?" in message
+    assert "tolerance.final_window: a fraction in (0, 1], got 2.0" in message
+    assert "statistical mode needs >= 2 control runs" in problems(
+        tmp_path, tolerance='mode = "statistical"\ncontrol_repeats = 1')
+
+
+def test_missing_base_config(tmp_path):
+    message = problems(tmp_path, plan_text(tmp_path).replace("debug_model.toml", "nope.toml"))
+    assert "plan.config: 'nope.toml' not found" in message and "llama3_8b.toml" in message
+
+
+def test_unknown_and_mistyped_trainer_options(tmp_path):
+    message = problems(tmp_path, plan_extra="", sets=TP_SET + 'overrides = { "model.flavr" = "tiny" }\n'
+                       '[[sets]]\nname = "c"\nkind = "technique"\noverrides = { "compile.enable" = "yes", '
+                       '"compil.enable" = true, "flavor" = 1 }\n')
+    assert "sets[0].overrides.\"model.flavr\": unknown option model.flavr; did you mean 'flavor'?" in message
+    assert "sets[1].overrides.\"compile.enable\": expected true or false, got 'yes'" in message
+    assert "sets[1].overrides.\"compil.enable\": not a trainer option" in message
+    assert "did you mean 'compile'?" in message
+    assert "sets[1].overrides.\"flavor\": not a trainer option" in message
+
+
+def test_overrides_may_not_set_what_the_plan_sets(tmp_path):
+    sets = TP_SET + 'overrides = { "parallelism.tensor_parallel_degree" = 4, "training.local_batch_size" = 2 }\n'
+    message = problems(tmp_path, sets=sets, control='overrides = { "debug.seed" = 3 }')
+    assert ("sets[0].overrides.\"parallelism.tensor_parallel_degree\": set by the plan; use the set's tp "
+            "instead") in message
+    assert "sets[0].overrides.\"training.local_batch_size\": set by the plan; use plan.local_batch_size" in message
+    assert "control.overrides.\"debug.seed\": set by the plan; use plan.seed instead" in message
+    text = plan_text(tmp_path).replace('"training.seq_len" = 32', '"training.seq_len" = 32, "training.steps" = 9')
+    assert "plan.overrides.\"training.steps\": set by the plan; use plan.steps instead" in problems(tmp_path, text)
+
+
+def test_seed_loading_options_belong_to_the_plan_only_with_a_seed_checkpoint(tmp_path):
+    text = plan_text(tmp_path).replace('"training.seq_len" = 32', '"training.seq_len" = 32, '
+                                       '"checkpoint.initial_load_path" = "/x"')
+    assert "use plan.seed_checkpoint instead" in problems(tmp_path, text)
+
+
+def test_model_and_data_options_are_the_same_for_every_run(tmp_path):
+    sets = TP_SET + 'overrides = { "training.seq_len" = 64, "model.flavor" = "debugmodel" }\n'
+    message = problems(tmp_path, sets=sets)
+    assert "sets[0].overrides.\"training.seq_len\": decides the model or the data" in message
+    assert "sets[0].overrides.\"model.flavor\": decides the model or the data" in message
+    assert "set it in plan.overrides" in message
+
+
+def test_technique_set_needs_overrides(tmp_path):
+    message = problems(tmp_path, sets='[[sets]]\nname = "t"\nkind = "technique"\n')
+    assert "sets[0].overrides: a technique set needs the trainer options that turn the technique on" in message
+
+
+def test_parallelism_set_equal_to_the_control_tests_nothing(tmp_path):
+    message = problems(tmp_path, sets='[[sets]]\nname = "same"\nkind = "parallelism"\n')
+    assert "sets[0]: its layout and batch equal the control's, so it would test nothing" in message
+
+
+def test_local_batch_mode_keeps_dp_degree_and_local_batch(tmp_path):
+    sets = TP_SET + 'dp_shard = 4\n[[sets]]\nname = "b"\nkind = "parallelism"\ncp = 2\nlocal_batch_size = 2\n' \
+                    '[[sets]]\nname = "c"\nkind = "parallelism"\ndp_replicate = 3\n'
+    message = problems(tmp_path, sets=sets)
+    assert ("sets[0].dp_shard: dp_replicate 1 x dp_shard 4 gives DP degree 4, but batch = 'local' fixes it at "
+            "plan.dp_degree = 2; remove dp_shard, or set plan.batch = 'global'") in message
+    assert ("sets[1].local_batch_size: 2 differs from plan.local_batch_size = 4, which batch = 'local' fixes for "
+            "every run") in message
+    assert "sets[2].dp_replicate: 3 does not divide plan.dp_degree = 2" in message
+
+
+def test_global_batch_mode_keeps_the_global_batch(tmp_path):
+    sets = '[[sets]]\nname = "b"\nkind = "parallelism"\ndp_shard = 4\nlocal_batch_size = 3\n'
+    message = problems(tmp_path, plan_extra='batch = "global"', sets=sets)
+    assert "sets[0]: local batch x DP degree = 12 does not divide the global batch 8" in message
+
+
+def test_runs_spanning_nodes_fill_whole_nodes(tmp_path):
+    message = problems(tmp_path, plan_extra="gpus_per_node = 3")
+    assert ("sets[0] ('FSDP+TP2'): 4 processes span more than one node but do not fill whole nodes of "
+            "plan.gpus_per_node = 3") in message
+
+
+def test_tensor_parallel_degree_must_divide_the_heads(tmp_path):
+    message = problems(tmp_path, sets=TP_SET.replace("tp = 2", "tp = 3"))
+    assert "sets[0] ('FSDP+TP2') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=3): " in message
+    assert "parallelism.tensor_parallel_degree=3: the tiny model's n_heads (4) is not divisible by it" in message
+
+
+def test_seq_len_must_split_for_context_and_tensor_parallelism(tmp_path):
+    message = problems(tmp_path, sets='[[sets]]\nname = "cp3"\nkind = "parallelism"\ncp = 3\n')
+    assert "sets[0] ('cp3') (pp=1 dp_replicate=1 dp_shard=2 cp=3 tp=1): " in message
+    assert "training.seq_len=32: context_parallel_degree=3 splits" in message
+    assert "use a multiple of 6" in message
+    text = plan_text(tmp_path).replace('"training.seq_len" = 32', '"training.seq_len" = 33')
+    message = problems(tmp_path, text)
+    assert "sets[0] ('FSDP+TP2') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2): " in message
+    assert ("training.seq_len=33: sequence parallelism splits each rank's 33 tokens over tensor_parallel_degree=2 "
+            "ranks; use a multiple of 2") in message
+
+
+def test_pipeline_stages_need_layers(tmp_path):
+    sets = '[[sets]]\nname = "pp4"\nkind = "parallelism"\npp = 4\npp_schedule = "Interleaved1F1B"\n'
+    message = problems(tmp_path, sets=sets)
+    assert "sets[0] ('pp4') (pp=4 dp_replicate=1 dp_shard=2 cp=1 tp=1): " in message
+    assert "needs 8 stages, but the model has only 4 layers" in message
+
+
+def test_pipeline_schedule_needs_enough_microbatches(tmp_path):
+    text = plan_text(tmp_path, sets='[[sets]]\nname = "pp2"\nkind = "parallelism"\npp = 2\npp_schedule = "1F1B"\n')
+    message = problems(tmp_path, text.replace("local_batch_size = 4", "local_batch_size = 1"))
+    assert "1F1B with 2 PP ranks and 2 stages needs at least 2 microbatches" in message
+    assert "raise the local batch size to 2" in message
+
+
+def test_interleaved_schedule_needs_two_stages_per_rank(tmp_path):
+    sets = '[[sets]]\nname = "pp2"\nkind = "parallelism"\npp = 2\npp_schedule = "Interleaved1F1B"\n' \
+           'overrides = { "parallelism.pipeline_parallel_layers_per_stage" = 3 }\n'
+    message = problems(tmp_path, sets=sets)
+    assert "pipeline_parallel_layers_per_stage=3 gives 2 stages, but Interleaved1F1B needs a multiple of 2 " \
+           "stages, at least 2 per PP rank" in message
+
+
+def test_invalid_common_option_value_is_reported_once_for_the_plan(tmp_path):
+    text = plan_text(tmp_path).replace('"model.flavor" = "tiny"', '"model.flavor" = "huge"')
+    message = problems(tmp_path, text)
+    assert "plan: invalid configuration: model.flavor: 'huge' is unknown" in message
+    assert "1 problem:" in message
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    sets = TP_SET.replace("tp = 2", "tp = 3") + '[[sets]]\nname = "t"\nkind = "technique"\n' + \
+        '[[sets]]\nname = "cp"\nkind = "parallelism"\ncp = 2\nlocal_batch_size = 8\n'
+    message = problems(tmp_path, sets=sets, tolerance='mode = "exact"\nloss_atol = -1.0')
+    assert "tolerance.loss_atol: must be > 0" in message
+    assert "sets[1].overrides: a technique set needs" in message
+    assert "sets[2].local_batch_size: 8 differs" in message
+    assert "tensor_parallel_degree=3" in message
+
+
+def test_a_bad_optional_plan_key_does_not_hide_the_other_problems(tmp_path):
+    message = problems(tmp_path, plan_extra="stpes = 3", sets=TP_SET.replace("tp = 2", "tp = 3"))
+    assert "plan.stpes: unknown key; did you mean 'steps'?" in message
+    assert "parallelism.tensor_parallel_degree=3: the tiny model's n_heads (4)" in message
+
+
+def test_every_key_is_described():
+    from protocol.plan import CONTROL_KEYS, PLAN_KEYS, SET_KEYS, describe_keys
+
+    text = describe_keys()
+    for schema in (PLAN_KEYS, CONTROL_KEYS, SET_KEYS):
+        for key, spec in schema.items():
+            assert spec.doc and f"  {key} (" in text

@@ -1,0 +1,144 @@
+"""report.md, report.json, the plots and the console table."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from protocol.compare import compare
+from protocol.curves import Curve
+from protocol.report import comparison_from_dict, fmt_diff, fmt_loss, format_table, write_report
+from protocol.tolerance import Tolerance
+
+STEPS = list(range(1, 31))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def curve(name, offset=0.0, jump_at=None, jump=0.0):
+    loss = [5.0 - 0.01 * s + offset + (jump if jump_at is not None and s >= jump_at else 0.0) for s in STEPS]
+    return Curve(name=name, steps=STEPS, loss=loss, grad_norm=[1.0 + 0.1 * s for s in STEPS], source=f"<{name}>")
+
+
+@pytest.fixture
+def exact_case():
+    control = curve("fsdp")
+    tests = [curve("tp2", offset=2.4e-7), curve("pp2", jump_at=7, jump=1e-3)]
+    comparison = compare(control, tests, Tolerance(mode="exact", loss_atol=1e-4))
+    return comparison, [control], tests
+
+
+def table_rows(markdown_text):
+    """Rows of the first markdown table, as lists of cells (header and separator dropped)."""
+    lines = markdown_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| set | layout |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_number_formats_keep_small_diffs_readable():
+    assert fmt_diff(2.4e-07) == "2.40e-07"
+    assert fmt_diff(-3e-5, signed=True) == "-3.00e-05"
+    assert fmt_diff(1e-3, signed=True) == "+1.00e-03"
+    assert fmt_diff(0.0) == "0" and fmt_diff(None) == "-" and fmt_diff(math.inf) == "inf"
+    assert fmt_loss(4.99000024) == "4.99" and fmt_loss(10.1234567) == "10.1235"
+
+
+def test_write_report_exact(tmp_path, exact_case):
+    comparison, controls, tests = exact_case
+    paths = write_report(comparison, controls, tests, tmp_path / "out", layouts={"tp2": "dp 2 tp 2", "pp2": "pp 2"})
+    assert set(paths) == {"markdown", "json", "loss_curves", "loss_diffs"}
+    for path in paths.values():
+        assert path.is_file() and path.parent == tmp_path / "out"
+
+    text = paths["markdown"].read_text(encoding="utf-8")
+    assert text.startswith("# Convergence report: exact mode")
+    assert "loss_atol 0.0001" in text
+    rows = table_rows(text)
+    assert len(rows) == 2
+    tp2, pp2 = rows
+    assert tp2 == ["tp2", "dp 2 tp 2", "4.99", "4.7", "2.40e-07", "2.40e-07", "+2.40e-07", "PASS"]
+    assert pp2[:2] == ["pp2", "pp 2"] and pp2[-1] == "FAIL"
+    assert pp2[4] == "1.00e-03" and pp2[6] == "+1.00e-03"
+    assert pp2[5] == fmt_diff(24 / 30 * 1e-3)
+    # the failure line names the reason and the first diverging step
+    failure = next(line for line in text.splitlines() if line.startswith("- **pp2**"))
+    assert "step 7" in failure and failure.endswith(": 7)")
+    assert "**Overall: FAIL** (1/2 sets pass)" in text
+
+
+def test_report_json_round_trip(tmp_path, exact_case):
+    comparison, controls, tests = exact_case
+    paths = write_report(comparison, controls, tests, tmp_path, layouts={"tp2": "dp 2 tp 2"})
+    data = json.loads(paths["json"].read_text(encoding="utf-8"))
+    assert data["mode"] == "exact" and data["passed"] is False and data["control"] == "fsdp"
+    assert data["tolerance"]["loss_atol"] == 1e-4
+    assert data["layouts"] == {"tp2": "dp 2 tp 2", "pp2": ""}
+    by_name = {r["name"]: r for r in data["results"]}
+    assert by_name["pp2"]["first_diverging_step"] == 7 and by_name["pp2"]["verdict"] is False
+    assert by_name["tp2"]["max_abs_diff"] == pytest.approx(2.4e-7, rel=1e-6)
+    assert by_name["tp2"]["steps"] == STEPS and len(by_name["tp2"]["loss_diff"]) == 30
+    assert comparison_from_dict(data) == comparison
+
+
+def test_report_json_is_strict_with_non_finite_numbers(tmp_path):
+    control = curve("fsdp")
+    diverged = curve("nan")
+    diverged.loss[10] = math.nan
+    comparison = compare(control, [diverged], Tolerance(mode="exact"))
+    paths = write_report(comparison, [control], [diverged], tmp_path)
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    data = json.loads(paths["json"].read_text(encoding="utf-8"), parse_constant=no_constants)
+    assert data["results"][0]["max_abs_diff"] == "nan"
+    back = comparison_from_dict(data).results[0]
+    assert math.isnan(back.max_abs_diff) and math.isnan(back.loss_diff[10])
+    assert back.first_diverging_step == 11
+
+
+def test_pngs_are_valid(tmp_path, exact_case):
+    comparison, controls, tests = exact_case
+    paths = write_report(comparison, controls, tests, tmp_path)
+    for key in ("loss_curves", "loss_diffs"):
+        data = paths[key].read_bytes()
+        assert data[:8] == PNG_SIGNATURE
+        assert len(data) > 10_000
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width >= 600 and height >= 400
+
+
+def test_statistical_report(tmp_path):
+    controls = [curve(f"seed{i}", offset=o) for i, o in enumerate((-0.05, 0.0, 0.05))]
+    tests = {"inside": curve("a", offset=0.1), "outside": curve("b", offset=0.2)}
+    tol = Tolerance(mode="statistical", control_repeats=3)
+    comparison = compare(controls, tests, tol)
+    paths = write_report(comparison, controls, tests, tmp_path)
+    text = paths["markdown"].read_text(encoding="utf-8")
+    assert text.startswith("# Convergence report: statistical mode")
+    assert "repeats: seed0, seed1, seed2" in text and "noise_multiplier 3" in text
+    assert [(row[0], row[-1]) for row in table_rows(text)] == [("inside", "PASS"), ("outside", "FAIL")]
+    assert "| noise spread | band |" in text
+    assert "outside the band" in text
+    assert comparison_from_dict(json.loads(paths["json"].read_text())) == comparison
+    assert paths["loss_diffs"].read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_format_table_for_the_console(exact_case):
+    comparison, _, _ = exact_case
+    lines = format_table(comparison, layouts={"tp2": "dp 2 tp 2"}).splitlines()
+    assert len(lines) == 4  # header, rule, one line per set
+    assert lines[0].split() == ["set", "layout", "initial", "final", "max", "abs", "diff", "mean", "abs", "diff",
+                                "final", "diff", "verdict"]
+    assert set(lines[1]) <= {"-", " "}
+    assert lines[2].split() == ["tp2", "dp", "2", "tp", "2", "4.99", "4.7", "2.40e-07", "2.40e-07", "+2.40e-07",
+                                "PASS"]
+    assert lines[3].split()[0] == "pp2" and lines[3].split()[-1] == "FAIL"
+    # columns line up: every verdict starts at the same offset
+    assert len({line.rfind("PASS") if "PASS" in line else line.rfind("FAIL") for line in lines[2:]}) == 1
