@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import platform
 import sys
@@ -171,48 +172,70 @@ class Trainer:
         )
         if self.source.entropy_floor is not None:
             logger.info("data: %s; best achievable loss %.4f nats/token", cfg.training.dataset, self.source.entropy_floor)
+        self.run_until(cfg.training.steps)
+        logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
+                    os.path.abspath(cfg.job.dump_folder))
+
+    def run_until(self, last_step: int) -> None:
+        """Train steps state.step + 1 .. last_step (or until a finite dataset ends)."""
+        cfg = self.config
         gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
         last_log_time, last_log_step = time.perf_counter(), self.state.step
-        while self.state.step < cfg.training.steps:
+        unchecked: tuple[int, StepResult] | None = None  # a step whose gradient norm is not checked yet
+        while self.state.step < last_step:
             self.state.step += 1
+            step = self.state.step
             lr = self.scheduler.get_last_lr()[0]
             try:
                 result = self.train_step()
             except DataExhausted as e:
-                logger.info("%s; stopping after %d steps", e, self.state.step - 1)
+                logger.info("%s; stopping after %d steps", e, step - 1)
                 self.state.step -= 1
                 break
             self.state.tokens_seen += self.tokens_per_step
-            # The norm is global, so every rank sees a NaN/inf from any rank and all stop together.
-            if not torch.isfinite(result.grad_norm).item():
-                raise NonFiniteLossError(
-                    f"step {self.state.step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
-                    "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
-                )
-            if self.state.step == 1:
+            # Reading the norm waits for the device. Step t is read once step t+1 is queued, so the
+            # device never idles for it; steps whose results are used right away are read at once.
+            if unchecked is not None:
+                self._check_finite(*unchecked)
+            logging_step = should_log(step, cfg.metrics.log_freq, cfg.training.steps)
+            evaluating = self.val_loader is not None and (step % cfg.validation.freq == 0 or step == cfg.training.steps)
+            saving = self.checkpointer.should_save(step, cfg.training.steps)
+            unchecked = (step, result)
+            if logging_step or evaluating or saving or step == last_step:
+                self._check_finite(*unchecked)
+                unchecked = None
+            if step == 1:
                 env.set_collective_timeout(cfg.comm.train_timeout_seconds)
-            if self.state.step % cfg.training.gc_freq == 0:
+            if step % cfg.training.gc_freq == 0:
                 gc.collect(1)
-            if should_log(self.state.step, cfg.metrics.log_freq, cfg.training.steps):
+            if logging_step:
                 loss = self.global_loss(result)
                 now = time.perf_counter()
-                steps = self.state.step - last_log_step
                 self.metrics.log_step(StepFigures(
-                    step=self.state.step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
-                    tokens=steps * self.tokens_per_step, tokens_seen=self.state.tokens_seen,
-                    elapsed_s=now - last_log_time, steps_since_log=steps,
+                    step=step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
+                    tokens=(step - last_log_step) * self.tokens_per_step, tokens_seen=self.state.tokens_seen,
+                    elapsed_s=now - last_log_time, steps_since_log=step - last_log_step,
                 ))
-                if not torch.isfinite(torch.tensor(loss)):
-                    raise NonFiniteLossError(f"step {self.state.step}: loss {loss}; stopping")
-                last_log_time, last_log_step = now, self.state.step
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(f"step {step}: loss {loss}; stopping")
+                last_log_time, last_log_step = now, step
             paused = time.perf_counter()  # evaluation and saving stay out of the training throughput
-            if self.val_loader is not None and (self.state.step % cfg.validation.freq == 0 or self.state.step == cfg.training.steps):
-                self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
-            if self.checkpointer.should_save(self.state.step, cfg.training.steps):
-                self.checkpointer.save(self.state.step, last=self.state.step == cfg.training.steps)
+            if evaluating:
+                self.metrics.log_scalars(step, {"loss": self.validation_loss()}, prefix="validation")
+            if saving:
+                self.checkpointer.save(step, last=step == cfg.training.steps)
             last_log_time += time.perf_counter() - paused
-        logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
-                    os.path.abspath(cfg.job.dump_folder))
+        if unchecked is not None:
+            self._check_finite(*unchecked)
+
+    def _check_finite(self, step: int, result: StepResult) -> None:
+        """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from
+        any rank and all stop together."""
+        if not torch.isfinite(result.grad_norm).item():
+            raise NonFiniteLossError(
+                f"step {step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
+                "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
+            )
 
     def close(self) -> None:
         gc.enable()

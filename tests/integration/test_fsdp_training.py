@@ -54,10 +54,15 @@ def test_same_global_batch_gives_same_losses(tmp_path, one_process_run, layout, 
     assert norm_rel <= 1e-5
 
 
-def test_non_finite_loss_stops_at_the_step_it_happened(tmp_path):
+@pytest.mark.parametrize("log_freq", [1, 5])
+def test_non_finite_loss_stops_at_the_step_it_happened(tmp_path, log_freq):
     # An absurd learning rate without clipping turns the weights into inf/NaN after step 1.
+    # Step 2 is a logging step with log_freq 1; with log_freq 5 it is read once step 3 is queued,
+    # and step 3's checkpoint must not be written from the broken weights.
     result = launch(2, [*TINY_JOB, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
-                        "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0"])
+                        "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0",
+                        "--metrics.log_freq", str(log_freq), "--checkpoint.enable", "--checkpoint.interval", "3"])
     assert result.returncode != 0
     assert "step 2: loss nan, gradient norm nan; stopping" in result.stdout, describe(result)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert not list((tmp_path / "checkpoint").glob("step-*")), describe(result)

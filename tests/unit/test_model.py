@@ -36,15 +36,38 @@ def test_flops_per_token_by_hand():
     assert args.ffn_hidden_dim == 192
     attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # wq, wk, wv, wo
     ffn = 3 * 64 * 192
-    norms = 2 * 64
-    non_embedding = 4 * (attention + ffn + norms) + 64 + 64 * 256  # blocks, final norm, output
+    matmul_weights = 4 * (attention + ffn) + 64 * 256  # blocks, output (no embedding, no norms)
+    assert matmul_weights == 212_992
     seq_len = 32
-    expected = 6 * non_embedding + 12 * 4 * 4 * 16 * seq_len
-    assert flops_per_token(args, seq_len) == expected
+    expected = 6 * matmul_weights + 12 * 4 * 4 * 16 * seq_len  # = 1,277,952 + 98,304
+    assert flops_per_token(args, seq_len) == expected == 1_376_256
+
+
+@pytest.mark.parametrize("flavor, seq_len", [("tiny", 32), ("tiny", 48), ("debugmodel", 64)])
+def test_flops_per_token_matches_torch_flop_counter(flavor, seq_len):
+    """torch's FlopCounterMode counts every matmul of a real forward + backward. With the math
+    attention backend the score and value products are bmm calls it sees too (the fused CPU kernel
+    is not counted), so the total must be the formula's exactly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = get_flavor(flavor)
+    args.max_seq_len = seq_len
+    model = Transformer(args)
+    model.init_weights(0)
+    batch = 2
+    tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    counted = counter.get_total_flops()
+    assert counted == flops_per_token(args, seq_len) * batch * seq_len
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert by_op["aten.bmm"] == 12 * args.n_layers * args.n_heads * args.head_dim * seq_len * batch * seq_len
 
 
 def test_get_flavor_errors_and_copies():
-    with pytest.raises(ValueError, match="choose one of tiny, debugmodel, 1B, 8B, 70B, 405B"):
+    with pytest.raises(ValueError, match="choose one of tiny, debugmodel, 125M, 1B, 8B, 70B, 405B"):
         get_flavor("7B")
     args = get_flavor("tiny")
     args.max_seq_len = 5

@@ -40,7 +40,7 @@ class Model:
     """Model family."""
 
     flavor: str = "debugmodel"
-    """Size preset of the model family: tiny, debugmodel, 1B, 8B, 70B or 405B."""
+    """Size preset of the model family: tiny, debugmodel, 125M, 1B, 8B, 70B or 405B."""
 
     tokenizer_path: str = ""
     """SentencePiece .model file. Empty: the data source's own token ids (built-in sources)."""

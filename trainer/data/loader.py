@@ -58,8 +58,13 @@ class BatchLoader:
             logger.info("%s data: epoch %d begins at global batch %d", self.name, epoch, self.step + 1)
             self.epoch = epoch
         self.step += 1
+        if self.device.type == "cuda":
+            # One asynchronous copy from page-locked memory: the host does not wait for the device.
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+        else:
+            tokens = tokens.to(self.device)
         micro = tokens.split(self.local_batch_size)
-        return [(m[:, :-1].to(self.device), m[:, 1:].to(self.device)) for m in micro]
+        return [(m[:, :-1], m[:, 1:]) for m in micro]
 
     def _source_state(self) -> dict | None:
         return None if self.source.random_access else self.source.state_dict()

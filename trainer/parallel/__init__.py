@@ -7,7 +7,9 @@ Composition order, on the model built on the meta device (each step sees what th
   3. context parallelism over the cp mesh: the attention core of every block (context.py)
   4. activation checkpointing (checkpointing.py)
   5. torch.compile per block (compile.py)
-  6. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py)
+  6. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py); skipped
+     for a single process computing in float32, where it would only copy the weights back and
+     forth (FSDP over one rank stays when it has work: a lower compute dtype, CPU offload)
 TP comes before FSDP so FSDP shards the TP shards (2-D parameters); AC and compile wrap the
 blocks FSDP will shard. The trainer then materializes the weights and, under PP, builds the
 schedule over the stages (pipeline.Pipeline).
@@ -56,6 +58,8 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     plan = stage_plan(config, dims)
     stages = split_into_stages(model, plan, mesh["pp"].get_local_rank()) if plan else {0: model}
     reshard = p.fsdp_reshard_after_forward
+    param_dtype = resolve_param_dtype(config.training.mixed_precision_param, device)
+    data_parallel = needs_fsdp(dims, param_dtype, config.training.enable_cpu_offload)
     for stage in stages.values():
         if dims.tp > 1:
             apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel)
@@ -64,22 +68,31 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
         apply_ac(stage, ac.mode, ac.selective_ac_option)
         if config.compile.enable and "model" in config.compile.components:
             apply_compile(stage, config.compile.backend)
-        apply_fsdp(
-            stage,
-            data_parallel_mesh(dims, mesh),
-            param_dtype=resolve_param_dtype(config.training.mixed_precision_param, device),
-            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
-            reshard_after_forward=reshard == "always" or (reshard == "default" and dims.pp == 1),
-            cpu_offload=config.training.enable_cpu_offload,
-        )
+        if data_parallel:
+            apply_fsdp(
+                stage,
+                data_parallel_mesh(dims, mesh),
+                param_dtype=param_dtype,
+                reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+                reshard_after_forward=reshard == "always" or (reshard == "default" and dims.pp == 1),
+                cpu_offload=config.training.enable_cpu_offload,
+            )
     if p.enable_async_tensor_parallel:
         enable_async_tp(mesh["tp"], device)
-    logger.info("parallelisms: %s", describe(dims, config, plan))
+    logger.info("parallelisms: %s", describe(dims, config, plan, data_parallel))
     owned = list(stages.values())
     return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)
 
 
-def describe(dims: ParallelDims, config, plan: StagePlan | None) -> str:
+def needs_fsdp(dims: ParallelDims, param_dtype, cpu_offload: bool) -> bool:
+    """FSDP over a world of one shards nothing and reduces nothing; it is only worth its copies
+    of the weights when it casts them to a lower compute dtype or offloads them."""
+    import torch
+
+    return dims.world_size > 1 or param_dtype != torch.float32 or cpu_offload
+
+
+def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: bool = True) -> str:
     """One line naming what `parallelize` applies, in the order it applies it."""
     p, ac = config.parallelism, config.activation_checkpoint
     parts = []
@@ -94,7 +107,9 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None) -> str:
         parts.append(f"activation checkpointing {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""))
     if config.compile.enable:
         parts.append(f"torch.compile per block ({config.compile.backend})")
-    if dims.dp_replicate > 1:
+    if not data_parallel:
+        parts.append("none (one process, float32: the model runs unwrapped)")
+    elif dims.dp_replicate > 1:
         kind = "DDP" if dims.dp_shard_cp == 1 else "HSDP"
         parts.append(f"{kind} {dims.dp_replicate} replicas x {dims.dp_shard_cp} shards")
     else:

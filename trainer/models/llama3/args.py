@@ -71,6 +71,9 @@ FLAVORS: dict[str, LlamaModelArgs] = {
     "tiny": LlamaModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32),
     # Trains on a CPU in minutes (~5M parameters).
     "debugmodel": LlamaModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=2048, multiple_of=256),
+    # GPT-2-small scale (125M parameters, 75M of them in the blocks), not a published Llama: large
+    # enough that model state dominates a CPU process's memory, small enough to train on one.
+    "125M": LlamaModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32768, multiple_of=256),
     # Llama 3.2 1B shapes. Llama 3.2 ties the output to the embedding; this model never does,
     # so it has 1.50e9 parameters instead of the published 1.24e9.
     "1B": LlamaModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
@@ -92,21 +95,28 @@ def get_flavor(name: str) -> LlamaModelArgs:
 
 def num_params(args: LlamaModelArgs, include_embedding: bool = True) -> int:
     """Analytic parameter count (the model's meta-device count must agree)."""
+    total = matmul_params(args) + (2 * args.n_layers + 1) * args.dim  # + RMSNorm weights
+    return total + (args.dim * args.vocab_size if include_embedding else 0)
+
+
+def matmul_params(args: LlamaModelArgs) -> int:
+    """Weights that take part in a matrix multiply: attention and FFN projections, and the output
+    layer. Not the token embedding (a lookup) nor the RMSNorm weights (elementwise)."""
     d, hd = args.dim, args.head_dim
     attention = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo; wk, wv
     ffn = 3 * d * args.ffn_hidden_dim
-    block = attention + ffn + 2 * d  # + two RMSNorm weights
-    total = args.n_layers * block + d + d * args.vocab_size  # + final norm + output
-    return total + (d * args.vocab_size if include_embedding else 0)
+    return args.n_layers * (attention + ffn) + d * args.vocab_size
 
 
 def flops_per_token(args: LlamaModelArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 * N + 12 * n_layers * n_heads * head_dim * seq_len.
 
-    N counts the parameters without the token-embedding table (a lookup, not a matmul) but with
-    the output projection. 6 = 2 (multiply-add) x 3 (forward, input grads, weight grads). The
-    second term is the attention score and value matmuls, counted over the full seq_len x seq_len
-    matrix (PaLM, appendix B), not halved for the causal mask.
+    N is `matmul_params`: every weight a token's activations are multiplied by, once each.
+    6 = 2 (multiply-add) x 3 (forward, input grads, weight grads). The second term is the
+    attention score and value matmuls (2 x 2 x seq_len x head_dim per head and token, times 3),
+    counted over the full seq_len x seq_len matrix as MFU is conventionally reported (PaLM,
+    appendix B); a causal kernel that skips masked blocks does about half of that work.
+    Elementwise work (norms, RoPE, softmax, SwiGLU gating) is left out. tests/unit/test_model.py
+    checks the formula against torch's FLOP counter on a real forward and backward.
     """
-    n = num_params(args, include_embedding=False)
-    return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6.0 * matmul_params(args) + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
