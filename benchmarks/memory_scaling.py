@@ -1,6 +1,6 @@
 """Per-rank model state under FSDP degree 1, 2, 4: parameters + gradients + optimizer state.
 
-    python benchmarks/memory_scaling.py [--flavor 125M] [--degrees 1,2,4] [--seq-len 64]
+    python benchmarks/memory_scaling.py [--flavor 125M] [--degrees 1,2,4] [--seq-len 64] [--json FILE]
 
 Trains the real trainer for two steps at each FSDP degree (1-D FSDP over all ranks, AdamW, fp32)
 and prints, per degree, the bytes one rank holds for each kind of state (the largest over the
@@ -12,6 +12,7 @@ multiple of N, so the fraction should sit at 1/N up to that padding.
 from __future__ import annotations
 
 import argparse
+import json
 
 from common import MIB, machine, run_training, table  # noqa: I001 (sets sys.path)
 
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--flavor", default="125M", help="model flavor (default 125M: 126M parameters)")
     parser.add_argument("--degrees", default="1,2,4", help="FSDP degrees (processes), comma separated")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (batch 1 per rank)")
+    parser.add_argument("--json", help="also write the measured figures (bytes, GiB) to this file")
     args = parser.parse_args()
 
     results = [measure(args.flavor, int(n), args.seq_len) for n in args.degrees.split(",")]
@@ -46,6 +48,9 @@ def main() -> None:
     print("model state: exact bytes of the rank's local shards after the first optimizer step. Peak memory: "
           "CUDA max allocated on GPUs, process peak RSS on CPUs (largest rank); 'before the model' is that "
           "figure once torch and the process group are up, before the model is built")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

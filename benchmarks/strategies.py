@@ -1,15 +1,15 @@
 """Data-parallel strategies side by side: time per step, memory per rank, loss after K steps.
 
-    python benchmarks/strategies.py [--flavor 125M] [--nproc 4] [--steps 6] [--seq-len 128]
+    python benchmarks/strategies.py [--flavor 125M] [--nproc 4] [--steps 6] [--seq-len 128] [--json FILE]
 
 Runs the real trainer once per strategy, each without and with full activation checkpointing,
 all on the same number of processes, the same global batch (local batch 1 per rank) and the same
 seed, and prints one row per run:
 
   DDP                  every rank holds everything; gradients all-reduced
-  FSDP                 parameters, gradients, optimizer state sharded; parameters freed again
+  FSDP (reshard)       parameters, gradients, optimizer state sharded; parameters freed again
                        after forward and re-gathered for backward (ZeRO-3-like)
-  FSDP, no reshard     as FSDP, but the gathered parameters stay from forward to backward
+  FSDP (no reshard)    as FSDP, but the gathered parameters stay from forward to backward
                        (ZeRO-2-like: one all-gather per step instead of two)
   HSDP                 sharded within groups of nproc/2 ranks, replicated across 2 groups
   FSDP + CPU offload   sharded state kept in host memory, copied to the device per use
@@ -23,6 +23,7 @@ first step stay out. The losses agree across strategies: they compute the same t
 from __future__ import annotations
 
 import argparse
+import json
 
 from common import MIB, machine, run_training, table  # noqa: I001 (sets sys.path)
 
@@ -33,8 +34,8 @@ def strategies(nproc: int) -> list[tuple[str, list[str], bool]]:
     """(name, overrides, needs a GPU)."""
     return [
         ("DDP", [P + "data_parallel_replicate_degree", str(nproc), P + "data_parallel_shard_degree", "1"], False),
-        ("FSDP", [P + "fsdp_reshard_after_forward", "always"], False),
-        ("FSDP, no reshard", [P + "fsdp_reshard_after_forward", "never"], False),
+        ("FSDP (reshard)", [P + "fsdp_reshard_after_forward", "always"], False),
+        ("FSDP (no reshard)", [P + "fsdp_reshard_after_forward", "never"], False),
         ("HSDP", [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", str(nproc // 2)], False),
         ("FSDP + CPU offload", ["--training.enable_cpu_offload"], True),
     ]
@@ -55,7 +56,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4, help="processes (even, >= 4 for HSDP; default 4)")
     parser.add_argument("--steps", type=int, default=6, help="training steps K per run (>= 3)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (batch 1 per rank)")
-    parser.add_argument("--only", default="", help="comma-separated strategy names to run (default all)")
+    parser.add_argument("--json", help="also write the measured figures (seconds, bytes, GiB) to this file")
+    parser.add_argument("--only", default="", help="comma-separated strategies to run, by name or by the name's "
+                        "first word (DDP, FSDP, HSDP); default all")
     args = parser.parse_args()
     import torch
 
@@ -63,15 +66,16 @@ def main() -> None:
     common = ["--model.flavor", args.flavor, "--training.steps", str(args.steps), "--training.local_batch_size", "1",
               "--training.seq_len", str(args.seq_len), "--metrics.log_freq", str(args.steps), "--debug.seed", "0"]
     wanted = {name.strip() for name in args.only.split(",") if name.strip()}
-    rows = []
+    rows, results = [], []
     for name, overrides, needs_gpu in strategies(args.nproc):
-        if wanted and name not in wanted:
+        if wanted and not wanted & {name, name.split()[0]}:
             continue
         for ac in ("none", "full"):
             if needs_gpu and not has_gpu:
                 rows.append([name, ac, "n/a", "n/a", "n/a", "n/a", "n/a (no GPU: state is in host memory already)"])
                 continue
             r = measure(args.nproc, [*common, *overrides, "--activation_checkpoint.mode", ac])
+            results.append({"strategy": name, "ac": ac, **r})
             rows.append([name, ac, f"{r['step_s']:.2f}", f"{r['peak']:.2f}", f"{r['peak'] - r['baseline']:.2f}",
                          f"{r['state'] / MIB:,.0f}", f"{r['loss']:.5f}"])
             print(f"  measured {name} (AC {ac}): {r['step_s']:.2f} s/step", flush=True)
@@ -82,6 +86,9 @@ def main() -> None:
     print("peak memory: CUDA max allocated on GPUs, process peak RSS on CPUs (largest rank); 'above start' "
           "subtracts the same figure taken before the model was built. Model state: parameters + gradients "
           "+ optimizer state of one rank, exact bytes.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""The benchmark scripts run, on the tiny model, and what they measure holds: FSDP divides the
+per-rank model state by its degree, and the data-parallel strategies train identically."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.launch import REPO
+
+
+def run_script(name: str, *args: str, timeout: int = 600) -> str:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the tests measure on CPUs, also on a GPU machine
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / name), *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of the markdown tables in `output`."""
+    lines = [line for line in output.splitlines() if line.startswith("|") and not line.startswith("|:")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_fsdp_divides_model_state_by_its_degree(tmp_path, measured):
+    out = run_script("memory_scaling.py", "--flavor", "tiny", "--degrees", "1,2", "--seq-len", "16",
+                     "--json", str(tmp_path / "m.json"))
+    one, two = json.loads((tmp_path / "m.json").read_text())
+    assert (one["degree"], two["degree"]) == (1, 2)
+    assert one["params"] == one["grads"] > 0 and one["optimizer"] == 2 * one["params"]  # AdamW: two moments
+    # Every tiny-model dimension is even: each of the 2 shards holds exactly half, no padding.
+    for kind in ("params", "grads", "optimizer", "total"):
+        assert 2 * two[kind] == one[kind], kind
+    assert [row[5] for row in table_rows(out)] == ["1.0000", "0.5000"]
+    measured(f"memory_scaling (tiny): model state per rank {one['total']} bytes at FSDP 1, {two['total']} at FSDP 2")
+
+
+def test_strategies_train_identically_and_ddp_holds_everything(tmp_path, measured):
+    run_script("strategies.py", "--flavor", "tiny", "--nproc", "2", "--steps", "3", "--seq-len", "32",
+               "--only", "DDP,FSDP (reshard)", "--json", str(tmp_path / "s.json"))
+    runs = {(r["strategy"], r["ac"]): r for r in json.loads((tmp_path / "s.json").read_text())}
+    assert set(runs) == {("DDP", "none"), ("DDP", "full"), ("FSDP (reshard)", "none"), ("FSDP (reshard)", "full")}
+    losses = [r["loss"] for r in runs.values()]
+    assert max(losses) - min(losses) <= 1e-5, losses
+    assert runs["DDP", "none"]["state"] == 2 * runs["FSDP (reshard)", "none"]["state"] > 0
+    assert all(r["step_s"] > 0 for r in runs.values())
+    measured(f"strategies (tiny, 2 procs): loss after 3 steps {min(losses):.6f}..{max(losses):.6f} over 4 runs")
+
+
+def test_overhead_and_profile_scripts_run():
+    out = run_script("overhead.py", "--model.flavor", "tiny", "--block-steps", "2", "--blocks", "2")
+    assert [r[0] for r in table_rows(out)] == ["plain", "trainer"]
+    assert "trainer / plain tokens/s:" in out
+    out = run_script("profile_step.py", "--model.flavor", "tiny", "--steps", "3", "--top", "5")
+    phases = [r[0] for r in table_rows(out)][:7]
+    assert phases[:2] == ["data loader", "forward + backward"] and phases[-1] == "step"
