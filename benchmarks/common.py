@@ -127,6 +127,15 @@ def table(headers: list[str], rows: list[list], align: str | None = None) -> str
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
+def cpu_model() -> str:
+    """The CPU's model name on Linux, else empty."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine() -> str:
     """One line describing where the figures were measured."""
     import platform
@@ -136,7 +145,7 @@ def machine() -> str:
     if torch.cuda.is_available():
         where = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     else:
-        where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        where = f"CPU ({cpu_model() or platform.machine()}, {os.cpu_count()} cores)"
     return f"{where}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
