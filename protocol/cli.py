@@ -6,13 +6,15 @@
     protocol compare --control DIR [--control DIR ...] --test [NAME=]DIR [...] [--mode exact|statistical] ...
 
 Exit codes: 0 success (compare: every set passes), 1 a run failed or a set failed, 2 a user error
-(bad plan, missing folder, unknown name).
+(bad plan, missing folder, unknown name, a folder that cannot be written), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -30,10 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parser().parse_args(argv)
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `protocol plan ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:  # a folder or file that cannot be written: the path and why, no traceback
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,15 +94,29 @@ def load(path: Path):
     return load_plan(path)
 
 
+def output_folder(path: Path, what: str) -> Path:
+    """`path`, created if need be; a UsageError naming `what` when it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{what} {path}: exists and is not a folder; give a folder") from None
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot create the folder ({e.strerror}); give a writable folder") from None
+    return path
+
+
 def cmd_plan(args) -> int:
     from protocol.launch import render, write_slurm
 
+    if args.out is not None and args.format != "slurm":
+        raise UsageError(f"--out is the folder of --format slurm's scripts; --format {args.format} prints to "
+                         "standard output (redirect it to a file instead)")
     plan = load(args.plan)
     launches = plan.launches()
     if args.format == "slurm":
         if args.out is None:
             raise UsageError("--format slurm writes one sbatch script per run: give the folder with --out DIR")
-        for path in write_slurm(plan, launches, args.out):
+        for path in write_slurm(plan, launches, output_folder(args.out, "--out")):
             print(path)
         return 0
     print(render(launches, args.format))
@@ -99,9 +126,13 @@ def cmd_plan(args) -> int:
 def cmd_run(args) -> int:
     from protocol.launch import run_local, run_slurm
 
+    if args.launcher == "slurm" and shutil.which("sbatch") is None:
+        raise UsageError("--launcher slurm: sbatch is not on PATH; run this on a SLURM login node, or write the "
+                         "scripts with `protocol plan PLAN --format slurm --out DIR`")
     plan = load(args.plan)
     launches = plan.launches()
     only = [name.strip() for name in args.only.split(",") if name.strip()] or None
+    output_folder(plan.output, f"{args.plan}: plan.output")
     if args.launcher == "slurm":
         results = run_slurm(plan, launches, plan.output / "slurm", only=only)
     else:
@@ -129,7 +160,7 @@ def cmd_compare(args) -> int:
         raise UsageError("; ".join(problems))
     controls = [read(path, None, **tags) for path in args.control]
     tests = [read(*split_test(spec), **tags) for spec in args.test]
-    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), layouts={})
+    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), "--out", layouts={})
 
 
 def split_test(spec: str) -> tuple[Path, str | None]:
@@ -144,6 +175,9 @@ def read(path: Path, name: str | None, loss_tag=None, grad_norm_tag=None):
 
 
 def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None) -> int:
+    """The plan's runs compared; the report goes to `out`, by default the plan's output folder."""
+    from protocol.launch import describe_layout
+
     tolerance = replace(plan.tolerance, **overrides)
     problems = tolerance.problems()
     if problems:
@@ -152,20 +186,18 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
     controls = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches
                 if launch.role == "control"]
     tests = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches if launch.role == "test"]
-    layouts = {launch.name: describe_layout(launch.degrees) for launch in launches}
-    return compare_and_report(controls, tests, tolerance, out or plan.output, layouts)
+    layouts = {launch.name: describe_layout(launch) for launch in launches}
+    where = "--out" if out else f"{plan.path}: plan.output"
+    return compare_and_report(controls, tests, tolerance, out or plan.output, where, layouts)
 
 
-def describe_layout(degrees: dict) -> str:
-    return " ".join(f"{key} {value}" for key, value in degrees.items() if value not in (1, None, ""))
-
-
-def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, layouts: dict) -> int:
+def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, out_name: str, layouts: dict) -> int:
+    """Judge, write the report into `out` (named `out_name` in errors), print the table and the verdict."""
     from protocol.compare import compare
     from protocol.report import format_table, write_report
 
     comparison = compare(controls, tests, tolerance)
-    paths = write_report(comparison, controls, tests, out, layouts=layouts)
+    paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts)
     print(format_table(comparison, layouts))
     for path in paths.values():
         print(f"wrote {path}")

@@ -85,6 +85,21 @@ def describe_degrees(degrees: dict) -> str:
     return ", ".join(parts)
 
 
+def describe_layout(launch: Launch) -> str:
+    """The degrees and the run's own trainer options: 'dp_shard 2 + activation_checkpoint.mode=full'."""
+    options = [f"{key}={option_text(value)}" for key, value in launch.overrides.items()]
+    return " + ".join([describe_degrees(launch.degrees), *options])
+
+
+def option_text(value) -> str:
+    """A trainer option's value as written on the command line: true/false, lists comma joined."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def render(launches: Sequence[Launch], fmt: str) -> str:
     """The launches as an aligned `table`, a `json` list, or a runnable bash script (`shell`)."""
     renderers = {"table": render_table, "json": render_json, "shell": render_shell}

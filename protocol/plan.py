@@ -232,10 +232,11 @@ class RunSpec:
 class Launch:
     """One process launch of the plan: what to start, on how many processes, with which options.
 
-    `args` are the options for torchrun_launch.sh or `python -m trainer.train`; `output` is the
-    run's dump folder; `seed_checkpoint` is the step-0 folder the seed run writes, or the one a
-    run loads (None without a seed checkpoint); `depends_on` names the launches that must
-    finish first.
+    `args` are the options for torchrun_launch.sh or `python -m trainer.train`; `overrides` are
+    the trainer options of this run's own table (a technique set's technique), also in `args`;
+    `output` is the run's dump folder; `seed_checkpoint` is the step-0 folder the seed run writes,
+    or the one a run loads (None without a seed checkpoint); `depends_on` names the launches that
+    must finish first.
     """
 
     name: str
@@ -250,6 +251,7 @@ class Launch:
     seed: int = 0
     seed_checkpoint: Path | None = None
     depends_on: tuple[str, ...] = ()
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def slug(self) -> str:
@@ -401,7 +403,7 @@ def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, seed: int) -> La
     return Launch(name=name, role=role, kind=kind, nproc=nproc, nodes=nodes, procs_per_node=per_node,
                   degrees=degrees, args=tuple(run_args(plan, spec, output, seed)), output=output, seed=seed,
                   seed_checkpoint=plan.seed_checkpoint_path,
-                  depends_on=(SEED_NAME,) if plan.seed_checkpoint else ())
+                  depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides))
 
 
 def override_args(overrides: dict[str, Any]) -> list[str]:

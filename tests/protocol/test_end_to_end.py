@@ -33,21 +33,21 @@ def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
     out = tmp_path / "outputs" / "protocol" / "cpu_smoke"
     report = json.loads((out / "report.json").read_text())
     results = {r["name"]: r for r in report["results"]}
-    assert set(results) == {"3D FSDP+TP2+PP2", "2D FSDP+CP2", "AC full"}
+    assert set(results) == {"3D FSDP+TP2+PP2", "4D FSDP+TP2+CP2+PP2", "2D FSDP+CP2", "AC full"}
     for name, r in results.items():
         assert r["verdict"] is True, (name, r["reason"])
         assert r["steps_compared"] == 20 and r["first_diverging_step"] is None
         assert r["max_abs_diff"] <= 1e-4
-        measured(f"protocol cpu_smoke {name:16s} max |dloss| {r['max_abs_diff']:.1e}, final loss {r['final_loss']:.5f}")
+        measured(f"protocol cpu_smoke {name:20s} max |dloss| {r['max_abs_diff']:.1e}, final loss {r['final_loss']:.5f}")
     markdown = (out / "report.md").read_text()
-    assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 3
+    assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 4
     for png in ("loss_curves.png", "loss_diffs.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Completed runs are not repeated; the comparison alone gives the same verdict.
     again = protocol("run", str(plan), cwd=tmp_path)
     assert again.returncode == 0, explain(again)
-    assert (again.stdout + again.stderr).count("skipped") >= 5, explain(again)
+    assert (again.stdout + again.stderr).count("skipped") >= 6, explain(again)
     compared = protocol("compare", str(plan), cwd=tmp_path)
     assert compared.returncode == 0 and "PASS: every test set" in compared.stdout, explain(compared)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.launch import describe_layout
 from protocol.plan import REPO_ROOT, PlanError, load_plan, override_args, slugify
 
 PLANS = REPO_ROOT / "protocol" / "plans"
@@ -80,14 +81,17 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         ("seed", "seed", "seed", 1, 1),
         ("1D FSDP", "control", "control", 2, 1),
         ("3D FSDP+TP2+PP2", "test", "parallelism", 8, 1),
+        ("4D FSDP+TP2+CP2+PP2", "test", "parallelism", 16, 1),
         ("2D FSDP+CP2", "test", "parallelism", 4, 1),
         ("AC full", "test", "technique", 2, 1),
     ]
-    assert max(l.nproc for l in launches) <= 8  # no 16-process run on a small CPU machine
+    assert max(l.nproc for l in launches) <= plan.gpus_per_node  # every run fits this one machine
     assert plan.tolerance.mode == "exact"
     assert launches[2].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1, "pp": 2,
                                    "pp_schedule": "Interleaved1F1B"}
-    assert launches[3].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2, "pp": 1}
+    assert launches[3].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 2, "pp": 2,
+                                   "pp_schedule": "Interleaved1F1B"}
+    assert launches[4].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2, "pp": 1}
     seed_path = plan.output / "seed" / "checkpoint" / "step-0"
     assert plan.seed_checkpoint_path == seed_path
     for launch in launches[1:]:
@@ -100,7 +104,9 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         assert launch.args[-3:] == ("--checkpoint.initial_load_path", str(seed_path), "--checkpoint.load_only")
         assert launch.output == plan.output / slugify(launch.name)
         assert launch.depends_on == ("seed",)
-    assert arg(launches[4], "--activation_checkpoint.mode") == "full"
+    assert arg(launches[5], "--activation_checkpoint.mode") == "full"
+    assert describe_layout(launches[5]) == "dp_shard 2 + activation_checkpoint.mode=full"
+    assert describe_layout(launches[3]) == "dp_shard 2, tp 2, cp 2, pp 2 (Interleaved1F1B)"
 
 
 def test_cpu_smoke_commands_are_exact():

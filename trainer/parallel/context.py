@@ -52,7 +52,7 @@ class GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(group)
         # Collectives concatenate along dim 0: (world * B, T_local, ...), then move ranks into the sequence.
         gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+        dist.all_gather_single(gathered, x.contiguous(), group=group)
         return gathered.unflatten(0, (world, -1)).movedim(0, 1).flatten(1, 2)  # (B, world * T_local, ...)
 
     @staticmethod
@@ -60,7 +60,7 @@ class GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         per_rank = grad.unflatten(1, (world, -1)).movedim(1, 0).flatten(0, 1).contiguous()  # (world * B, T_local, ...)
         local = per_rank.new_empty((per_rank.shape[0] // world, *per_rank.shape[1:]))
-        dist.reduce_scatter_tensor(local, per_rank, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(local, per_rank, op=dist.ReduceOp.SUM, group=ctx.group)
         return local, None
 
 
