@@ -5,7 +5,10 @@
 Runs the trainer's step phases one by one (the same calls `Trainer.train_step` makes) with a
 timer around each, then one more block of steps under torch.profiler, and prints the mean
 milliseconds per phase and the operators with the most self time. What is neither matmul,
-attention nor the optimizer's arithmetic is the trainer's own overhead.
+attention nor the optimizer's arithmetic is the trainer's own overhead. Last, it times a large
+square matmul on this machine and sets the step's model FLOP/s (the trainer's FLOPs-per-token
+formula) against it: an MFU measured against what the machine sustains, for devices whose peak
+is not in a datasheet table (pass that figure as metrics.peak_flops to log MFU).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
+from trainer.models.llama3 import get_flavor
+from trainer.models.llama3.args import flops_per_token
 from trainer.optim import clip_grad_norm
 from trainer.preflight import plan_run
 from trainer.train import Trainer
@@ -37,6 +42,16 @@ def phases(trainer: Trainer):
         ("LR schedule + zero_grad", lambda: (trainer.scheduler.step(), trainer.optimizer.zero_grad(set_to_none=True))),
         ("finiteness check", lambda: torch.isfinite(box["norm"]).item()),
     ]
+
+
+def matmul_flops_per_s(size: int = 2048, repeats: int = 10) -> float:
+    """Sustained float32 FLOP/s of one size x size matmul with torch's threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -77,6 +92,11 @@ def main() -> None:
     print(table(["operator (self time)", "ms/step", "%", "calls/step"],
                 [[e.key[:60], f"{e.self_cpu_time_total / 1000 / args.steps:.2f}",
                   f"{100 * e.self_cpu_time_total / profiled:.1f}", f"{e.count / args.steps:g}"] for e in events]))
+    tokens = config.training.local_batch_size * config.training.seq_len
+    model_flops = flops_per_token(get_flavor(config.model.flavor), config.training.seq_len) * tokens * args.steps / total
+    peak = matmul_flops_per_s()
+    print(f"model FLOP/s of the step {model_flops / 1e9:.1f} G; a 2048 x 2048 float32 matmul here "
+          f"{peak / 1e9:.1f} G; ratio {100 * model_flops / peak:.1f}%")
 
 
 if __name__ == "__main__":
