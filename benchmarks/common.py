@@ -27,6 +27,8 @@ if str(REPO) not in sys.path:
 
 MIB = float(1 << 20)
 GIB = float(1 << 30)
+PEAK_MEMORY_NOTE = ("Peak memory: CUDA max allocated on GPUs, process peak RSS on CPUs (largest rank); the same "
+                    "figure taken before the model was built is what torch and the process group hold alone.")
 
 
 def local_bytes(tensor) -> int:
@@ -72,6 +74,7 @@ def run_training(nproc: int, overrides: list[str], timeout: int = 1800) -> list[
 
 
 def _worker(result_path: str, overrides: list[str]) -> None:
+    import faulthandler
     import logging
 
     import torch.distributed as dist
@@ -81,6 +84,7 @@ def _worker(result_path: str, overrides: list[str]) -> None:
     from trainer.preflight import plan_run
     from trainer.train import Trainer, configure_logging
 
+    faulthandler.enable(file=sys.__stderr__)  # a native crash still shows where Python was
     configure_logging()
     logging.getLogger().setLevel(logging.WARNING)
     config = load_config(overrides)
@@ -125,6 +129,13 @@ def table(headers: list[str], rows: list[list], align: str | None = None) -> str
 
     rule = "|" + "|".join(("-" * (w + 1) + ":" if a == "r" else ":" + "-" * (w + 1)) for w, a in zip(widths, align)) + "|"
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def write_json(path: str | None, results: list[dict]) -> None:
+    """The measured figures (bytes, seconds, GiB) as JSON, when a path was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def cpu_model() -> str:

@@ -12,9 +12,8 @@ multiple of N, so the fraction should sit at 1/N up to that padding.
 from __future__ import annotations
 
 import argparse
-import json
 
-from common import MIB, machine, run_training, table  # noqa: I001 (sets sys.path)
+from common import MIB, PEAK_MEMORY_NOTE, machine, run_training, table, write_json  # noqa: I001 (sets sys.path)
 
 
 def measure(flavor: str, degree: int, seq_len: int) -> dict:
@@ -45,12 +44,8 @@ def main() -> None:
     print(f"model state per rank, flavor {args.flavor}, AdamW fp32, FSDP over all ranks; {machine()}")
     print(table(["FSDP degree", "params MiB", "grads MiB", "optimizer MiB", "total MiB", "total / whole state",
                  "1/N", "peak memory GiB", "before the model GiB"], rows))
-    print("model state: exact bytes of the rank's local shards after the first optimizer step. Peak memory: "
-          "CUDA max allocated on GPUs, process peak RSS on CPUs (largest rank); 'before the model' is that "
-          "figure once torch and the process group are up, before the model is built")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    print(f"Model state: exact bytes of the rank's local shards after the first optimizer step. {PEAK_MEMORY_NOTE}")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Data-parallel strategies side by side: time per step, memory per rank, loss after K steps.
 
-    python benchmarks/strategies.py [--flavor 125M] [--nproc 4] [--steps 6] [--seq-len 128] [--json FILE]
+    python benchmarks/strategies.py [--flavor 125M] [--nproc 4] [--steps 6] [--seq-len 128] [--only NAMES]
+                                    [--ac none,full] [--json FILE]
 
 Runs the real trainer once per strategy, each without and with full activation checkpointing,
 all on the same number of processes, the same global batch (local batch 1 per rank) and the same
@@ -23,9 +24,8 @@ first step stay out. The losses agree across strategies: they compute the same t
 from __future__ import annotations
 
 import argparse
-import json
 
-from common import MIB, machine, run_training, table  # noqa: I001 (sets sys.path)
+from common import MIB, PEAK_MEMORY_NOTE, machine, run_training, table, write_json  # noqa: I001 (sets sys.path)
 
 P = "--parallelism."
 
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the measured figures (seconds, bytes, GiB) to this file")
     parser.add_argument("--only", default="", help="comma-separated strategies to run, by name or by the name's "
                         "first word (DDP, FSDP, HSDP); default all")
+    parser.add_argument("--ac", default="none,full", help="activation checkpointing modes to run each strategy "
+                        "with, comma separated (default none,full)")
     args = parser.parse_args()
     import torch
 
@@ -70,7 +72,7 @@ def main() -> None:
     for name, overrides, needs_gpu in strategies(args.nproc):
         if wanted and not wanted & {name, name.split()[0]}:
             continue
-        for ac in ("none", "full"):
+        for ac in [mode.strip() for mode in args.ac.split(",") if mode.strip()]:
             if needs_gpu and not has_gpu:
                 rows.append([name, ac, "n/a", "n/a", "n/a", "n/a", "n/a (no GPU: state is in host memory already)"])
                 continue
@@ -83,12 +85,9 @@ def main() -> None:
           f"{args.steps} steps; {machine()}")
     print(table(["strategy", "AC", "s/step", "peak memory/rank GiB", "above start GiB", "model state/rank MiB",
                  f"loss after {args.steps} steps"], rows, align="llrrrrr"))
-    print("peak memory: CUDA max allocated on GPUs, process peak RSS on CPUs (largest rank); 'above start' "
-          "subtracts the same figure taken before the model was built. Model state: parameters + gradients "
-          "+ optimizer state of one rank, exact bytes.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    print(f"{PEAK_MEMORY_NOTE} 'Above start' subtracts it. Model state: parameters + gradients + optimizer "
+          "state of one rank, exact bytes.")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ world of one.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import math
@@ -276,6 +277,9 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
+    # process without a Python traceback; this prints every thread's Python stack first.
+    faulthandler.enable(file=sys.__stderr__)
     configure_logging()
     try:
         if "--help" in argv or "-h" in argv:

@@ -40,14 +40,14 @@ def test_fsdp_divides_model_state_by_its_degree(tmp_path, measured):
 
 def test_strategies_train_identically_and_ddp_holds_everything(tmp_path, measured):
     run_script("strategies.py", "--flavor", "tiny", "--nproc", "2", "--steps", "3", "--seq-len", "32",
-               "--only", "DDP,FSDP (reshard)", "--json", str(tmp_path / "s.json"))
+               "--only", "DDP,FSDP (reshard)", "--ac", "none", "--json", str(tmp_path / "s.json"))
     runs = {(r["strategy"], r["ac"]): r for r in json.loads((tmp_path / "s.json").read_text())}
-    assert set(runs) == {("DDP", "none"), ("DDP", "full"), ("FSDP (reshard)", "none"), ("FSDP (reshard)", "full")}
+    assert set(runs) == {("DDP", "none"), ("FSDP (reshard)", "none")}
     losses = [r["loss"] for r in runs.values()]
     assert max(losses) - min(losses) <= 1e-5, losses
     assert runs["DDP", "none"]["state"] == 2 * runs["FSDP (reshard)", "none"]["state"] > 0
     assert all(r["step_s"] > 0 for r in runs.values())
-    measured(f"strategies (tiny, 2 procs): loss after 3 steps {min(losses):.6f}..{max(losses):.6f} over 4 runs")
+    measured(f"strategies (tiny, 2 procs): loss after 3 steps {min(losses):.6f}..{max(losses):.6f} over 2 runs")
 
 
 def test_overhead_and_profile_scripts_run():

@@ -106,7 +106,8 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         assert launch.depends_on == ("seed",)
     assert arg(launches[5], "--activation_checkpoint.mode") == "full"
     assert describe_layout(launches[5]) == "dp_shard 2 + activation_checkpoint.mode=full"
-    assert describe_layout(launches[3]) == "dp_shard 2, tp 2, cp 2, pp 2 (Interleaved1F1B)"
+    assert describe_layout(launches[3]) == ("dp_shard 2, tp 2, cp 2, pp 2 (Interleaved1F1B) + "
+                                            "parallelism.pipeline_parallel_microbatch_size=2")
 
 
 def test_cpu_smoke_commands_are_exact():
