@@ -57,3 +57,13 @@ def test_overhead_and_profile_scripts_run():
     out = run_script("profile_step.py", "--model.flavor", "tiny", "--steps", "3", "--top", "5")
     phases = [r[0] for r in table_rows(out)][:7]
     assert phases[:2] == ["data loader", "forward + backward"] and phases[-1] == "step"
+
+
+def test_memory_phases_reads_the_resident_set_after_each_phase():
+    out = run_script("memory_phases.py", "--nproc", "1", "--flavor", "tiny", "--steps", "1")
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["start", "model built", "step 1: forward + backward",
+                                    "step 1: clip + optimizer step", "step 1: zero_grad"]
+    resident, high_water = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
+    assert all(0 < rss <= hwm for rss, hwm in zip(resident, high_water))
+    assert high_water == sorted(high_water)  # a high-water mark never falls
