@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from protocol.plan import REPO_ROOT, RDZV_PORT, Launch, Plan, slugify
+from protocol.plan import REPO_ROOT, RDZV_PORT, Launch, Plan, option_value, slugify
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +87,8 @@ def describe_degrees(degrees: dict) -> str:
 
 def describe_layout(launch: Launch) -> str:
     """The degrees and the run's own trainer options: 'dp_shard 2 + activation_checkpoint.mode=full'."""
-    options = [f"{key}={option_text(value)}" for key, value in launch.overrides.items()]
+    options = [f"{key}={option_value(value)}" for key, value in launch.overrides.items()]
     return " + ".join([describe_degrees(launch.degrees), *options])
-
-
-def option_text(value) -> str:
-    """A trainer option's value as written on the command line: true/false, lists comma joined."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
 
 
 def render(launches: Sequence[Launch], fmt: str) -> str:

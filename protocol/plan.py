@@ -406,14 +406,23 @@ def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, seed: int) -> La
                   depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides))
 
 
+def option_value(value: Any) -> str:
+    """A trainer option's value as written on the command line: true/false, lists comma joined."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def override_args(overrides: dict[str, Any]) -> list[str]:
     """Dotted keys to command-line options: --key value, booleans --key=true|false, lists a,b,c."""
     args = []
     for key, value in overrides.items():
         if isinstance(value, bool):
-            args.append(f"--{key}={'true' if value else 'false'}")
+            args.append(f"--{key}={option_value(value)}")
         elif isinstance(value, list):
-            text = ",".join(str(v) for v in value)
+            text = option_value(value)
             args += [f"--{key}={text}"] if not text else [f"--{key}", text]
         elif isinstance(value, str) and (value.startswith("-") or not value):
             args.append(f"--{key}={value}")  # a value that looks like an option, or nothing
