@@ -160,7 +160,13 @@ def machine() -> str:
     return f"{where}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-if __name__ == "__main__":
+def _worker_main() -> None:
     if len(sys.argv) < 3 or sys.argv[1] != "--result":
         sys.exit("usage (started by torchrun from run_training): common.py --result FILE [--section.key value ...]")
     _worker(sys.argv[2], sys.argv[3:])
+
+
+if __name__ == "__main__":
+    from trainer.process_exit import run_process
+
+    run_process(_worker_main)

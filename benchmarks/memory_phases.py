@@ -88,6 +88,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]))
+        from trainer.process_exit import run_process
+
+        run_process(lambda: worker(sys.argv[2], int(sys.argv[3])))
     else:
         main()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
+from trainer.process_exit import run_process
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.preflight import plan_run
 from trainer.train import Trainer
@@ -117,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_process(main)  # the trainer ran gloo collectives here: see trainer.process_exit

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
+from trainer.process_exit import run_process
 from trainer.models.llama3 import get_flavor
 from trainer.models.llama3.args import flops_per_token
 from trainer.optim import clip_grad_norm
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_process(main)  # the trainer ran gloo collectives here: see trainer.process_exit

@@ -41,6 +41,7 @@ from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
 from trainer.preflight import RunPlan, check_device_options, plan_run
+from trainer.process_exit import run_process
 from trainer.step import StepRunner
 
 logger = logging.getLogger("trainer")
@@ -316,4 +317,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_process(main)
