@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
-from trainer.process_exit import run_process
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.preflight import plan_run
+from trainer.process_exit import run_process
 from trainer.train import Trainer
 
 

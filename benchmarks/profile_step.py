@@ -23,11 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
-from trainer.process_exit import run_process
 from trainer.models.llama3 import get_flavor
 from trainer.models.llama3.args import flops_per_token
 from trainer.optim import clip_grad_norm
 from trainer.preflight import plan_run
+from trainer.process_exit import run_process
 from trainer.train import Trainer
 
 
