@@ -1,19 +1,23 @@
 """Distributed checkpoints (DCP): save, resume, seed checkpoints, retention.
 
 Layout: <job.dump_folder>/<checkpoint.folder>/step-<N>/ holds one DCP checkpoint with the items
-model, optimizer, lr_scheduler, dataloader, train_state (a model-only checkpoint holds just
-model). A save is written to .step-<N>.partial/ and renamed to step-<N>/ only when every rank has
-finished, so a run killed while saving leaves nothing that looks like a checkpoint; stale partial
-folders are removed at the next start. DCP reshards on load: a checkpoint saved at one layout
-loads into any other.
+model, optimizer, lr_scheduler, dataloader, train_state, and checkpoint.json (what saved it). Every
+save is full, the last one included, so raising training.steps continues a finished run exactly;
+checkpoint.last_save_model_only adds the weights alone, in export_dtype, under
+step-<N>/model_only/. Seed checkpoints (step-0) hold only the model. A save is written to
+.step-<N>.partial/ and renamed to step-<N>/ only when every rank has finished, so a run killed
+while saving leaves nothing that looks like a checkpoint; stale partial folders are removed at the
+next start. DCP reshards on load: a checkpoint saved at one layout loads into any other.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import warnings
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -30,12 +34,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint_layout import (
+    CHECKPOINT_RECORD,
+    MODEL_ONLY_DIR,
     check_initial_load_path,
     complete_checkpoints,
+    fingerprint,
+    check_step_folders,
     named_step,
     partial_path,
+    read_checkpoint_record,
 )
+from trainer.config.manager import to_dict
 from trainer.parallel.fsdp import DTYPES
+from trainer.version import code_version
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +142,29 @@ def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
 # The manager
 
 
+def is_resumable(path: Path) -> bool:
+    """A checkpoint holding the training state (a full save), not only model weights."""
+    record = read_checkpoint_record(path)
+    if record is not None and "items" in record:
+        return "train_state" in record["items"]
+    return "train_state" in saved_items(saved_keys(path))
+
+
+def checkpoint_record(config, step: int, items: list[str], kind: str, **extra) -> dict:
+    """The content of checkpoint.json: what saved this checkpoint, and with which configuration."""
+    return {"step": step, "items": items, "kind": kind, **extra, "config": to_dict(config), "code": code_version(),
+            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_checkpoint_record(folder: Path, record: dict) -> None:
+    (folder / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
 class CheckpointManager:
     """Decides what to load at start and when to save, following the [checkpoint] section."""
 
     def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int):
+        self.config = config
         self.cfg = config.checkpoint
         self.flavor = config.model.flavor
         self.total_steps = config.training.steps
@@ -143,6 +173,9 @@ class CheckpointManager:
         self.train_state = train_state
         self.rank = rank
         self.pending = None  # (future, step, partial path) of an asynchronous save
+        self.last_saved: int | None = None  # step of this run's latest save
+        # What resume() loaded, for the run record: kind init | checkpoint | resume | hugging_face.
+        self.start = {"kind": "init", "path": None, "step": 0, "fingerprint": None}
         # Background saves talk over their own group so they never interleave with training collectives.
         self.async_group = dist.new_group(backend="gloo") if self.cfg.async_mode != "disabled" else None
 
@@ -160,7 +193,13 @@ class CheckpointManager:
 
     def resume(self) -> Path | None:
         """Load the newest complete checkpoint of the folder (or checkpoint.load_step), else the
-        initial_load_path; returns what was loaded."""
+        initial_load_path; returns what was loaded. Raises CheckpointError when the folder holds
+        checkpoints this run cannot continue from, TrainingComplete when it is finished."""
+        if self.cfg.enable:
+            try:
+                check_step_folders(self.folder)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
         items = list(ITEMS)
         if self.cfg.enable and self.cfg.load_step != -1:
@@ -181,6 +220,8 @@ class CheckpointManager:
                 raise CheckpointError(str(e)) from None
             if self.cfg.initial_load_in_hf:
                 self._load_hf(path)
+                self.start = {"kind": "hugging_face", "path": str(path.resolve()), "step": 0,
+                              "fingerprint": fingerprint(path)}
                 return path
             items = ["model"] if self.cfg.initial_load_model_only else items
         else:
@@ -189,17 +230,33 @@ class CheckpointManager:
             self._remove_stale_partials()
         return self._load(path, items) if path is not None else None
 
-    def _resume_point(self, found: dict[int, Path]) -> Path | None:
-        """The newest checkpoint to continue from: a full one, or the step-0 seed. A newer
-        model-only checkpoint is a final export: at or past training.steps the run is complete."""
-        resumable = {s: p for s, p in found.items() if s == 0 or "train_state" in saved_items(saved_keys(p))}
+    def _resume_point(self, found: dict[int, Path]) -> Path:
+        """The newest checkpoint of the folder, when this run can continue from it: a full one
+        before training.steps, or the step-0 seed."""
         newest = max(found)
-        if newest not in resumable:
-            if newest >= self.total_steps:
-                raise TrainingComplete(f"{found[newest]} is the final checkpoint of this run (training.steps = "
-                                       f"{self.total_steps}); nothing to do. Raise training.steps to continue.")
-            logger.warning("%s holds the model only; resuming from the newest full checkpoint", found[newest])
-        return resumable[max(resumable)] if resumable else None
+        path = found[newest]
+        if newest == 0:
+            return path
+        if newest >= self.total_steps:
+            if newest > self.total_steps and is_resumable(path):
+                raise CheckpointError(
+                    f"{path} is past training.steps = {self.total_steps}: this run went further already. Raise "
+                    f"training.steps above {newest} to continue it, resume an earlier step with "
+                    "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+            raise TrainingComplete(f"{path} is the final checkpoint of this run (training.steps = "
+                                   f"{self.total_steps}); nothing to do. Raise training.steps to continue.")
+        if is_resumable(path):
+            return path
+        # Only earlier versions of this trainer wrote a model-only last save.
+        full = [s for s, p in found.items() if s and is_resumable(p)]
+        options = [f"start a new run from its weights with --checkpoint.initial_load_path {path} "
+                   "--job.dump_folder NEW_FOLDER"]
+        if full:
+            options.insert(0, f"continue from step-{full[-1]}, the newest full checkpoint, with --checkpoint.load_step "
+                              f"{full[-1]} --checkpoint.overwrite (steps {full[-1] + 1}-{newest} are trained again)")
+        raise CheckpointError(
+            f"{path} holds the model weights only (a final export): without its optimizer state and data position "
+            f"this run cannot continue from step {newest} exactly. Either " + ", or ".join(options))
 
     def _named_step(self, found: dict[int, Path], step: int) -> Path:
         try:
@@ -215,8 +272,25 @@ class CheckpointManager:
         if missing and "train_state" in present:
             logger.warning("%s has no %s; starting those fresh", path, ", ".join(missing))
         dcp.load(self._stateful(items), checkpoint_id=str(path))
+        if "lr_scheduler" in items:
+            self._continue_schedule(path)
+        kind = "resume" if "train_state" in items else "checkpoint"
+        self.start = {"kind": kind, "path": str(path.resolve()), "step": self.train_state.step,
+                      "fingerprint": fingerprint(path)}
         logger.info("loaded %s from %s (step %d)", ", ".join(items), path, self.train_state.step)
         return path
+
+    def _continue_schedule(self, path: Path) -> None:
+        """The loaded optimizer holds the learning rate the saving run computed for the next step;
+        recompute it from this run's schedule (training.steps may have been raised), and say when
+        the steps already trained followed a different schedule."""
+        set_schedule_position(self.scheduler, self.scheduler.last_epoch)
+        record = read_checkpoint_record(path)
+        if record is None:
+            return
+        changed = schedule_change(record["config"], self.config, self.train_state.step)
+        if changed:
+            logger.warning("%s: %s", path, changed)
 
     @torch.no_grad()
     def _load_hf(self, path: Path) -> None:
@@ -258,26 +332,37 @@ class CheckpointManager:
                 or (step == 1 and self.cfg.enable_first_step_checkpoint))
 
     def save(self, step: int, *, last: bool = False) -> None:
-        """Write step-<step>; model only in export_dtype for the last save when configured."""
+        """Write step-<step>, a full checkpoint. The last save also writes the exports it is
+        configured for: model_only/ (the weights in export_dtype) and hf/."""
         self.wait()
-        model_only = last and self.cfg.last_save_model_only
-        items = ["model"] if model_only else list(ITEMS)
-        dtype = DTYPES[self.cfg.export_dtype] if model_only else None
+        self.last_saved = step
         final, partial = self.folder / f"step-{step}", partial_path(self.folder, step)
         refuse_overwrite(final, self.cfg.overwrite)
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        state = self._stateful(items, export_dtype=dtype)
+        self._make_folder(partial, fresh=True)
+        state = self._stateful(ITEMS)
         if self.cfg.async_mode != "disabled" and not last:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
             self.pending = (future, step, partial)
             return
         dcp.save(state, checkpoint_id=str(partial))
+        exports = []
+        if last and self.cfg.last_save_model_only:
+            export_dtype = DTYPES[self.cfg.export_dtype]
+            self._make_folder(partial / MODEL_ONLY_DIR, fresh=False)
+            dcp.save(self._stateful(["model"], export_dtype=export_dtype), checkpoint_id=str(partial / MODEL_ONLY_DIR))
+            exports.append(MODEL_ONLY_DIR)
         if last and self.cfg.last_save_in_hf:  # inside the folder, so it is published with it
             self._export_hf(partial, DTYPES[self.cfg.export_dtype])
-        self._finish(step, partial)
+            exports.append("hf")
+        self._finish(step, partial, kind="final" if last else "periodic", exports=exports)
+
+    def _make_folder(self, path: Path, fresh: bool) -> None:
+        """Rank 0 creates the folder (emptied first when `fresh`); every rank waits for it."""
+        if self.rank == 0:
+            if fresh:
+                shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True, exist_ok=not fresh)
+        dist.barrier()
 
     def wait(self) -> None:
         """Finish an asynchronous save: called by every rank at the same point (the next save, the
@@ -287,12 +372,15 @@ class CheckpointManager:
         future, step, partial = self.pending
         self.pending = None
         future.result()
-        self._finish(step, partial)
+        self._finish(step, partial, kind="periodic", exports=[])
 
-    def _finish(self, step: int, partial: Path) -> None:
+    def _finish(self, step: int, partial: Path, kind: str, exports: list[str]) -> None:
         """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
         dist.barrier()
         if self.rank == 0:
+            write_checkpoint_record(partial, checkpoint_record(
+                self.config, step, list(ITEMS), kind, exports=exports,
+                export_dtype=self.cfg.export_dtype if exports else None))
             final = self.folder / f"step-{step}"
             if final.exists():  # only reachable with checkpoint.overwrite
                 shutil.rmtree(final)
@@ -302,14 +390,55 @@ class CheckpointManager:
         dist.barrier()
 
     def _apply_retention(self) -> None:
-        """Keep the newest keep_latest_k checkpoints; never the newest one or the step-0 seed."""
+        """Keep the newest keep_latest_k checkpoints, and always the newest full one (the point
+        this run resumes from) and the step-0 seed."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
-        steps = [s for s in complete_checkpoints(self.folder) if s != 0]
-        for step in steps[:-max(k, 1)]:
-            shutil.rmtree(self.folder / f"step-{step}")
-            logger.info("removed checkpoint step-%d (keep_latest_k=%d)", step, k)
+        found = complete_checkpoints(self.folder)
+        steps = [s for s in found if s != 0]
+        full = [s for s in steps if is_resumable(found[s])]
+        keep = set(steps[-k:]) | set(full[-1:])
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(found[step])
+                logger.info("removed checkpoint step-%d (keep_latest_k=%d)", step, k)
+
+
+def set_schedule_position(scheduler, steps_taken: int) -> None:
+    """Set every parameter group's learning rate to what the schedule gives after `steps_taken`
+    optimizer steps (LambdaLR's formula), as if the scheduler had stepped there itself."""
+    lrs = [base * factor(steps_taken) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
+    """Why the learning rates of steps 1..steps_done would differ under this run's schedule from
+    the schedule they were trained with (training.steps or [lr_scheduler] changed), or None."""
+    from trainer.optim import lr_factor
+
+    saved_steps = saved_config.get("training", {}).get("steps", config.training.steps)
+    saved = {**to_dict(config)["lr_scheduler"], **saved_config.get("lr_scheduler", {})}
+    now = to_dict(config)["lr_scheduler"]
+    if saved_steps == config.training.steps and saved == now:
+        return None
+
+    def factors(total: int, s: dict) -> list[float]:
+        return [lr_factor(step, total_steps=total, warmup_steps=s["warmup_steps"], decay_ratio=s.get("decay_ratio"),
+                          decay_type=s["decay_type"], min_lr_factor=s["min_lr_factor"])
+                for step in range(1, steps_done + 1)]
+
+    before, after = factors(saved_steps, saved), factors(config.training.steps, now)
+    differing = [step for step, (a, b) in enumerate(zip(before, after), 1) if a != b]
+    if not differing:
+        return None
+    return (f"steps {differing[0]}-{steps_done} were trained with the learning-rate schedule of training.steps = "
+            f"{saved_steps}, which differs from this run's (training.steps = {config.training.steps}); steps "
+            f"{steps_done + 1}-{config.training.steps} follow this run's schedule, so the curve is not the one of a "
+            f"run configured this way from the start (a schedule with a stable phase, lr_scheduler.decay_ratio, "
+            "keeps earlier steps unchanged while they are before the decay)")
 
 
 def refuse_overwrite(path: Path, overwrite: bool) -> None:
@@ -317,8 +446,9 @@ def refuse_overwrite(path: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{path} exists already; refusing to overwrite it (use --checkpoint.overwrite)")
 
 
-def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool) -> Path:
-    """A step-0, model-only checkpoint written by a single process."""
+def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool, record: dict | None = None) -> Path:
+    """A step-0, model-only checkpoint written by a single process; `record` goes to its
+    checkpoint.json (see checkpoint_record)."""
     final = folder / "step-0"
     refuse_overwrite(final, overwrite)
     partial = partial_path(folder, 0)
@@ -326,6 +456,8 @@ def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool) 
     with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial), no_dist=True)
+    if record is not None:
+        write_checkpoint_record(partial, record)
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)

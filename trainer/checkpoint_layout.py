@@ -6,10 +6,14 @@ before any process starts. (trainer/checkpoint.py does the loading and saving.)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+CHECKPOINT_RECORD = "checkpoint.json"  # beside DCP's .metadata: what saved the checkpoint (see read_checkpoint_record)
+MODEL_ONLY_DIR = "model_only"  # inside the last step-N with checkpoint.last_save_model_only: the weights alone
 
 
 def checkpoint_folder(config) -> Path:
@@ -30,6 +34,26 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
         if match and (path / ".metadata").is_file():
             found[int(match.group(1))] = path
     return dict(sorted(found.items()))
+
+
+def incomplete_step_folders(folder: Path) -> list[Path]:
+    """step-N folders without DCP metadata: not written by a complete save (or copied in part).
+    A save never publishes one, so one found here is a user's folder that must not be ignored:
+    the run would start without it and later refuse to write its step."""
+    if not folder.is_dir():
+        return []
+    return sorted(path for path in folder.iterdir()
+                  if STEP_FOLDER.match(path.name) and not (path / ".metadata").is_file())
+
+
+def check_step_folders(folder: Path) -> None:
+    """ValueError naming the step-N folders that look like checkpoints but are not complete."""
+    broken = incomplete_step_folders(folder)
+    if broken:
+        names = ", ".join(str(path) for path in broken)
+        raise ValueError(f"checkpoint folder {folder}: {names} has no .metadata, so it is not a complete DCP "
+                         "checkpoint (copied in part, or not written by this trainer); move it out of the "
+                         "checkpoint folder, or restore it completely")
 
 
 def named_step(folder: Path, found: dict[int, Path], step: int) -> Path:
@@ -57,8 +81,41 @@ def check_load_options(config) -> None:
     """Raise ValueError when the configured checkpoint to load cannot exist."""
     c = config.checkpoint
     folder = checkpoint_folder(config)
+    if c.enable:
+        check_step_folders(folder)
     found = complete_checkpoints(folder) if c.enable else {}
     if c.enable and c.load_step != -1:
         named_step(folder, found, c.load_step)
     elif not found and c.initial_load_path:
         check_initial_load_path(Path(c.initial_load_path), c.initial_load_in_hf)
+
+
+def fingerprint(path: Path) -> str | None:
+    """A short identity of a checkpoint's content, cheap to compute whatever its size.
+
+    DCP checkpoint: sha256 of its .metadata (which lists every tensor, shard, file and offset, and
+    a save id that differs between two saves). Hugging Face folder: sha256 of config.json and the
+    names and sizes of its safetensors files. None when the path holds neither.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    if (path / ".metadata").is_file():
+        digest.update((path / ".metadata").read_bytes())
+    elif (path / "config.json").is_file():
+        digest.update((path / "config.json").read_bytes())
+        for file in sorted(path.glob("*.safetensors")):
+            digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    else:
+        return None
+    return digest.hexdigest()[:16]
+
+
+def read_checkpoint_record(path: Path) -> dict | None:
+    """The checkpoint.json written beside a checkpoint's .metadata: {"step", "items", "kind"
+    ("seed", "periodic" or "final"), "config", "code", "saved"}; None when absent or unreadable
+    (checkpoints of older versions have none)."""
+    try:
+        record = json.loads((Path(path) / CHECKPOINT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None

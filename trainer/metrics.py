@@ -8,7 +8,10 @@ The training loop measures (loss, gradient norm, tokens, seconds) and hands them
 * one JSON object per logged step to ``<dump_folder>/metrics.jsonl`` (log rank only, flushed
   after every line so that a crashed or running job can be read),
 * TensorBoard scalars under ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>`` when enabled
-  (``.../rank_<r>`` per rank with ``metrics.save_for_all_ranks``).
+  (``.../rank_<r>`` per rank with ``metrics.save_for_all_ranks``); a resumed run continues its
+  own folder.
+
+run_meta.json, the run's record, is written by trainer.run_record.
 
 metrics.jsonl records
 ---------------------
@@ -34,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import sys
 import time
@@ -50,7 +52,6 @@ logger = logging.getLogger(__name__)
 GIB = float(1 << 30)
 
 METRICS_FILE = "metrics.jsonl"
-RUN_META_FILE = "run_meta.json"
 _STAMP_FORMAT = "%Y%m%d-%H%M%S"
 
 # Dense (no structured sparsity) BF16 tensor throughput of one device, in FLOP/s, keyed by a
@@ -174,26 +175,18 @@ def _fmt(value: float) -> str:
     return f"{value:.3e}"
 
 
-def _free_name(path: Path) -> Path:
-    """`path` if it does not exist, else path with -1, -2, ... before the suffix."""
-    candidate, counter = path, 0
-    while candidate.exists():
-        counter += 1
-        candidate = path.with_name(f"{path.stem}-{counter}{path.suffix}")
-    return candidate
-
-
 class MetricsLogger:
     """Console line, metrics.jsonl and TensorBoard for one rank.
 
-    Construct it on every rank. `is_log_rank` marks the one rank that writes metrics.jsonl,
-    run_meta.json and (by default) TensorBoard; other ranks only log the console line and return
-    records, plus their own TensorBoard folder when metrics.save_for_all_ranks is set.
+    Construct it on every rank. `is_log_rank` marks the one rank that writes metrics.jsonl and
+    (by default) TensorBoard; other ranks only log the console line and return records, plus their
+    own TensorBoard folder when metrics.save_for_all_ranks is set.
 
-    `resume=False` with an existing metrics.jsonl moves the old file aside (never deletes it);
-    `resume=True` appends to it. `run_stamp` names the TensorBoard subfolder; by default the
-    current time (broadcast from rank 0 when every rank writes TensorBoard in a distributed run,
-    so that all ranks share one folder).
+    metrics.jsonl is appended to: which records a start keeps of an earlier run is decided before,
+    by trainer.run_record. `run_stamp` names the TensorBoard subfolder (a resumed run passes its
+    own, so that one run's curves stay in one folder); by default the current time, broadcast from
+    rank 0 when every rank writes TensorBoard. `purge_step`: TensorBoard hides the folder's events
+    at and after this step (steps a resumed run trains again).
     """
 
     def __init__(
@@ -205,8 +198,8 @@ class MetricsLogger:
         world_size: int,
         device: torch.device,
         flops_per_token: float,
-        resume: bool = False,
         run_stamp: str | None = None,
+        purge_step: int | None = None,
     ):
         mcfg = job_config.metrics
         self.rank = rank
@@ -225,14 +218,6 @@ class MetricsLogger:
 
         if is_log_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
-            if self.metrics_path.exists() and not resume:
-                stamp = datetime.fromtimestamp(self.metrics_path.stat().st_mtime).strftime(_STAMP_FORMAT)
-                moved = _free_name(self.metrics_path.with_name(f"metrics.{stamp}.jsonl"))
-                os.replace(self.metrics_path, moved)
-                logger.warning(
-                    "%s already exists and this run does not resume: moved it to %s",
-                    self.metrics_path, moved,
-                )
             self._file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
 
         if mcfg.enable_tensorboard and (is_log_rank or mcfg.save_for_all_ranks):
@@ -245,7 +230,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb_dir = tb_dir
-            self._tb = SummaryWriter(log_dir=str(tb_dir))
+            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=purge_step)
             logger.info("TensorBoard events go to %s", tb_dir)
 
     def _shared_stamp(self, broadcast: bool) -> str:
@@ -338,15 +323,6 @@ class MetricsLogger:
             for name, v in values.items():
                 self._tb.add_scalar(f"{prefix}/{name}", float(v), step)
             self._tb.flush()
-
-    def write_run_metadata(self, meta: dict) -> None:
-        """<dump_folder>/run_meta.json (log rank only); values json cannot encode are str()-ed."""
-        if not self.is_log_rank:
-            return
-        self.dump_folder.mkdir(parents=True, exist_ok=True)
-        with open(self.dump_folder / RUN_META_FILE, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, default=str)
-            f.write("\n")
 
     def close(self) -> None:
         """Close metrics.jsonl and TensorBoard; calling it again does nothing."""

@@ -15,17 +15,19 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from trainer import env
+from trainer import env, run_record
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     TrainingComplete,
     TrainState,
+    checkpoint_record,
     refuse_overwrite,
     save_seed_checkpoint,
 )
@@ -43,6 +45,7 @@ from trainer.parallel import ParallelModel, parallelize
 from trainer.preflight import RunPlan, check_device_options, plan_run
 from trainer.process_exit import run_process
 from trainer.step import StepRunner
+from trainer.version import code_version
 
 logger = logging.getLogger("trainer")
 
@@ -86,12 +89,19 @@ class Trainer:
         )
         self.checkpointer.resume()
 
+        # The run's record (run_meta.json) first: it decides what metrics.jsonl keeps of earlier starts.
+        stamp = self._tensorboard_stamp()
+        self.status, self.error = "running", None
+        self.record = None
+        if self.rank == 0:
+            self.record = run_record.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
+                                           resumed_step=self.state.step)
         self.metrics = MetricsLogger(
             config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
-            flops_per_token=flops_per_token(model_args, config.training.seq_len), resume=self.state.step > 0,
+            flops_per_token=flops_per_token(model_args, config.training.seq_len), run_stamp=stamp,
+            purge_step=self.state.step + 1 if self.state.step else None,
         )
         self.metrics_num_params = count_params_on_meta(model_args)
-        self.metrics.write_run_metadata(self._metadata(model_args, world_size))
 
     def _build_model(self, model_args) -> ParallelModel:
         """Build on the meta device, parallelize, then materialize: no full copy ever exists."""
@@ -125,9 +135,31 @@ class Trainer:
         )
         return train, validation
 
-    def _metadata(self, model_args, world_size: int) -> dict:
+    def _tensorboard_stamp(self) -> str | None:
+        """Name of the run's TensorBoard subfolder: a resumed run keeps the one of its record, so
+        one run's curves stay in one folder; a new run gets the current time."""
+        metrics = self.config.metrics
+        if not metrics.enable_tensorboard:
+            return None
+        stamp = None
+        if self.rank == 0:
+            earlier = run_record.read_record(Path(self.config.job.dump_folder)) if self.state.step else None
+            folder = (earlier or {}).get("tensorboard")
+            stamp = Path(folder).name if folder else datetime.now().strftime("%Y%m%d-%H%M%S")
+        if metrics.save_for_all_ranks and dist.get_world_size() > 1:  # every rank writes into the same folder
+            box = [stamp]
+            dist.broadcast_object_list(box, src=0, device=self.device)
+            stamp = box[0]
+        return stamp
+
+    def _metadata(self, model_args, world_size: int, tensorboard_stamp: str | None) -> dict:
+        """This start's part of the run record (see trainer.run_record for the fields)."""
+        tensorboard = f"{self.config.metrics.save_tb_folder}/{tensorboard_stamp}" if tensorboard_stamp else None
         return {
             "config": to_dict(self.config),
+            "code": code_version(),
+            "start": self.checkpointer.start,
+            "tensorboard": tensorboard,
             "world_size": world_size,
             "degrees": self.plan.dims.degrees(),
             "global_batch_size": self.plan.global_batch_size,
@@ -174,7 +206,12 @@ class Trainer:
         )
         if self.source.entropy_floor is not None:
             logger.info("data: %s; best achievable loss %.4f nats/token", cfg.training.dataset, self.source.entropy_floor)
-        self.run_until(cfg.training.steps)
+        try:
+            self.run_until(cfg.training.steps)
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+        self.status = "completed" if self.state.step >= cfg.training.steps else "data ended"
         logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))
 
@@ -184,6 +221,7 @@ class Trainer:
         gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
         last_log_time, last_log_step = time.perf_counter(), self.state.step
         unchecked: tuple[int, StepResult] | None = None  # a step whose gradient norm is not checked yet
+        first_step, data_ended = self.state.step + 1, False
         while self.state.step < last_step:
             self.state.step += 1
             step = self.state.step
@@ -193,6 +231,7 @@ class Trainer:
             except DataExhausted as e:
                 logger.info("%s; stopping after %d steps", e, step - 1)
                 self.state.step -= 1
+                data_ended = True
                 break
             self.state.tokens_seen += self.tokens_per_step
             # Reading the norm waits for the device. Step t is read once step t+1 is queued, so the
@@ -229,6 +268,10 @@ class Trainer:
             last_log_time += time.perf_counter() - paused
         if unchecked is not None:
             self._check_finite(*unchecked)
+        if data_ended and self.state.step >= first_step and self.checkpointer.should_save(self.state.step,
+                                                                                          self.state.step):
+            if self.checkpointer.last_saved != self.state.step:  # the end of the data is the end of the run
+                self.checkpointer.save(self.state.step, last=True)
 
     def _check_finite(self, step: int, result: StepResult) -> None:
         """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from
@@ -243,6 +286,9 @@ class Trainer:
         gc.enable()
         self.checkpointer.wait()
         self.metrics.close()
+        if self.record is not None:
+            status = "failed" if self.error else self.status
+            run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -255,13 +301,17 @@ def create_seed_checkpoint(config: JobConfig) -> int:
                           "run ./torchrun_launch.sh --checkpoint.create_seed_checkpoint (it starts one)")
     folder = Path(config.job.dump_folder) / config.checkpoint.folder
     refuse_overwrite(folder / "step-0", config.checkpoint.overwrite)  # before the (long) init
+    from trainer.preflight import check_seed
+
+    check_seed(config)  # the whole model in float32 in this process: refuse before the allocator fails
     model_args = get_flavor(config.model.flavor)
     model_args.max_seq_len = config.training.seq_len
     with torch.device("meta"):
         model = Transformer(model_args)
     model.to_empty(device="cpu")
     model.init_weights(seed=config.debug.seed, device="cpu")
-    path = save_seed_checkpoint(model, folder, overwrite=config.checkpoint.overwrite)
+    path = save_seed_checkpoint(model, folder, overwrite=config.checkpoint.overwrite,
+                                record=checkpoint_record(config, 0, ["model"], "seed"))
     count = sum(p.numel() for p in model.parameters())
     logger.info("seed checkpoint of %s (%d parameters, seed %d) written to %s", config.model.flavor, count,
                 config.debug.seed, path.resolve())
@@ -277,6 +327,14 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.process_exit import report_error
+
+    def stop(error: Exception, code: int = 2) -> int:
+        """A user's mistake (2) or a non-finite loss (1): one log line, and the launcher's message."""
+        logger.error("%s", error)
+        report_error(str(error), code)
+        return code
+
     argv = sys.argv[1:] if argv is None else argv
     # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
     # process without a Python traceback; this prints every thread's Python stack first.
@@ -296,21 +354,20 @@ def main(argv: list[str] | None = None) -> int:
             return create_seed_checkpoint(config)
         plan = plan_run(config, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, CheckpointError) as e:
-        logger.error("%s", e)
-        return 2
+        return stop(e)
     try:
         trainer = Trainer(config, plan)
     except (ConfigError, DataError, CheckpointError) as e:  # found on the device, or reading data or checkpoints
-        logger.error("%s", e)
-        return 2
+        return stop(e)
     except TrainingComplete as e:
         logger.info("%s", e)
         return 0
     try:
         trainer.train()
     except NonFiniteLossError as e:
-        logger.error("%s", e)
-        return 1
+        return stop(e, 1)
+    except (ConfigError, DataError, CheckpointError) as e:  # a stream that cannot be opened, a step folder in the way
+        return stop(e)
     finally:
         trainer.close()
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -155,6 +156,75 @@ def test_exact_resume_after_sigkill(tmp_path, killed_at_10, uninterrupted):
     assert max(diffs) == 0.0
 
 
+# Warmup covers every step: the learning rate of step s is then the same for 4, 6 or 20 total
+# steps, so an extended run can equal a run configured with the larger count from the start.
+EXTENDABLE = [*TINY_JOB, "--lr_scheduler.warmup_steps", "10", "--training.local_batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("six-steps")
+    result = launch(2, [*EXTENDABLE, "--training.steps", "6", "--job.dump_folder", str(dump)])
+    assert result.returncode == 0, describe(result)
+    return losses_by_step(dump)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("defaults", []),  # interval 500, last_save_model_only: only the last save exists
+    ("keep_latest_k 1, interval 3", ["--checkpoint.keep_latest_k", "1", "--checkpoint.interval", "3"]),
+])
+def test_raising_steps_continues_a_finished_run(tmp_path, six_steps, name, options, measured):
+    args = [*EXTENDABLE, "--checkpoint.enable", *options, "--job.dump_folder", str(tmp_path),
+            "--metrics.enable_tensorboard"]
+    first = launch(2, [*args, "--training.steps", "4"])
+    assert first.returncode == 0, describe(first)
+    again = launch(2, [*args, "--training.steps", "4"])
+    assert again.returncode == 0 and "nothing to do. Raise training.steps to continue" in again.stdout
+    extended = launch(2, [*args, "--training.steps", "6"])
+    assert extended.returncode == 0, describe(extended)
+    assert "loaded model, optimizer, lr_scheduler, dataloader, train_state" in extended.stdout
+    assert "(step 4)" in extended.stdout
+
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once
+    losses = losses_by_step(tmp_path)
+    diff = max(abs(losses[s] - six_steps[s]) for s in six_steps)
+    measured(f"4 steps raised to 6 ({name}): max |loss diff| against a 6-step run {diff:.1e}")
+    assert losses == six_steps  # bitwise: the same run
+    saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert saved == (["step-4", "step-6"] if not options else ["step-6"])
+    record = json.loads((tmp_path / "run_meta.json").read_text())
+    assert (record["status"], record["last_step"], record["start"]["kind"], record["start"]["step"]) == (
+        "completed", 6, "resume", 4)
+    assert [(r["status"], r["last_step"]) for r in record["history"]] == [("completed", 4)]
+    assert len(list((tmp_path / "tb").iterdir())) == 1  # one run, one TensorBoard folder
+
+
+def test_a_checkpoint_folder_that_cannot_be_continued_stops_the_run(tmp_path, seed):
+    """A model-only step-N (the last save of earlier versions) has no optimizer or data state."""
+    shutil.copytree(seed, tmp_path / "checkpoint" / "step-4")
+    result = launch(2, [*EXTENDABLE, "--training.steps", "6", "--checkpoint.enable", "--job.dump_folder",
+                        str(tmp_path)])
+    assert result.returncode == 2, describe(result)
+    output = result.stdout + result.stderr
+    assert "holds the model weights only" in output and "--checkpoint.initial_load_path" in output
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before training, never from random weights
+
+
+def test_resume_after_a_crash_keeps_each_step_once(tmp_path, killed_at_10):
+    """The killed run logged steps past its last checkpoint; they are trained again, logged once."""
+    shutil.copytree(killed_at_10, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # as if it had logged step 11 before the kill
+        f.write(json.dumps({"step": 11, "loss": 1.0}) + "\n")
+    result = launch(2, [*RESUMABLE, "--training.steps", "12", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == list(range(1, 13))
+    moved = list((tmp_path / "previous").glob("*-after-step-10/metrics.jsonl"))
+    assert len(moved) == 1
+    assert {"step": 11, "loss": 1.0} in [json.loads(line) for line in moved[0].read_text().splitlines()]  # kept
+
+
 INTERLEAVED_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                    "Interleaved1F1B")
 
@@ -187,8 +257,15 @@ def test_retention_async_save_and_model_only_export(seed, tmp_path):
                       tmp_path / "6.pt", weights_only=False)
     assert set(full) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     assert full["train_state"] == {"step": 6, "tokens_seen": 6 * 8 * 32} and full["dataloader"]["step"] == 6
-    final = model_tensors(tmp_path / "checkpoint" / "step-8", tmp_path)
-    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    last = torch.load(dcp_to_torch_save(str(tmp_path / "checkpoint" / "step-8"), str(tmp_path / "8.pt")) or
+                      tmp_path / "8.pt", weights_only=False)
+    assert set(last) == set(full)  # the last save is full too: raising training.steps continues it
+    export = model_tensors(tmp_path / "checkpoint" / "step-8" / "model_only", tmp_path)
+    assert {t.dtype for t in export.values()} == {torch.bfloat16}
+    assert all(torch.equal(export[k], last["model"][k].to(torch.bfloat16)) for k in export)
+    record = json.loads((tmp_path / "checkpoint" / "step-8" / "checkpoint.json").read_text())
+    assert (record["step"], record["kind"], record["exports"], record["export_dtype"]) == (8, "final", ["model_only"],
+                                                                                          "bfloat16")
 
 
 @pytest.fixture(scope="module")

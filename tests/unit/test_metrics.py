@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from datetime import datetime
 
@@ -164,44 +163,15 @@ def test_jsonl_one_flushed_line_per_call(tmp_path):
         assert r["grad_norm"] == 1.5 and r["lr"] == 8e-4
 
 
-def test_existing_jsonl_is_moved_aside(tmp_path, caplog):
-    out = tmp_path / "out"
-    out.mkdir()
-    old = out / "metrics.jsonl"
-    content = b'{"step": 1, "loss": 9.5}\n{"step": 2, "loss": 9.\xc3\xa9'  # incl. a torn last line
-    old.write_bytes(content)
-    mtime = datetime(2024, 5, 6, 7, 8, 9).timestamp()
-    os.utime(old, (mtime, mtime))
-
-    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
-        log = make_logger(make_config(tmp_path))
-    moved = out / "metrics.20240506-070809.jsonl"
-    assert moved.read_bytes() == content
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert str(old) in warnings[0] and str(moved) in warnings[0]
-
-    log.log_step(figures(1))
-    log.close()
-    assert [r["step"] for r in read_jsonl(old)] == [1]
-
-    # a second fresh run whose old file has the same time stamp gets a counter
-    os.utime(old, (mtime, mtime))
-    second_content = old.read_bytes()
-    make_logger(make_config(tmp_path)).close()
-    assert moved.read_bytes() == content
-    assert (out / "metrics.20240506-070809-1.jsonl").read_bytes() == second_content
-    assert old.read_bytes() == b""
-
-
-def test_resume_appends(tmp_path, caplog):
+def test_appends_to_an_existing_file(tmp_path, caplog):
+    """Which records of earlier starts stay is trainer.run_record's decision; the logger appends."""
     cfg = make_config(tmp_path)
     first = make_logger(cfg)
     first.log_step(figures(1))
     first.log_step(figures(10))
     first.close()
     with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
-        resumed = make_logger(cfg, resume=True)
+        resumed = make_logger(cfg)
     resumed.log_step(figures(20))
     resumed.close()
     out = tmp_path / "out"
@@ -210,13 +180,27 @@ def test_resume_appends(tmp_path, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_resumed_tensorboard_continues_the_run_folder(tmp_path):
+    """A resume from step 10 writes into the run's folder and hides the old events of steps > 10."""
+    cfg = make_config(tmp_path, enable_tensorboard=True)
+    first = make_logger(cfg, run_stamp="run1")
+    for step, loss in ((1, 5.0), (10, 4.0), (11, 3.9), (12, 3.8)):
+        first.log_step(figures(step, loss=loss))
+    first.close()
+    resumed = make_logger(cfg, run_stamp="run1", purge_step=11)
+    resumed.log_step(figures(11, loss=3.0))
+    resumed.close()
+    assert [p.name for p in (tmp_path / "out" / "tb").iterdir()] == ["run1"]
+    events = load_scalars(tmp_path / "out" / "tb" / "run1").Scalars("loss_metrics/global_avg_loss")
+    assert [(e.step, e.value) for e in events] == [(1, 5.0), (10, 4.0), (11, 3.0)]
+
+
 def test_non_log_rank_writes_nothing(tmp_path, caplog):
     cfg = make_config(tmp_path, enable_tensorboard=True, peak_flops=1e13)
     log = make_logger(cfg, rank=3, is_log_rank=False, world_size=4)
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
         record = log.log_step(figures(1, tokens=8000, elapsed_s=1.0))
     log.log_scalars(1, {"loss": 4.0}, "validation")
-    log.write_run_metadata({"a": 1})
     log.close()
     assert record["tokens_per_s"] == pytest.approx(2000.0)
     assert record["mfu"] == pytest.approx(100 * 2e12 / 1e13)
@@ -237,17 +221,6 @@ def test_log_scalars_record_and_console(tmp_path, caplog):
     assert val["kind"] == "validation" and val["step"] == 10
     assert val["validation/loss"] == 4.25 and val["validation/perplexity"] == 70.1054
     assert "validation step 10  loss 4.2500  perplexity 70.1054" in caplog.text
-
-
-def test_write_run_metadata(tmp_path):
-    log = make_logger(make_config(tmp_path))
-    meta = {"world_size": 8, "layout": {"dp_shard": 4, "tp": 2}, "dtype": torch.bfloat16}
-    log.write_run_metadata(meta)
-    log.close()
-    text = (tmp_path / "out" / "run_meta.json").read_text()
-    assert text.startswith('{\n  "world_size": 8')
-    assert json.loads(text) == {"world_size": 8, "layout": {"dp_shard": 4, "tp": 2},
-                                "dtype": "torch.bfloat16"}
 
 
 def test_close_is_idempotent_and_final(tmp_path):

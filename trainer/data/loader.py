@@ -44,6 +44,9 @@ class BatchLoader:
     def _rank_rows(self):
         first = self.step * self.global_batch_size
         if self.source.random_access:
+            # Decided on the whole global batch, so every rank stops at the same step (a rank
+            # whose own rows still exist must not train on while its peers have stopped).
+            self.source.check_available(first + self.global_batch_size - 1, self.row_length)
             return self.source.rows(first + self.dp_rank * self.rows_per_rank, self.rows_per_rank, self.row_length)
         # A stream is read whole on every rank so its position stays rank-independent.
         rows = self.source.rows(first, self.global_batch_size, self.row_length)

@@ -5,7 +5,9 @@ resumed run reads exactly the same tokens (ARCHITECTURE invariant 1).
 
 Every source has `rows(first_row, count, length) -> int64 array (count, length)`, `describe()`,
 `entropy_floor` (the best achievable loss, or None when unknown) and `random_access` (False: rows
-must be read in order, and the source carries a state_dict). The built-in synthetic source lives
+must be read in order, and the source carries a state_dict). Random-access sources also have
+`check_available(last_row, length)`, which raises DataExhausted past the end of a finite source
+that does not wrap (the loader asks it for the last row of each global batch). The built-in synthetic source lives
 here; text sources (local files, Hugging Face) in text_sources.py.
 """
 
@@ -96,6 +98,9 @@ class SyntheticMarkovSource:
             current = flat[current * self.branching + slots[:, t - 1]]
             tokens[:, t] = current
         return tokens
+
+    def check_available(self, last_row: int, length: int) -> None:
+        """Every row exists: the stream is endless."""
 
     def epoch_of(self, row: int, length: int) -> int:
         return 0  # an endless stream

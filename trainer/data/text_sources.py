@@ -105,14 +105,19 @@ class TokenArraySource:
     def epoch_of(self, row: int, length: int) -> int:
         return row // max(self.rows_per_epoch(length), 1)
 
-    def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
+    def check_available(self, last_row: int, length: int) -> None:
+        """DataError when the data holds no whole row; DataExhausted when `last_row` is past the
+        end and the source does not wrap."""
         per_epoch = self.rows_per_epoch(length)
         if per_epoch == 0:
             raise DataError(f"{self.name}: {len(self.tokens)} tokens, fewer than one sequence of {length}")
-        last = first_row + count - 1
-        if not self.wrap and last >= per_epoch:
+        if not self.wrap and last_row >= per_epoch:
             raise DataExhausted(f"{self.name}: the dataset ends after {per_epoch} sequences of {length} tokens "
                                 f"(training.dataset_end = 'stop')")
+
+    def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
+        self.check_available(first_row + count - 1, length)
+        per_epoch = self.rows_per_epoch(length)
         index = (np.arange(first_row, first_row + count) % per_epoch)[:, None] * length + np.arange(length)
         return self.tokens[index].astype(np.int64)
 

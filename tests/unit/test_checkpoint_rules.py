@@ -1,0 +1,118 @@
+"""The checkpoint manager's decisions that need no process group: where a run continues from,
+what retention keeps, how a changed schedule is continued."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    TrainingComplete,
+    TrainState,
+    schedule_change,
+    set_schedule_position,
+)
+from trainer.config.job_config import JobConfig
+from trainer.config.manager import to_dict
+from trainer.optim import build_lr_scheduler, build_optimizer
+
+
+def make_checkpoint(folder, step: int, items: list[str]) -> None:
+    """A folder that looks complete (.metadata) and says what it holds (checkpoint.json)."""
+    path = folder / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    (path / "checkpoint.json").write_text(json.dumps({"step": step, "items": items}))
+
+
+FULL = ["model", "optimizer", "lr_scheduler", "dataloader", "train_state"]
+
+
+def manager(tmp_path, steps: int = 10, keep: int = 10) -> CheckpointManager:
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    config.checkpoint.enable = True
+    config.checkpoint.keep_latest_k = keep
+    config.training.steps = steps
+    return CheckpointManager(config, model=None, optimizer=None, scheduler=None, loader=None,
+                             train_state=TrainState(), rank=0)
+
+
+def test_resume_point(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_checkpoint(folder, 0, ["model"])
+    found = lambda: {int(p.name[5:]): p for p in sorted(folder.iterdir(), key=lambda p: int(p.name[5:]))}  # noqa: E731
+    assert manager(tmp_path)._resume_point(found()) == folder / "step-0"  # the seed starts the run
+    make_checkpoint(folder, 4, FULL)
+    assert manager(tmp_path)._resume_point(found()) == folder / "step-4"
+    with pytest.raises(TrainingComplete, match="nothing to do. Raise training.steps"):
+        manager(tmp_path, steps=4)._resume_point(found())
+    with pytest.raises(CheckpointError, match="past training.steps = 3"):
+        manager(tmp_path, steps=3)._resume_point(found())
+    make_checkpoint(folder, 6, ["model"])  # the model-only last save of earlier versions
+    with pytest.raises(CheckpointError) as refused:
+        manager(tmp_path, steps=8)._resume_point(found())
+    message = str(refused.value)
+    assert "holds the model weights only" in message
+    assert "--checkpoint.load_step 4 --checkpoint.overwrite (steps 5-6 are trained again)" in message
+    assert f"--checkpoint.initial_load_path {folder / 'step-6'}" in message
+    with pytest.raises(TrainingComplete):
+        manager(tmp_path, steps=6)._resume_point(found())
+
+
+def test_retention_keeps_the_newest_full_checkpoint_and_the_seed(tmp_path):
+    folder = tmp_path / "checkpoint"
+    make_checkpoint(folder, 0, ["model"])
+    for step in (2, 4):
+        make_checkpoint(folder, step, FULL)
+    make_checkpoint(folder, 6, ["model"])
+    manager(tmp_path, keep=1)._apply_retention()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-0", "step-4", "step-6"]
+
+
+def test_incomplete_step_folder_stops_the_run(tmp_path):
+    (tmp_path / "checkpoint" / "step-3").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="step-3 has no .metadata"):
+        manager(tmp_path).resume()
+
+
+def schedule_config(steps: int, warmup: int, decay_ratio=None) -> JobConfig:
+    config = JobConfig()
+    config.training.steps = steps
+    config.lr_scheduler.warmup_steps = warmup
+    config.lr_scheduler.decay_ratio = decay_ratio
+    return config
+
+
+def test_schedule_change_names_steps_whose_learning_rate_differs():
+    assert schedule_change(to_dict(schedule_config(4, 10)), schedule_config(6, 10), 4) is None  # all in warmup
+    assert schedule_change(to_dict(schedule_config(10, 2, 0.5)), schedule_config(20, 2, 0.5), 5) is None  # stable
+    message = schedule_change(to_dict(schedule_config(10, 2)), schedule_config(15, 2), 10)
+    assert message.startswith("steps 3-10 were trained with the learning-rate schedule of training.steps = 10")
+
+
+def test_continued_schedule_takes_the_new_step_count():
+    """The optimizer state saved at step 10 of a 10-step run holds the lr of that run's step 11."""
+    old = schedule_config(10, 2)
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    optimizer = build_optimizer(params, old.optimizer)
+    scheduler = build_lr_scheduler(optimizer, old.lr_scheduler, 10)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    saved = scheduler.state_dict()
+    new = schedule_config(15, 2)
+    resumed = build_lr_scheduler(optimizer, new.lr_scheduler, 15)
+    resumed.load_state_dict(saved)
+    set_schedule_position(resumed, resumed.last_epoch)
+    reference = build_lr_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], new.optimizer),
+                                   new.lr_scheduler, 15)
+    for _ in range(10):
+        reference.optimizer.step()
+        reference.step()
+    assert optimizer.param_groups[0]["lr"] == reference.get_last_lr()[0] == resumed.get_last_lr()[0]
+    assert optimizer.param_groups[0]["lr"] > 0  # the 10-step schedule had reached 0 here

@@ -1,0 +1,151 @@
+"""The record of a run in its dump folder: run_meta.json and metrics.jsonl, kept together.
+
+A *run* is the training history of one dump folder: its first start and every resume after it.
+
+- `run_meta.json` describes the run as it is now: the resolved configuration of the latest start,
+  the code that ran (trainer.version), what the latest start loaded (`start`), its status, and
+  under `history` the records of the earlier starts of the same run (oldest first).
+- `metrics.jsonl` holds each step once. A resume from step S moves the records of steps after S
+  (from an attempt that was cut off, or steps that are trained again) out of it.
+- A new run in a folder that holds another run's record moves that record (run_meta.json and
+  metrics.jsonl together) to `previous/<time>/`; nothing is deleted.
+
+Record fields (format 2), written by the rank that logs:
+
+    format        2
+    status        "running" (also what a killed run leaves), "completed" (reached training.steps),
+                  "data ended" (a finite dataset ended with training.dataset_end = "stop"),
+                  "failed" (an error stopped it; see "error")
+    started, ended   ISO times (ended is null while running)
+    last_step     the last step trained (updated when the run ends)
+    config        the resolved configuration (trainer.config.manager.to_dict)
+    code          trainer.version.code_version(): commit, dirty, source_sha256
+    start         what this start loaded: {"kind": "init" | "checkpoint" | "resume" | "hugging_face",
+                  "path": str | null, "step": int, "fingerprint": str | null}
+    tensorboard   the run's TensorBoard folder relative to the dump folder (null when disabled)
+    world_size, degrees, global_batch_size, accumulation_steps, device, torch, python,
+    num_params, data, validation_data
+    history       earlier records of this run, oldest first (each without its own history)
+
+Torch-free: the protocol reads records with `read_record`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+RECORD_FILE = "run_meta.json"
+METRICS_FILE = "metrics.jsonl"
+PREVIOUS_DIR = "previous"
+FORMAT = 2
+FINAL_STATUSES = ("completed", "data ended", "failed")
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def read_record(folder: Path) -> dict | None:
+    """The run record of a dump folder, or None when there is none (or it cannot be read)."""
+    try:
+        record = json.loads((Path(folder) / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(folder: Path, record: dict) -> None:
+    """Write run_meta.json atomically (a reader never sees half a file); values json cannot
+    encode are str()-ed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / f".{RECORD_FILE}.tmp"
+    temporary.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(temporary, folder / RECORD_FILE)
+
+
+def begin(folder: Path, record: dict, resumed_step: int) -> dict:
+    """Start (resumed_step == 0) or continue (resumed_step > 0) the run of `folder`; returns the
+    record written, with status "running".
+
+    Starting: another run's record and metrics are moved to previous/<time>/. Continuing: the
+    earlier record goes into `history`, and metrics.jsonl keeps only steps <= resumed_step.
+    """
+    folder = Path(folder)
+    earlier = read_record(folder)
+    if resumed_step == 0:
+        archive(folder)
+        history: list = []
+    else:
+        drop_metrics_after(folder, resumed_step)
+        history = []
+        if earlier is not None:
+            history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
+    record = {"format": FORMAT, "status": "running", "started": now(), "ended": None, "last_step": resumed_step,
+              **record, "history": history}
+    write_record(folder, record)
+    return record
+
+
+def finish(folder: Path, record: dict, status: str, last_step: int, error: str | None = None) -> dict:
+    """Write the final status of this start into the record; returns it."""
+    record = {**record, "status": status, "ended": now(), "last_step": last_step}
+    if error:
+        record["error"] = error
+    write_record(folder, record)
+    return record
+
+
+def archive(folder: Path) -> Path | None:
+    """Move a previous run's run_meta.json and metrics.jsonl together to previous/<time>/."""
+    folder = Path(folder)
+    present = [folder / name for name in (RECORD_FILE, METRICS_FILE) if (folder / name).is_file()]
+    if not present:
+        return None
+    stamp = datetime.fromtimestamp(max(p.stat().st_mtime for p in present)).strftime("%Y%m%d-%H%M%S")
+    target = free_path(folder / PREVIOUS_DIR / stamp)
+    target.mkdir(parents=True)
+    for path in present:
+        os.replace(path, target / path.name)
+    return target
+
+
+def drop_metrics_after(folder: Path, step: int) -> Path | None:
+    """Keep the metrics.jsonl records of steps <= step; move the others to
+    previous/<time>-after-step-<step>/metrics.jsonl. Returns where they went, if anywhere."""
+    path = Path(folder) / METRICS_FILE
+    if not path.is_file():
+        return None
+    kept, dropped = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        (dropped if line_step(line) > step else kept).append(line if line.endswith("\n") else line + "\n")
+    if not dropped:
+        return None
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    target = free_path(Path(folder) / PREVIOUS_DIR / f"{stamp}-after-step-{step}")
+    target.mkdir(parents=True)
+    (target / METRICS_FILE).write_text("".join(dropped))
+    temporary = path.with_name(f".{METRICS_FILE}.tmp")
+    temporary.write_text("".join(kept))
+    os.replace(temporary, path)
+    return target
+
+
+def line_step(line: str) -> int:
+    """The step of a metrics.jsonl line; a line cut by a crash counts as after every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62
+
+
+def free_path(path: Path) -> Path:
+    """`path`, or path-1, path-2, ... when it exists."""
+    candidate, counter = path, 0
+    while candidate.exists():
+        counter += 1
+        candidate = path.with_name(f"{path.name}-{counter}")
+    return candidate
