@@ -9,7 +9,8 @@ import pytest
 from tests.launch import describe, launch, read_metrics
 from tests.unit.test_tokenizer import sentences
 from trainer.data.sources import SyntheticMarkovSource
-from trainer.data.tokenizer import train_tokenizer
+from trainer.data.text_sources import tokenize_documents
+from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
 
 def test_synthetic_loss_approaches_the_entropy_floor(tmp_path):
@@ -88,14 +89,38 @@ def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     assert no_tokenizer.returncode == 2 and "model.tokenizer_path" in no_tokenizer.stderr
 
 
-def test_finite_dataset_can_stop_training_cleanly(tmp_path, text_corpus):
+def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: int = 33) -> list[str]:
+    """Documents whose last global batch is incomplete but still holds rank 0's rows: the case in
+    which a rank deciding on its own rows trains on while the others stop."""
+    tok = Tokenizer(tokenizer)
+    for n in range(30, 200):
+        docs = sentences(n, seed=5)
+        rows = len(tokenize_documents(docs, tok)) // row_length
+        if rows % global_batch >= global_batch // dp and rows // global_batch >= 2:
+            return docs
+    raise AssertionError("no corpus size ends inside rank 0's rows")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus, nproc):
     folder, tokenizer = text_corpus
+    global_batch = 4 * nproc
+    docs = corpus_ending_mid_batch(tokenizer, global_batch, nproc)
     small = tmp_path / "small.jsonl"
-    small.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(40)))
-    result = launch(2, [*TEXT_JOB, "--training.dataset", "files", "--training.dataset_path", str(small),
-                        "--training.dataset_end", "stop", "--model.tokenizer_path", str(tokenizer),
-                        "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path / "out")])
+    small.write_text("".join(json.dumps({"text": s}) + "\n" for s in docs))
+    result = launch(nproc, [*TEXT_JOB, "--training.dataset", "files",
+                            "--training.dataset_path", str(small), "--training.dataset_end", "stop",
+                            "--model.tokenizer_path", str(tokenizer),
+                            "--metrics.log_freq", "1", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out")],
+                    log_rank=",".join(map(str, range(nproc))))
     assert result.returncode == 0, describe(result)
+    whole_batches = len(tokenize_documents(docs, Tokenizer(tokenizer))) // 33 // global_batch
     steps = [r["step"] for r in read_metrics(tmp_path / "out")]
-    assert 1 <= steps[-1] < 30
-    assert "the dataset ends after" in result.stdout and f"stopping after {steps[-1]} steps" in result.stdout
+    assert steps == list(range(1, whole_batches + 1))
+    assert "the dataset ends after" in result.stdout
+    for rank in range(nproc):
+        assert f"[rank{rank}]:" in result.stdout and f"stopping after {whole_batches} steps" in result.stdout
+    assert result.stdout.count(f"stopping after {whole_batches} steps") == nproc
+    record = json.loads((tmp_path / "out" / "run_meta.json").read_text())
+    assert (record["status"], record["last_step"]) == ("data ended", whole_batches)
+    assert (tmp_path / "out" / "checkpoint" / f"step-{whole_batches}" / ".metadata").is_file()  # the end is saved
