@@ -54,8 +54,7 @@ def worker(flavor: str, steps: int) -> None:
     for step in range(1, steps + 1):
         trainer.runner.forward_backward(trainer.loader.next_batch())
         rows.append([f"step {step}: forward + backward", *resident_gib()])
-        clip_grad_norm(trainer.model.parameters(), config.training.max_norm,
-                       extra_reduce_groups=trainer.runner.grad_norm_groups())
+        clip_grad_norm(trainer.model.parameters(), config.training.max_norm, trainer.runner.norm_reduction())
         trainer.optimizer.step()
         rows.append([f"step {step}: clip + optimizer step", *resident_gib()])
         trainer.optimizer.zero_grad(set_to_none=True)

@@ -38,7 +38,7 @@ def phases(trainer: Trainer):
         ("data loader", lambda: box.update(batch=trainer.loader.next_batch())),
         ("forward + backward", lambda: trainer.runner.forward_backward(box["batch"])),
         ("gradient norm + clip", lambda: box.update(norm=clip_grad_norm(
-            trainer.model.parameters(), cfg.training.max_norm, extra_reduce_groups=trainer.runner.grad_norm_groups()))),
+            trainer.model.parameters(), cfg.training.max_norm, trainer.runner.norm_reduction()))),
         ("optimizer step", trainer.optimizer.step),
         ("LR schedule + zero_grad", lambda: (trainer.scheduler.step(), trainer.optimizer.zero_grad(set_to_none=True))),
         ("finiteness check", lambda: torch.isfinite(box["norm"]).item()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -55,22 +56,60 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_grad_norm(parameters, max_norm: float, extra_reduce_groups=()) -> torch.Tensor:
+@dataclass(frozen=True)
+class NormReduction:
+    """How the ranks share the gradients: `group` spans every rank (None: a single process), and
+    `ranks_per_stage` ranks hold each pipeline stage (world size / PP degree). Every sharded or
+    replicated gradient is a DTensor over a mesh of exactly `ranks_per_stage` ranks, which is
+    what lets one all-reduce over `group` add each shard once."""
+
+    group: object | None = None
+    ranks_per_stage: int = 1
+
+
+def local_squared_norm(grads, ranks_per_stage: int) -> torch.Tensor:
+    """This rank's part of the global sum of squared gradients, in float64.
+
+    A DTensor's local shard counts on the rank at coordinate 0 of each mesh dimension it is
+    replicated over (e.g. a norm weight across TP ranks), so that the sum over all ranks counts
+    every element once. Plain tensors are whole parameters: they only occur without any mesh.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    counted = []
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            if mesh.size() != ranks_per_stage:
+                raise RuntimeError(f"gradient on a mesh of {mesh.size()} ranks, expected {ranks_per_stage}: the "
+                                   "global norm would count its copies wrongly")
+            coordinate = mesh.get_coordinate()
+            if any(p.is_replicate() and c != 0 for p, c in zip(grad.placements, coordinate)):
+                continue
+            counted.append(grad.to_local())
+        elif ranks_per_stage == 1:
+            counted.append(grad)
+        else:
+            raise RuntimeError("a plain-tensor gradient in a data- or tensor-parallel run: the global norm "
+                               "cannot tell how many ranks hold it")
+    if not counted:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(counted, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
+def clip_grad_norm(parameters, max_norm: float, reduce: NormReduction = NormReduction()) -> torch.Tensor:
     """Global L2 norm of all gradients, then clip to max_norm when max_norm > 0.
 
-    Sharded (DTensor) gradients are reduced over their mesh, so the norm covers every FSDP and
-    TP shard. Parameters split over other process groups that DTensor does not know about
-    (pipeline stages) are combined through `extra_reduce_groups`. Returns the norm before clipping.
+    One all-reduce of one float64 number covers every FSDP, TP and CP shard and every pipeline
+    stage (instead of one reduction per mesh dimension and one more over the pipeline), and the
+    squares are accumulated in float64 whatever the gradients' dtype. Returns the norm before
+    clipping (float64).
     """
     parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    for group in extra_reduce_groups:
-        squared = norm.pow(2)
-        torch.distributed.all_reduce(squared, group=group)
-        norm = squared.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    squared = local_squared_norm([p.grad for p in parameters], reduce.ranks_per_stage)
+    if reduce.group is not None:
+        torch.distributed.all_reduce(squared, group=reduce.group)
+    norm = squared.sqrt()
+    if max_norm > 0 and parameters:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm.float(), foreach=True)
     return norm

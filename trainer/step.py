@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.loss import count_targets, cross_entropy_sum
+from trainer.optim import NormReduction
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
 from trainer.parallel.tensor import loss_context
@@ -27,6 +28,7 @@ class StepRunner:
         self.cp, self.cp_rank = dims.cp, mesh["cp"].get_local_rank()
         self.loss_group = mesh["dp_cp"].get_group()  # ranks holding different tokens of the batch
         self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        self.pp_degree = dims.pp
         self.loss_parallel = dims.tp > 1 and not p.disable_loss_parallel
         compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy_sum = torch.compile(cross_entropy_sum, backend=config.compile.backend) if compile_loss \
@@ -94,7 +96,8 @@ class StepRunner:
         dist.all_reduce(total, group=self.loss_group)
         return total.item()
 
-    def grad_norm_groups(self) -> list:
-        """Process groups a gradient norm must still be reduced over (DTensor covers FSDP and TP;
-        pipeline stages hold disjoint parameters)."""
-        return [self.pp_group] if self.pp_group is not None else []
+    def norm_reduction(self) -> NormReduction:
+        """How the global gradient norm is reduced: over every rank at once (see optim.clip_grad_norm)."""
+        if dist.get_world_size() == 1:
+            return NormReduction()
+        return NormReduction(group=dist.group.WORLD, ranks_per_stage=dist.get_world_size() // self.pp_degree)

@@ -174,8 +174,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         loss_share = self.runner.forward_backward(self.loader.next_batch())
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm,
-                                   extra_reduce_groups=self.runner.grad_norm_groups())
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm, self.runner.norm_reduction())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -88,6 +88,8 @@ def runs(seed, tmp_path_factory):
             assert result.returncode == 0, describe(result)
             assert f"loaded model from {seed}" in result.stdout
             assert layout.expect_log in result.stdout, describe(result)
+            # The gradient norm is one float64 all-reduce over every rank, not one per mesh dimension.
+            assert "sequential all_reduce" not in result.stdout + result.stderr
             records = read_metrics(dump)
             assert [r["step"] for r in records] == list(range(1, STEPS + 1))
             # The launcher shows rank 0 (the first pipeline stage under PP): it logs the global loss.

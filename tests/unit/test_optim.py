@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.config.job_config import LRScheduler, Optimizer
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
+from trainer.optim import NormReduction, build_lr_scheduler, build_optimizer, clip_grad_norm, lr_factor
 
 
 def factors(total, warmup, ratio, kind, floor):
@@ -77,3 +77,18 @@ def test_clip_disabled_still_reports_norm():
     a.grad = torch.tensor([6.0, 8.0])
     assert clip_grad_norm([a], max_norm=0.0).item() == pytest.approx(10.0)
     assert a.grad.tolist() == [6.0, 8.0]
+
+
+def test_norm_accumulates_in_float64_whatever_the_gradient_dtype():
+    a = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    a.grad = torch.tensor([3.0, 4.0, 12.0], dtype=torch.bfloat16)
+    norm = clip_grad_norm([a], max_norm=0.0)
+    assert norm.dtype == torch.float64 and norm.item() == 13.0
+
+
+def test_plain_gradients_are_refused_when_ranks_share_a_stage():
+    """A plain tensor does not say which ranks hold copies of it: counting it would be a guess."""
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="plain-tensor gradient"):
+        clip_grad_norm([a], max_norm=1.0, reduce=NormReduction(group=None, ranks_per_stage=2))
