@@ -33,7 +33,7 @@ from trainer.checkpoint import (
 )
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
-from trainer.data.loader import BatchLoader
+from trainer.data.loader import BatchLoader, check_evaluation_fits
 from trainer.data.sources import build_sources
 from trainer.data.text_sources import DataError, DataExhausted
 from trainer.metrics import MetricsLogger, StepFigures, should_log
@@ -133,6 +133,7 @@ class Trainer:
             local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
             name="validation",
         )
+        check_evaluation_fits(validation, v.steps)
         return train, validation
 
     def _tensorboard_stamp(self) -> str | None:

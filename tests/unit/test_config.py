@@ -34,7 +34,9 @@ def write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
 
 def test_defaults_without_file():
     config = load_config([])
-    assert config == JobConfig()
+    defaults = JobConfig()
+    defaults.validation.local_batch_size, defaults.validation.seq_len = 8, 2048  # unset: training's
+    assert config == defaults
     assert config.parallelism.data_parallel_shard_degree == -1
     assert config.job.config_file == ""
 
@@ -272,3 +274,18 @@ def test_shipped_configs_load():
     for path in sorted(TRAIN_CONFIGS_DIR.glob("*.toml")):
         config = load_config(["--job.config_file", str(path)])
         assert config.job.config_file == str(path)
+
+
+@pytest.mark.parametrize("degree", ["1", "2"])
+def test_an_unavailable_cp_rotate_method_is_refused_whatever_the_degree(degree):
+    with pytest.raises(ConfigError, match="context_parallel_rotate_method: 'alltoall' is not available"):
+        load_config(["--parallelism.context_parallel_degree", degree,
+                     "--parallelism.context_parallel_rotate_method", "alltoall"])
+
+
+def test_validation_batches_take_the_training_shape_unless_set():
+    config = load_config(["--job.config_file", "debug_model.toml", "--validation.enable"])
+    assert (config.validation.seq_len, config.validation.local_batch_size) == (128, 8)
+    config = load_config(["--job.config_file", "debug_model.toml", "--training.seq_len", "64",
+                          "--validation.local_batch_size", "2"])
+    assert (config.validation.seq_len, config.validation.local_batch_size) == (64, 2)

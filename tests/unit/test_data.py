@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.config.job_config import Parallelism
-from trainer.data.loader import BatchLoader
+from trainer.data.loader import BatchLoader, check_evaluation_fits
 from trainer.data.sources import HOLDOUT_EVERY, SyntheticMarkovSource, build_source
 from trainer.data.text_sources import (
     DataError,
@@ -287,3 +287,34 @@ def test_hub_stream_errors(tmp_path):
 
 def test_entropy_floor_is_ln_branching_bound():
     assert SyntheticMarkovSource(vocab_size=300, seed=0).entropy_floor < math.log(16)
+
+
+def validation_loader(tokens: int) -> BatchLoader:
+    source = TokenArraySource(np.arange(tokens, dtype=np.int32) % 50, name="files:v:validation")
+    return BatchLoader(source, seq_len=SEQ, global_batch_size=4, local_batch_size=2, dp_rank=0, dp_degree=2,
+                       device=torch.device("cpu"), name="validation")
+
+
+def test_a_validation_split_smaller_than_one_evaluation_is_named(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
+        check_evaluation_fits(validation_loader(10 * (SEQ + 1)), steps=3)  # 10 sequences, 12 read
+    assert "one evaluation reads 12 sequences of 16 tokens but the split holds 10" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
+        check_evaluation_fits(validation_loader(12 * (SEQ + 1)), steps=3)
+    assert caplog.text == ""
+    with pytest.raises(DataError, match="fewer than one sequence of 17"):
+        check_evaluation_fits(validation_loader(SEQ), steps=1)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_a_finite_source_ends_on_every_rank_at_the_same_global_batch(dp):
+    """11 sequences, global batch 4: batch 3 is incomplete, yet rank 0's own rows of it exist."""
+    source = TokenArraySource(np.arange(11 * (SEQ + 1), dtype=np.int32) % 50, name="files:t", wrap=False)
+    loaders = [BatchLoader(source, seq_len=SEQ, global_batch_size=4, local_batch_size=4 // dp, dp_rank=r, dp_degree=dp,
+                           device=torch.device("cpu")) for r in range(dp)]
+    for loader in loaders:
+        loader.next_batch()
+        loader.next_batch()
+        with pytest.raises(DataExhausted, match="ends after 11 sequences"):
+            loader.next_batch()

@@ -115,8 +115,6 @@ def test_a_valid_4d_layout_has_no_problems():
     (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"], "use a multiple of 2"),
     (2, ["--parallelism.tensor_parallel_degree", "2", "--validation.enable", "--validation.seq_len", "31"],
      "validation.seq_len=31"),
-    (2, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
-     "'alltoall' is not available"),
     (2, ["--parallelism.enable_async_tensor_parallel"], "needs tensor_parallel_degree > 1 and compile.enable"),
     (4, ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
          "Interleaved1F1B"], "needs 8 stages, but the model has only 4 layers"),

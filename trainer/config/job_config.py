@@ -46,7 +46,8 @@ class Model:
     """SentencePiece .model file. Empty: the data source's own token ids (built-in sources)."""
 
     hf_assets_path: str = ""
-    """Folder with Hugging Face assets (config.json, safetensors) used for weight import and export."""
+    """Not implemented yet (a non-empty value is refused): a folder of Hugging Face assets. Import
+    weights with checkpoint.initial_load_path + checkpoint.initial_load_in_hf instead."""
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Parallelism:
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How context-parallel ranks exchange keys and values. Only 'allgather' (every rank gathers all
-    keys and values, on any backend) is available; 'alltoall' is refused."""
+    keys and values, on any backend) is available; 'alltoall' is refused, whatever the degree."""
 
 
 @dataclass
@@ -344,17 +345,17 @@ class Validation:
 
     dataset: str = ""
     """Validation data source, named as training.dataset. Empty: the held-out split of
-    training.dataset (synthetic: other walks of the same chain; files: every 20th document;
-    Hugging Face: the 'validation' split)."""
+    training.dataset (synthetic: other walks of the same chain; files: every 20th document, which
+    training then leaves out; Hugging Face: the 'validation' split)."""
 
     dataset_path: str = ""
     """Local path for the validation source (as training.dataset_path)."""
 
-    local_batch_size: int = 8
-    """Sequences per data-parallel rank per validation step."""
+    local_batch_size: Optional[int] = None
+    """Sequences per data-parallel rank per validation step. Unset: training.local_batch_size."""
 
-    seq_len: int = 2048
-    """Tokens per validation sequence."""
+    seq_len: Optional[int] = None
+    """Tokens per validation sequence. Unset: training.seq_len."""
 
     freq: int = 500
     """Validate every this many training steps."""

@@ -314,6 +314,9 @@ def validate(config: JobConfig) -> None:
         p.pipeline_parallel_microbatch_size >= 1,
         f"parallelism.pipeline_parallel_microbatch_size: must be >= 1, got {p.pipeline_parallel_microbatch_size}",
     )
+    need(p.context_parallel_rotate_method == "allgather",
+         f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not available; context "
+         "parallelism here gathers keys and values ('allgather')")
     for key in ("validation.local_batch_size", "validation.seq_len", "validation.freq", "validation.steps"):
         section, name = key.split(".")
         need(getattr(getattr(c, section), name) >= 1, f"{key}: must be >= 1, got {getattr(getattr(c, section), name)}")
@@ -341,8 +344,18 @@ def load_config(argv: list[str]) -> JobConfig:
         setattr(getattr(config, section), key, convert(value, field_types(cls)[key], f"argument --{section}.{key}",
                                                         from_text=isinstance(value, str)))
     config.job.config_file = str(path) if path is not None else ""
+    inherit_unset(config)
     validate(config)
     return config
+
+
+def inherit_unset(config: JobConfig) -> None:
+    """Keys whose unset value means "as another key": validation batches take training's shape."""
+    v, t = config.validation, config.training
+    if v.local_batch_size is None:
+        v.local_batch_size = t.local_batch_size
+    if v.seq_len is None:
+        v.seq_len = t.seq_len
 
 
 def to_dict(config: JobConfig) -> dict:

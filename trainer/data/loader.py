@@ -88,3 +88,17 @@ class BatchLoader:
         self.step, self.epoch = 0, 0
         if not self.source.random_access:
             self.source.load_state_dict(self._initial_source_state)
+
+
+def check_evaluation_fits(loader: BatchLoader, steps: int) -> None:
+    """An evaluation reads `steps` global batches from the start of the validation split: refuse
+    a split without one whole sequence, and warn when an evaluation would read some twice."""
+    if not hasattr(loader.source, "rows_per_epoch"):  # endless, or a stream of unknown length
+        return
+    available = loader.source.rows_per_epoch(loader.row_length)
+    loader.source.check_available(0, loader.row_length)  # DataError when it holds no whole sequence
+    needed = steps * loader.global_batch_size
+    if needed > available:
+        logger.warning("%s data: one evaluation reads %d sequences of %d tokens but the split holds %d, so some are "
+                       "read twice; lower validation.steps or validation.local_batch_size, or add validation data",
+                       loader.name, needed, loader.row_length - 1, available)

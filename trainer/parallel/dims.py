@@ -156,9 +156,6 @@ def layout_problems(config, dims: ParallelDims) -> list[str]:
         seq_lens["validation.seq_len"] = c.validation.seq_len
     for key, seq_len in seq_lens.items():
         problems += sequence_problems(key, seq_len, dims)
-    if dims.cp > 1 and p.context_parallel_rotate_method != "allgather":
-        problems.append(f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not "
-                        "available; context parallelism here gathers keys and values ('allgather')")
     if p.enable_async_tensor_parallel and (dims.tp == 1 or not c.compile.enable):
         problems.append("parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and "
                         "compile.enable (it is a compiler pass), on CUDA")
