@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.config.manager import to_dict
+
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     """AdamW or Adam from the [optimizer] section."""
@@ -54,6 +56,40 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) 
                          decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_schedule_position(scheduler, steps_taken: int) -> None:
+    """Set every parameter group's learning rate to what the schedule gives after `steps_taken`
+    optimizer steps (LambdaLR's formula), as if the scheduler had stepped there itself."""
+    lrs = [base * factor(steps_taken) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
+    """Why the learning rates of steps 1..steps_done would differ under this run's schedule from
+    the schedule they were trained with (training.steps or [lr_scheduler] changed), or None."""
+    saved_steps = saved_config.get("training", {}).get("steps", config.training.steps)
+    saved = {**to_dict(config)["lr_scheduler"], **saved_config.get("lr_scheduler", {})}
+    now = to_dict(config)["lr_scheduler"]
+    if saved_steps == config.training.steps and saved == now:
+        return None
+
+    def factors(total: int, s: dict) -> list[float]:
+        return [lr_factor(step, total_steps=total, warmup_steps=s["warmup_steps"], decay_ratio=s.get("decay_ratio"),
+                          decay_type=s["decay_type"], min_lr_factor=s["min_lr_factor"])
+                for step in range(1, steps_done + 1)]
+
+    before, after = factors(saved_steps, saved), factors(config.training.steps, now)
+    differing = [step for step, (a, b) in enumerate(zip(before, after), 1) if a != b]
+    if not differing:
+        return None
+    return (f"steps {differing[0]}-{steps_done} were trained with the learning-rate schedule of training.steps = "
+            f"{saved_steps}, which differs from this run's (training.steps = {config.training.steps}); steps "
+            f"{steps_done + 1}-{config.training.steps} follow this run's schedule, so the curve is not the one of a "
+            f"run configured this way from the start (a schedule with a stable phase, lr_scheduler.decay_ratio, "
+            "keeps earlier steps unchanged while they are before the decay)")
 
 
 @dataclass(frozen=True)

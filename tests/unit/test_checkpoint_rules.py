@@ -8,17 +8,10 @@ import json
 import pytest
 import torch
 
-from trainer.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    TrainingComplete,
-    TrainState,
-    schedule_change,
-    set_schedule_position,
-)
+from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete, TrainState
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_dict
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, schedule_change, set_schedule_position
 
 
 def make_checkpoint(folder, step: int, items: list[str]) -> None:
