@@ -1,12 +1,13 @@
 """`protocol plan | run | compare`: from a convergence test plan to launches, runs and a verdict.
 
     protocol plan PLAN.toml [--format table|json|shell|slurm] [--out DIR]
-    protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm] [--compare]
+    protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm] [--rerun-stale] [--compare]
     protocol compare PLAN.toml [--out DIR]
     protocol compare --control DIR [--control DIR ...] --test [NAME=]DIR [...] [--mode exact|statistical] ...
 
 Exit codes: 0 success (compare: every set passes), 1 a run failed or a set failed, 2 a user error
-(bad plan, missing folder, unknown name, a folder that cannot be written), 130 interrupted (Ctrl-C).
+(bad plan, missing folder, unknown name, a folder that cannot be written, stale runs without
+--rerun-stale), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default="", help="comma-separated run names (see `protocol plan`)")
     run.add_argument("--launcher", choices=("local", "slurm"), default="local",
                      help="local: one run after another on this node; slurm: submit and wait")
-    run.add_argument("--compare", action="store_true", help="compare and write the report when the runs are done")
+    run.add_argument("--rerun-stale", action="store_true",
+                     help="run again the runs made with other options, code or seed checkpoint than the plan's "
+                          "now (their folders move to <output>/superseded/); without it such runs are refused")
+    run.add_argument("--compare", action="store_true",
+                     help="compare and write the report when the runs are done (failed runs are FAILED rows)")
     run.set_defaults(handler=cmd_run)
 
     compare = commands.add_parser("compare", help="compare the loss curves with the control and give a verdict")
@@ -87,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load(path: Path):
-    from protocol.plan import load_plan
+    from protocol.plan_file import load_plan
 
     if not path.is_file():
         raise UsageError(f"{path}: no such plan file")
@@ -106,7 +111,8 @@ def output_folder(path: Path, what: str) -> Path:
 
 
 def cmd_plan(args) -> int:
-    from protocol.launch import render, write_slurm
+    from protocol.render import render
+    from protocol.sbatch import write_slurm
 
     if args.out is not None and args.format != "slurm":
         raise UsageError(f"--out is the folder of --format slurm's scripts; --format {args.format} prints to "
@@ -119,12 +125,14 @@ def cmd_plan(args) -> int:
         for path in write_slurm(plan, launches, output_folder(args.out, "--out")):
             print(path)
         return 0
-    print(render(launches, args.format))
+    print(render(plan, launches, args.format))
     return 0
 
 
 def cmd_run(args) -> int:
-    from protocol.launch import run_local, run_slurm
+    from protocol.local import run_local
+    from protocol.plan import SLURM_DIR
+    from protocol.slurm import run_slurm
 
     if args.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UsageError("--launcher slurm: sbatch is not on PATH; run this on a SLURM login node, or write the "
@@ -134,17 +142,18 @@ def cmd_run(args) -> int:
     only = [name.strip() for name in args.only.split(",") if name.strip()] or None
     output_folder(plan.output, f"{args.plan}: plan.output")
     if args.launcher == "slurm":
-        results = run_slurm(plan, launches, plan.output / "slurm", only=only)
+        results = run_slurm(plan, launches, plan.output / SLURM_DIR, only=only, rerun_stale=args.rerun_stale)
     else:
-        results = run_local(plan, launches, only=only, on_progress=log.info)
-    failed = [r for r in results if not r.ok]
-    status = 1 if failed else 0
-    if args.compare and not failed:
-        status = compare_plan(plan, out=None, overrides={})
+        results = run_local(plan, launches, only=only, on_progress=log.info, rerun_stale=args.rerun_stale)
+    status = 1 if any(not r.ok for r in results) else 0
+    if args.compare:
+        status = max(status, compare_plan(plan, out=None, overrides={}, results=results))
     return status
 
 
 def cmd_compare(args) -> int:
+    from protocol.plan_report import folder_layouts
+
     overrides = {item.name: getattr(args, f"tolerance_{item.name}") for item in fields(Tolerance)
                  if getattr(args, f"tolerance_{item.name}") is not None}
     tags = {"loss_tag": args.loss_tag, "grad_norm_tag": args.grad_norm_tag}
@@ -159,8 +168,12 @@ def cmd_compare(args) -> int:
     if problems:
         raise UsageError("; ".join(problems))
     controls = [read(path, None, **tags) for path in args.control]
-    tests = [read(*split_test(spec), **tags) for spec in args.test]
-    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), "--out", layouts={})
+    test_paths = [split_test(spec) for spec in args.test]
+    tests = [read(path, name, **tags) for path, name in test_paths]
+    paths = {curve.name: path for curve, path in zip(controls, args.control)}
+    paths.update({curve.name: path for curve, (path, _) in zip(tests, test_paths)})
+    layouts = folder_layouts(paths, controls[0].name)
+    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), "--out", layouts)
 
 
 def split_test(spec: str) -> tuple[Path, str | None]:
@@ -174,21 +187,39 @@ def read(path: Path, name: str | None, loss_tag=None, grad_norm_tag=None):
     return read_curve(path, name=name, loss_tag=loss_tag, grad_norm_tag=grad_norm_tag)
 
 
-def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None) -> int:
-    """The plan's runs compared; the report goes to `out`, by default the plan's output folder."""
-    from protocol.launch import describe_layout
+def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None, results=()) -> int:
+    """The plan's runs compared; the report goes to `out`, by default the plan's output folder.
+
+    `results` are those of `protocol run`: a run that failed or was skipped there is a FAILED or
+    NOT RUN row, as is a run that has no metrics.jsonl. Every row is described from its run's
+    own record.
+    """
+    from protocol.compare import compare, nothing_to_compare
+    from protocol.plan_report import gather
 
     tolerance = replace(plan.tolerance, **overrides)
     problems = tolerance.problems()
     if problems:
         raise UsageError("; ".join(problems))
-    launches = plan.launches()
-    controls = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches
-                if launch.role == "control"]
-    tests = [read(launch.output, launch.name, loss_tag, grad_norm_tag) for launch in launches if launch.role == "test"]
-    layouts = {launch.name: describe_layout(launch) for launch in launches}
+    found = gather(plan, results, lambda path, name: read(path, name, loss_tag, grad_norm_tag))
     where = "--out" if out else f"{plan.path}: plan.output"
-    return compare_and_report(controls, tests, tolerance, out or plan.output, where, layouts)
+    needed = 2 if tolerance.mode == "statistical" else 1
+    if len(found.controls) < needed:
+        note = found.control_note(needed)
+        comparison = nothing_to_compare(plan.control.name, tolerance, found.not_compared, note)
+        return report(comparison, [], [], out or plan.output, where, found)
+    comparison = compare(found.controls, found.tests, tolerance, found.not_compared)
+    return report(comparison, found.controls, found.tests, out or plan.output, where, found)
+
+
+def report(comparison, controls, tests, out: Path, out_name: str, found) -> int:
+    """Write the report of a plan's comparison, print the table and the verdict."""
+    from protocol.report import format_table, write_report
+
+    layouts = {run.name: run.layout for run in found.runs}
+    paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts,
+                         runs=found.runs, notes=found.notes)
+    return verdict(comparison, layouts, paths, format_table)
 
 
 def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, out_name: str, layouts: dict) -> int:
@@ -198,11 +229,18 @@ def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, out_nam
 
     comparison = compare(controls, tests, tolerance)
     paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts)
+    return verdict(comparison, layouts, paths, format_table)
+
+
+def verdict(comparison, layouts: dict, paths: dict, format_table) -> int:
+    """Print the table, the files written and the verdict; the exit code (0 only when all pass)."""
+    if comparison.note:
+        print(f"FAIL: {comparison.note}")
     print(format_table(comparison, layouts))
     for path in paths.values():
         print(f"wrote {path}")
-    print("PASS: every test set trains like the control" if comparison.passed else
-          "FAIL: " + ", ".join(r.name for r in comparison.results if not r.verdict))
+    failing = [r.name for r in comparison.results if not r.verdict] + [m.name for m in comparison.not_compared]
+    print("PASS: every test set trains like the control" if comparison.passed else "FAIL: " + ", ".join(failing))
     return 0 if comparison.passed else 1
 
 

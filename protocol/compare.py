@@ -118,6 +118,16 @@ class SetResult:
 
 
 @dataclass
+class NotCompared:
+    """A run of the plan that has no curve to judge: it failed, or never ran. It fails the plan."""
+
+    name: str
+    verdict: str
+    """"FAILED" (it ran and failed) or "NOT RUN" (skipped, or not run yet)."""
+    reason: str
+
+
+@dataclass
 class Comparison:
     """All test sets against one control."""
 
@@ -128,6 +138,10 @@ class Comparison:
     passed: bool
     controls: list[str] = field(default_factory=list)
     """Names of the control runs (several in statistical mode: the seed repeats)."""
+    not_compared: list[NotCompared] = field(default_factory=list)
+    """Runs of the plan without a curve; any of them makes the comparison fail."""
+    note: str = ""
+    """Why nothing was compared, when that is so (no control to compare against)."""
 
 
 # ---------------------------------------------------------------- entry point
@@ -135,12 +149,15 @@ def compare(
     control: Curve | list[Curve],
     tests: dict[str, Curve] | list[Curve],
     tolerance: Tolerance,
+    not_compared: list[NotCompared] | None = None,
 ) -> Comparison:
     """Compare each test curve with the control and judge it by `tolerance.mode`.
 
     A list of control curves holds the seed repeats of the control; exact mode uses the first.
-    A dict of tests names each set by its key. Raises ValueError for unusable input (bad tolerance,
-    no test set, statistical mode with fewer than two control curves, duplicate set names).
+    A dict of tests names each set by its key. `not_compared` lists the plan's runs without a
+    curve (failed, not run): they are reported and fail the comparison. Raises ValueError for
+    unusable input (bad tolerance, no test set at all, statistical mode with fewer than two
+    control curves, duplicate set names).
     """
     problems = tolerance.problems()
     if problems:
@@ -148,7 +165,8 @@ def compare(
     controls = [control] if isinstance(control, Curve) else list(control)
     if not controls:
         raise ValueError("no control curve given")
-    test_curves = _named_tests(tests)
+    not_compared = list(not_compared or [])
+    test_curves = _named_tests(tests, allow_none=bool(not_compared))
     if tolerance.mode == "exact":
         if len(controls) > 1:
             logger.info("exact mode compares with the first control run %r; %d other(s) ignored",
@@ -165,16 +183,23 @@ def compare(
         results = [judge_statistical(controls, t, tolerance) for t in test_curves]
         label = mean_curve(controls).name
     return Comparison(control=label, mode=tolerance.mode, tolerance=tolerance, results=results,
-                      passed=all(r.verdict for r in results), controls=[c.name for c in controls])
+                      passed=all(r.verdict for r in results) and not not_compared,
+                      controls=[c.name for c in controls], not_compared=not_compared)
 
 
-def _named_tests(tests: dict[str, Curve] | list[Curve]) -> list[Curve]:
+def nothing_to_compare(control: str, tolerance: Tolerance, not_compared: list[NotCompared], note: str) -> Comparison:
+    """The comparison of a plan whose control has no curve: every set is reported, none judged."""
+    return Comparison(control=control, mode=tolerance.mode, tolerance=tolerance, results=[], passed=False,
+                      not_compared=not_compared, note=note)
+
+
+def _named_tests(tests: dict[str, Curve] | list[Curve], allow_none: bool = False) -> list[Curve]:
     if isinstance(tests, dict):
         curves = [Curve(name=key, steps=c.steps, loss=c.loss, grad_norm=c.grad_norm, source=c.source)
                   for key, c in tests.items()]
     else:
         curves = list(tests)
-    if not curves:
+    if not curves and not allow_none:
         raise ValueError("no test set given")
     names = [c.name for c in curves]
     duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -1,10 +1,12 @@
 """The verdict written out: a markdown report, a JSON file, and two PNG plots.
 
-* ``report.md``: the mode and tolerance, one table row per test set, the reason of each failure
-  and an overall PASS/FAIL line.
+* ``report.md``: the mode, the trainer code of the runs and the tolerance, one table row per test
+  set (and a FAILED / NOT RUN row per run without a curve), the reason of each failure, the runs
+  as their own records describe them, and an overall PASS/FAIL line.
 * ``report.json``: every field of the `Comparison` (per-step differences included); non-finite
   numbers are written as the strings "nan", "inf", "-inf" so that strict JSON readers accept it,
-  and `comparison_from_dict` turns it back into a `Comparison`.
+  and `comparison_from_dict` turns it back into a `Comparison` (the report's own additions,
+  ``layouts`` and ``runs``, are left out).
 * ``loss_curves.png``: every loss curve over the control's; ``loss_diffs.png``: each set's
   difference from the control per step, with its tolerance (or band) dashed.
 
@@ -20,12 +22,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-from protocol.compare import Comparison, SetResult, mean_curve
+from protocol.compare import Comparison, NotCompared, SetResult, mean_curve
 from protocol.curves import Curve
+from protocol.records import RunInfo, code_summary
 from protocol.tolerance import Tolerance
 
 logger = logging.getLogger(__name__)
 
+REPORT_EXTRAS = ("layouts", "runs")
 COLUMNS = ("set", "layout", "initial", "final", "max abs diff", "mean abs diff", "final diff", "verdict")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -54,12 +58,15 @@ def _verdict(result: SetResult) -> str:
 
 
 def _rows(comparison: Comparison, layouts: dict[str, str] | None) -> list[list[str]]:
+    """One row per judged set, then one per run that has no curve (FAILED / NOT RUN)."""
     layouts = layouts or {}
-    return [
+    rows = [
         [r.name, layouts.get(r.name, ""), fmt_loss(r.initial_loss), fmt_loss(r.final_loss),
          fmt_diff(r.max_abs_diff), fmt_diff(r.mean_abs_diff), fmt_diff(r.final_diff, signed=True), _verdict(r)]
         for r in comparison.results
     ]
+    rows += [[m.name, layouts.get(m.name, ""), "-", "-", "-", "-", "-", m.verdict] for m in comparison.not_compared]
+    return rows
 
 
 # ---------------------------------------------------------------- tables
@@ -88,9 +95,41 @@ def _tolerance_line(tol: Tolerance) -> str:
             f"trend significant above |z| {tol.trend_z:g}.")
 
 
-def markdown(comparison: Comparison, layouts: dict[str, str] | None = None) -> str:
-    """The report.md text."""
-    tol = comparison.tolerance
+def markdown(comparison: Comparison, layouts: dict[str, str] | None = None,
+             runs: list[RunInfo] | None = None, notes: dict[str, list[str]] | None = None) -> str:
+    """The report.md text; `runs` and `notes` (what differs from the plan as written now) come
+    from the runs' own records."""
+    lines = [f"# Convergence report: {comparison.mode} mode", "", _control_line(comparison), ""]
+    code = code_summary(runs or [])
+    if code:
+        lines += [f"Code: {code}", ""]
+    lines += [_tolerance_line(comparison.tolerance), ""]
+    lines += _markdown_table(list(COLUMNS), _rows(comparison, layouts))
+    if comparison.results:
+        lines += ["", "## Details", ""]
+        lines += _markdown_table(
+            ["set", "steps", "missing steps", "first diverging step", "threshold", "final-window diff",
+             "trend slope/step", "trend z", "grad norm max rel diff", "grad norm first-step rel diff"]
+            + (["noise spread", "band"] if comparison.mode == "statistical" else []),
+            [_detail_row(r, comparison.mode) for r in comparison.results])
+    failing = [r for r in comparison.results if not r.verdict]
+    if failing or comparison.not_compared:
+        lines += ["", "## Failures", ""]
+        for r in failing:
+            first = r.first_diverging_step if r.first_diverging_step is not None else "none"
+            lines.append(f"- **{r.name}**: {r.reason} (first step with |diff| > {fmt_diff(r.threshold)}: {first})")
+        lines += [f"- **{m.name}**: {m.verdict}: {m.reason}" for m in comparison.not_compared]
+    if runs:
+        lines += ["", *_runs_section(runs, notes or {})]
+    judged = sum(r.verdict for r in comparison.results)
+    total = len(comparison.results) + len([m for m in comparison.not_compared if m.name not in comparison.controls])
+    lines += ["", f"**Overall: {'PASS' if comparison.passed else 'FAIL'}** ({judged}/{total} sets pass)", ""]
+    return "\n".join(lines)
+
+
+def _control_line(comparison: Comparison) -> str:
+    if comparison.note:
+        return f"Control: {comparison.control}: {comparison.note}"
     control = f"Control: {comparison.control}"
     if len(comparison.controls) > 1:
         control += f" (repeats: {', '.join(comparison.controls)})"
@@ -98,23 +137,25 @@ def markdown(comparison: Comparison, layouts: dict[str, str] | None = None) -> s
         first = comparison.results[0]
         control += (f"; loss {fmt_loss(first.control_initial_loss)} at the first common step, "
                     f"{fmt_loss(first.control_final_loss)} at the last")
-    lines = [f"# Convergence report: {comparison.mode} mode", "", control, "", _tolerance_line(tol), ""]
-    lines += _markdown_table(list(COLUMNS), _rows(comparison, layouts))
-    lines += ["", "## Details", ""]
-    lines += _markdown_table(
-        ["set", "steps", "missing steps", "first diverging step", "threshold", "final-window diff",
-         "trend slope/step", "trend z", "grad norm max rel diff", "grad norm first-step rel diff"]
-        + (["noise spread", "band"] if comparison.mode == "statistical" else []),
-        [_detail_row(r, comparison.mode) for r in comparison.results])
-    failing = [r for r in comparison.results if not r.verdict]
-    if failing:
-        lines += ["", "## Failures", ""]
-        for r in failing:
-            first = r.first_diverging_step if r.first_diverging_step is not None else "none"
-            lines.append(f"- **{r.name}**: {r.reason} (first step with |diff| > {fmt_diff(r.threshold)}: {first})")
-    lines += ["", f"**Overall: {'PASS' if comparison.passed else 'FAIL'}** "
-              f"({sum(r.verdict for r in comparison.results)}/{len(comparison.results)} sets pass)", ""]
-    return "\n".join(lines)
+    return control
+
+
+def _runs_section(runs: list[RunInfo], notes: dict[str, list[str]]) -> list[str]:
+    """Every run as its record describes it, and what differs from the plan as written now."""
+    lines = ["## Runs (from their records)", ""]
+    lines += _markdown_table(["run", "layout", "steps", "status", "code", "torch", "folder"],
+                             [[r.name, r.layout, _text(r.steps), _text(r.status), _text(r.code), _text(r.torch),
+                               r.folder] for r in runs])
+    differing = [(name, found) for name, found in notes.items() if found]
+    if differing:
+        lines += ["", "These runs were made with something other than what the plan runs now; the rows above "
+                      "describe what they ran (`protocol run PLAN --rerun-stale` runs them again):", ""]
+        lines += [f"- **{name}**: {'; '.join(found)}" for name, found in differing]
+    return lines
+
+
+def _text(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def _detail_row(r: SetResult, mode: str) -> list[str]:
@@ -163,9 +204,10 @@ def comparison_from_dict(data: dict) -> Comparison:
     """The inverse of `comparison_to_dict` (e.g. for a report.json read back)."""
     results = [SetResult(**_decode_floats(SetResult, r)) for r in data["results"]]
     tolerance = Tolerance(**data["tolerance"])
-    # "layouts" is report metadata that write_report adds next to the comparison's own fields
-    fields = {k: v for k, v in data.items() if k not in ("results", "tolerance", "layouts")}
-    return Comparison(tolerance=tolerance, results=results, **fields)
+    not_compared = [NotCompared(**m) for m in data.get("not_compared", [])]
+    # "layouts" and "runs" are report metadata that write_report adds next to the comparison's own fields
+    fields = {k: v for k, v in data.items() if k not in ("results", "tolerance", "not_compared") + REPORT_EXTRAS}
+    return Comparison(tolerance=tolerance, results=results, not_compared=not_compared, **fields)
 
 
 # ---------------------------------------------------------------- plots
@@ -239,11 +281,16 @@ def write_report(
     test_curves: dict[str, Curve] | list[Curve],
     out_dir: str | Path,
     layouts: dict[str, str] | None = None,
+    runs: list[RunInfo] | None = None,
+    notes: dict[str, list[str]] | None = None,
 ) -> dict[str, Path]:
     """Write report.md, report.json, loss_curves.png and loss_diffs.png into out_dir.
 
-    `layouts` maps a set name to a description of its parallel layout for the table. Returns the
-    written paths keyed "markdown", "json", "loss_curves", "loss_diffs".
+    `layouts` maps a run name to a description of its layout for the table; `runs` describes
+    each run from its record and `notes` what differs from the plan now (both optional). Returns
+    the written paths keyed "markdown", "json", "loss_curves", "loss_diffs". A plot with nothing
+    to draw (no control curve, no set judged) is not written, and an older one is removed so it
+    is not taken for this report's.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,15 +299,24 @@ def write_report(
         tests = [dataclasses.replace(c, name=key) for key, c in test_curves.items()]
     else:
         tests = list(test_curves)
-    paths = {"markdown": out / "report.md", "json": out / "report.json",
-             "loss_curves": out / "loss_curves.png", "loss_diffs": out / "loss_diffs.png"}
-    paths["markdown"].write_text(markdown(comparison, layouts), encoding="utf-8")
+    paths = {"markdown": out / "report.md", "json": out / "report.json"}
+    paths["markdown"].write_text(markdown(comparison, layouts, runs, notes), encoding="utf-8")
     with open(paths["json"], "w", encoding="utf-8") as f:
         data = comparison_to_dict(comparison)
-        data["layouts"] = {r.name: (layouts or {}).get(r.name, "") for r in comparison.results}
+        names = [r.name for r in comparison.results] + [m.name for m in comparison.not_compared]
+        data["layouts"] = {name: (layouts or {}).get(name, "") for name in names}
+        data["runs"] = {run.name: {**run.to_dict(), "differs_from_plan": (notes or {}).get(run.name, [])}
+                        for run in runs or []}
         json.dump(data, f, indent=1, allow_nan=False)
         f.write("\n")
-    plot_loss_curves(controls, tests, comparison.mode, paths["loss_curves"])
-    plot_loss_diffs(comparison, paths["loss_diffs"])
+    plots = {"loss_curves": (bool(controls), lambda path: plot_loss_curves(controls, tests, comparison.mode, path)),
+             "loss_diffs": (bool(comparison.results), lambda path: plot_loss_diffs(comparison, path))}
+    for key, (drawable, draw) in plots.items():
+        path = out / f"{key}.png"
+        if drawable:
+            draw(path)
+            paths[key] = path
+        else:
+            path.unlink(missing_ok=True)
     logger.info("report written to %s", out)
     return paths

@@ -154,7 +154,7 @@ def is_resumable(path: Path) -> bool:
 def checkpoint_record(config, step: int, items: list[str], kind: str, **extra) -> dict:
     """The content of checkpoint.json: what saved this checkpoint, and with which configuration."""
     return {"step": step, "items": items, "kind": kind, **extra, "config": to_dict(config), "code": code_version(),
-            "saved": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "torch": torch.__version__, "saved": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_checkpoint_record(folder: Path, record: dict) -> None:

@@ -112,8 +112,8 @@ def fingerprint(path: Path) -> str | None:
 
 def read_checkpoint_record(path: Path) -> dict | None:
     """The checkpoint.json written beside a checkpoint's .metadata: {"step", "items", "kind"
-    ("seed", "periodic" or "final"), "config", "code", "saved"}; None when absent or unreadable
-    (checkpoints of older versions have none)."""
+    ("seed", "periodic" or "final"), "exports", "config", "code", "torch", "saved"}; None when
+    absent or unreadable (checkpoints of older versions have none)."""
     try:
         record = json.loads((Path(path) / CHECKPOINT_RECORD).read_text())
     except (OSError, ValueError):

@@ -125,3 +125,109 @@ def test_closed_output_pipe_ends_quietly():
     stderr = process.stderr.read()
     assert process.wait(timeout=60) == 1
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# protocol run --compare and protocol compare PLAN, with the fake launcher
+
+
+@pytest.fixture
+def fake_launcher(fake, monkeypatch):
+    import protocol.local
+
+    monkeypatch.setattr(protocol.local, "LAUNCHER", fake[0])
+
+
+def report_json(plan) -> dict:
+    return json.loads((plan.output / "report.json").read_text())
+
+
+def test_run_compare_reports_a_failed_set_as_a_failed_row(small_plan, fake_launcher, monkeypatch, capsys):
+    plan = small_plan(lr=3e-3)  # lr x2 equals the control: it passes
+    monkeypatch.setenv("FAKE_FAIL", "fsdp-tp2")
+    assert main(["run", str(plan.path), "--compare"]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "FAIL: FSDP+TP2"
+    data = report_json(plan)
+    assert data["passed"] is False
+    assert data["not_compared"] == [{"name": "FSDP+TP2", "verdict": "FAILED", "reason": "exit 2"}]
+    assert [(r["name"], r["verdict"]) for r in data["results"]] == [("lr x2", True)]
+    rows = [line for line in (plan.output / "report.md").read_text().splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| lr x2 | dp_shard 2 | 4.97 | 4.91 | 0 | 0 | 0 | PASS |",
+                        "| FSDP+TP2 | not recorded (no run_meta.json) | - | - | - | - | - | FAILED |"] + rows[3:]
+    assert "- **FSDP+TP2**: FAILED: exit 2" in (plan.output / "report.md").read_text()
+    assert "**Overall: FAIL** (1/2 sets pass)" in (plan.output / "report.md").read_text()
+
+
+def test_a_failed_control_leaves_nothing_to_compare_against(small_plan, fake_launcher, monkeypatch, capsys):
+    plan = small_plan()
+    plan.output.mkdir(parents=True)
+    (plan.output / "loss_curves.png").write_bytes(b"an earlier report's plot")
+    monkeypatch.setenv("FAKE_FAIL", "control")
+    assert main(["run", str(plan.path), "--compare"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: nothing to compare against: the control run control FAILED (exit 2)" in out
+    data = report_json(plan)
+    assert data["results"] == [] and data["passed"] is False
+    assert [(m["name"], m["verdict"]) for m in data["not_compared"]] == [("control", "FAILED")]
+    assert not (plan.output / "loss_curves.png").exists() and not (plan.output / "loss_diffs.png").exists()
+    assert "Control: control: nothing to compare against" in (plan.output / "report.md").read_text()
+
+
+def test_skipped_runs_are_not_run_rows(small_plan, fake_launcher, monkeypatch, capsys):
+    plan = small_plan()
+    monkeypatch.setenv("FAKE_FAIL", "seed")
+    assert main(["run", str(plan.path), "--compare"]) == 1
+    data = report_json(plan)
+    assert [(m["name"], m["verdict"], m["reason"]) for m in data["not_compared"]] == [
+        (name, "NOT RUN", "needs seed, which did not complete") for name in ("control", "FSDP+TP2", "lr x2")]
+
+
+def test_the_report_describes_each_run_from_its_record_not_the_plan(small_plan, fake_launcher, capsys):
+    plan = small_plan(lr=6e-3, steps=3)
+    assert main(["run", str(plan.path)]) == 0
+    plan = small_plan(lr=3e-3, steps=5)  # edited after the runs, not run again
+    assert main(["compare", str(plan.path)]) == 1
+    data = report_json(plan)
+    assert data["layouts"] == {"FSDP+TP2": "dp_shard 2, tp 2", "lr x2": "dp_shard 2 + optimizer.lr=0.006"}
+    runs = data["runs"]
+    assert [runs[name]["steps"] for name in ("control", "FSDP+TP2", "lr x2")] == [3, 3, 3]
+    assert runs["lr x2"]["differs_from_plan"] == ["optimizer.lr 0.006 -> 0.003", "training.steps 3 -> 5"]
+    assert runs["control"]["differs_from_plan"] == ["training.steps 3 -> 5"]
+    assert runs["lr x2"]["code"] == "3f2a1c9d" and runs["lr x2"]["status"] == "completed"
+    text = (plan.output / "report.md").read_text()
+    assert "Code: 3f2a1c9d (every run)" in text
+    assert "- **lr x2**: optimizer.lr 0.006 -> 0.003; training.steps 3 -> 5" in text
+    assert "| lr x2 | dp_shard 2 + optimizer.lr=0.006 | 3 | completed | 3f2a1c9d | 2.13.0+cpu |" in text
+
+
+def test_compare_of_a_plan_that_has_not_run(small_plan, capsys):
+    plan = small_plan()
+    assert main(["compare", str(plan.path)]) == 1
+    out = capsys.readouterr().out
+    assert f"nothing to compare against: the control run control NOT RUN (no metrics.jsonl in " \
+           f"{plan.output / 'control'})" in out
+
+
+def test_stale_runs_are_refused_with_exit_2(small_plan, fake_launcher, capsys):
+    plan = small_plan(lr=6e-3)
+    assert main(["run", str(plan.path)]) == 0
+    plan = small_plan(lr=3e-3)
+    capsys.readouterr()
+    assert main(["run", str(plan.path), "--compare"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 1 run in") and "lr x2: optimizer.lr 0.006 -> 0.003" in err
+    assert "Traceback" not in err
+    assert main(["run", str(plan.path), "--rerun-stale", "--compare"]) == 0
+    assert report_json(plan)["layouts"]["lr x2"] == "dp_shard 2"
+
+
+def test_compare_of_folders_takes_each_layout_from_its_record(small_plan, fake_launcher, tmp_path, capsys):
+    plan = small_plan(lr=6e-3)
+    assert main(["run", str(plan.path)]) == 0
+    other = write_run(tmp_path / "other", [4.97, 4.94, 4.91])  # another trainer's folder: no record
+    out = tmp_path / "report"
+    assert main(["compare", "--control", str(plan.output / "control"), "--test", f"x={plan.output / 'lr-x2'}",
+                 "--test", f"y={other}", "--out", str(out)]) == 1
+    layouts = json.loads((out / "report.json").read_text())["layouts"]
+    assert layouts == {"x": "dp_shard 2 + optimizer.lr=0.006", "y": ""}

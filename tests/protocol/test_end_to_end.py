@@ -115,3 +115,19 @@ def test_a_wrong_technique_fails_at_the_first_diverging_step(tmp_path):
     assert wrong["verdict"] is False and wrong["first_diverging_step"] == 2
     assert "step 2" in wrong["reason"]
     assert "step 2" in (tmp_path / "runs" / "report.md").read_text()
+    assert report["layouts"]["lr x2"] == "dp_shard 2 + optimizer.lr=0.006"  # from the run's own record
+
+    # The set's option is set back to the control's in the plan: its finished run no longer
+    # describes the plan and is refused...
+    (tmp_path / "wrong.toml").write_text(WRONG_PLAN.replace('"optimizer.lr" = 6e-3', '"optimizer.lr" = 3e-3'))
+    refused = protocol("run", "wrong.toml", "--compare", cwd=tmp_path)
+    assert refused.returncode == 2, explain(refused)
+    assert "lr x2: optimizer.lr 0.006 -> 0.003" in refused.stderr and "--rerun-stale" in refused.stderr
+    # ... and run again with the flag (alone: the seed and the control are current), after which it passes.
+    rerun = protocol("run", "wrong.toml", "--rerun-stale", "--compare", cwd=tmp_path)
+    assert rerun.returncode == 0, explain(rerun)
+    assert (rerun.stdout + rerun.stderr).count("already complete, skipped") == 2, explain(rerun)
+    report = json.loads((tmp_path / "runs" / "report.json").read_text())
+    assert report["layouts"]["lr x2"] == "dp_shard 2" and report["passed"] is True
+    (moved,) = (tmp_path / "runs" / "superseded").iterdir()
+    assert json.loads((moved / "run_meta.json").read_text())["config"]["optimizer"]["lr"] == 0.006

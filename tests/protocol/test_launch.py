@@ -6,94 +6,22 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from protocol.launch import (COMPLETE_MARKER, LOG_NAME, RUN_MARKER, LaunchError, render, run_local, run_slurm,
-                             write_slurm)
-from protocol.plan import REPO_ROOT, load_plan
+from protocol.folders import RUN_MARKER
+from protocol.launch import LaunchError
+from protocol.local import LOG_NAME, run_local
+from protocol.plan import REPO_ROOT
+from protocol.plan_file import load_plan
+from protocol.render import FormatError, render
+from protocol.sbatch import write_slurm
+from protocol.slurm import run_slurm
+from tests.protocol.conftest import calls
+from tests.protocol.fake_trainer import main as fake_main
 
 PLANS = REPO_ROOT / "protocol" / "plans"
-
-PLAN = """
-[plan]
-name = "small"
-config = "debug_model.toml"
-output = "{output}"
-steps = 3
-local_batch_size = 4
-dp_degree = 2
-gpus_per_node = {gpus_per_node}
-overrides = {{ "model.flavor" = "tiny", "training.seq_len" = 32 }}
-
-[tolerance]
-mode = "exact"
-
-[[sets]]
-name = "FSDP+TP2"
-kind = "parallelism"
-tp = 2
-
-[[sets]]
-name = "AC full"
-kind = "technique"
-overrides = {{ "activation_checkpoint.mode" = "full" }}
-"""
-
-FAKE_LAUNCHER = '''
-import json, os, sys
-from pathlib import Path
-
-args = sys.argv[1:]
-dump = Path(args[args.index("--job.dump_folder") + 1])
-with open(os.environ["FAKE_CALLS"], "a") as f:
-    f.write(json.dumps({"run": dump.name, "ngpu": os.environ.get("NGPU"), "cwd": os.getcwd()}) + "\\n")
-print("starting", dump.name)
-if dump.name in os.environ.get("FAKE_FAIL", "").split(","):
-    print("Traceback: the run broke", file=sys.stderr)
-    sys.exit(3)
-dump.mkdir(parents=True, exist_ok=True)
-if "--checkpoint.create_seed_checkpoint" in args:
-    step0 = dump / "checkpoint" / "step-0"
-    step0.mkdir(parents=True)
-    (step0 / ".metadata").write_text("")
-    sys.exit(0)
-steps = int(args[args.index("--training.steps") + 1])
-if dump.name in os.environ.get("FAKE_SHORT", "").split(","):
-    steps -= 1
-with open(dump / "metrics.jsonl", "w") as f:
-    for step in range(1, steps + 1):
-        f.write(json.dumps({"step": step, "loss": 5.0 - step * 0.1}) + "\\n")
-    f.write(json.dumps({"kind": "validation", "step": 1000}) + "\\n")
-print("finished", dump.name)
-'''
-
-
-@pytest.fixture
-def small_plan(tmp_path):
-    def make(gpus_per_node: int = 8):
-        path = tmp_path / f"plan-{gpus_per_node}.toml"
-        path.write_text(PLAN.format(output=tmp_path / "out", gpus_per_node=gpus_per_node))
-        return load_plan(path)
-    return make
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    """The fake launcher's command; its calls are read back with calls()."""
-    script = tmp_path / "fake_launcher.py"
-    script.write_text(FAKE_LAUNCHER)
-    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
-    monkeypatch.delenv("FAKE_FAIL", raising=False)
-    monkeypatch.delenv("FAKE_SHORT", raising=False)
-    return [sys.executable, str(script)]
-
-
-def calls(tmp_path: Path) -> list[dict]:
-    path = tmp_path / "calls.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def bash_syntax_ok(path: Path) -> None:
@@ -106,8 +34,9 @@ def bash_syntax_ok(path: Path) -> None:
 
 
 def test_table_has_aligned_columns_and_each_command_on_its_own_line(small_plan):
-    launches = small_plan().launches()
-    lines = render(launches, "table").splitlines()
+    plan = small_plan()
+    launches = plan.launches()
+    lines = render(plan, launches, "table").splitlines()
     header = lines[0]
     assert header.split() == ["name", "GPUs", "nodes", "degrees", "output"]
     rows = lines[2::2]
@@ -122,29 +51,35 @@ def test_table_has_aligned_columns_and_each_command_on_its_own_line(small_plan):
 
 
 def test_json_lists_every_launch(small_plan):
-    launches = small_plan().launches()
-    loaded = json.loads(render(launches, "json"))
-    assert [item["name"] for item in loaded] == ["seed", "control", "FSDP+TP2", "AC full"]
+    plan = small_plan()
+    launches = plan.launches()
+    loaded = json.loads(render(plan, launches, "json"))
+    assert [item["name"] for item in loaded] == ["seed", "control", "FSDP+TP2", "lr x2"]
     assert loaded[2]["nproc"] == 4 and loaded[2]["degrees"]["tp"] == 2 and loaded[2]["depends_on"] == ["seed"]
     assert loaded[2]["args"] == list(launches[2].args) and loaded[2]["command"] == launches[2].command()
     assert loaded[2]["output"] == str(launches[2].output)
 
 
-def test_shell_script_is_valid_bash_and_runs_the_seed_first(small_plan, tmp_path):
-    launches = small_plan().launches()
-    text = render(launches, "shell")
+def test_shell_script_is_valid_bash_claims_each_folder_and_runs_the_seed_first(small_plan, tmp_path):
+    plan = small_plan()
+    launches = plan.launches()
+    text = render(plan, launches, "shell")
     script = tmp_path / "run.sh"
     script.write_text(text)
     bash_syntax_ok(script)
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
     assert f"cd {REPO_ROOT}" in text
-    positions = [text.index(launch.command()) for launch in launches]
+    lines = text.splitlines()
+    positions = [lines.index(launch.command()) for launch in launches]
     assert positions == sorted(positions)
+    for launch, position in zip(launches, positions):  # each run's folder is claimed right before its command
+        assert lines[position - 1].startswith(f"claim {launch.output} ")
 
 
 def test_shell_script_comments_out_runs_needing_several_nodes(tmp_path):
-    launches = load_plan(PLANS / "converging_llama3_8b.toml").launches()
-    text = render(launches, "shell")
+    plan = load_plan(PLANS / "converging_llama3_8b.toml")
+    launches = plan.launches()
+    text = render(plan, launches, "shell")
     script = tmp_path / "run.sh"
     script.write_text(text)
     bash_syntax_ok(script)
@@ -153,8 +88,9 @@ def test_shell_script_comments_out_runs_needing_several_nodes(tmp_path):
 
 
 def test_unknown_format(small_plan):
-    with pytest.raises(LaunchError, match="choose one of table, json, shell"):
-        render(small_plan().launches(), "yaml")
+    plan = small_plan()
+    with pytest.raises(FormatError, match="choose one of table, json, shell"):
+        render(plan, plan.launches(), "yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +107,7 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
     control = (tmp_path / "slurm" / "1d-fsdp.sbatch").read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --job-name=converging-llama3-8b-1d-fsdp",
-                 f"#SBATCH --output={tmp_path / 'slurm' / '1d-fsdp-%j.log'}",
+                 f"#SBATCH --output={tmp_path / 'slurm' / '1d-fsdp-%j.log'}", "#SBATCH --time=24:00:00",
                  'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in control.splitlines()
     srun = next(line for line in control.splitlines() if line.startswith("srun"))
@@ -180,11 +116,40 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
                            '--rdzv_id "$SLURM_JOB_ID" -m trainer.train --job.config_file llama3_8b.toml')
     assert srun.endswith("--checkpoint.load_only")
     assert "-m trainer.preflight --nproc 16 --device cuda" in control
-    seed = (tmp_path / "slurm" / "seed.sbatch").read_text()
-    assert "#SBATCH --nodes=1" in seed and "torch.distributed.run" not in seed
-    assert 'srun --ntasks=1 "$PYTHON" -m trainer.train' in seed and "--checkpoint.create_seed_checkpoint" in seed
+    assert control.index(f"claim {launches[1].output} ") < control.index("srun --kill")
     big = (tmp_path / "slurm" / "4d-fsdp-tp2-cp2-pp2.sbatch").read_text()
     assert "#SBATCH --nodes=16" in big
+
+
+def test_the_seed_job_asks_for_memory_and_no_gpu(tmp_path):
+    plan = load_plan(PLANS / "converging_llama3_8b.toml")
+    write_slurm(plan, plan.launches(), tmp_path)
+    seed = (tmp_path / "seed.sbatch").read_text().splitlines()
+    sbatch = [line for line in seed if line.startswith("#SBATCH")]
+    assert sbatch == ["#SBATCH --job-name=converging-llama3-8b-seed", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+                      f"#SBATCH --output={tmp_path / 'seed-%j.log'}", "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
+                      "#SBATCH --cpus-per-task=8"]
+    assert not any("gpu" in line for line in seed)
+    assert any(line.startswith('srun --ntasks=1 "$PYTHON" -m trainer.train') for line in seed)
+
+
+def test_slurm_options_per_kind_of_job(small_plan, tmp_path):
+    plan = small_plan()
+    text = plan.path.read_text() + ('\n[slurm]\naccount = "proj"\nextra = ["--constraint=h100"]\n'
+                                    '[slurm.seed]\npartition = "cpu"\nmem = "16G"\n'
+                                    '[slurm.train]\npartition = "gpu"\nqos = "high"\nextra = ["--exclusive"]\n')
+    plan.path.write_text(text)
+    plan = load_plan(plan.path)
+    write_slurm(plan, plan.launches(), tmp_path / "slurm")
+
+    def options(name: str) -> list[str]:
+        lines = (tmp_path / "slurm" / f"{name}.sbatch").read_text().splitlines()
+        return [line for line in lines if line.startswith("#SBATCH")][4:]
+
+    assert options("seed") == ["#SBATCH --partition=cpu", "#SBATCH --account=proj", "#SBATCH --mem=16G",
+                               "#SBATCH --constraint=h100"]
+    assert options("control")[1:] == ["#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
+                                      "#SBATCH --constraint=h100", "#SBATCH --exclusive"]
 
 
 def test_submit_all_chains_every_run_after_the_seed(tmp_path):
@@ -209,8 +174,8 @@ def test_submit_all_chains_every_run_after_the_seed(tmp_path):
 class FakeSlurm:
     """sbatch/squeue/sacct/scancel over a dict of jobs; each poll moves every job one state on.
 
-    A job that finishes writes the files of its run (metrics or the seed checkpoint), unless its
-    name is in `fail`.
+    A job that finishes writes the files of its run (through the fake trainer), unless its name is
+    in `fail`.
     """
 
     def __init__(self, plan, fail: tuple[str, ...] = ()):
@@ -218,7 +183,6 @@ class FakeSlurm:
         self.fail = fail
         self.jobs: dict[str, dict] = {}
         self.commands: list[list[str]] = []
-        self.steps = plan.steps
 
     def __call__(self, argv: list[str]) -> str:
         self.commands.append(argv)
@@ -250,32 +214,30 @@ class FakeSlurm:
             elif job["state"] == "RUNNING":
                 job["state"] = "FAILED" if job["launch"].name in self.fail else "COMPLETED"
                 if job["state"] == "COMPLETED":
-                    self.write_outputs(job["launch"])
-
-    def write_outputs(self, launch):
-        launch.output.mkdir(parents=True, exist_ok=True)
-        if launch.role == "seed":
-            launch.seed_checkpoint.mkdir(parents=True)
-            (launch.seed_checkpoint / ".metadata").write_text("")
-        else:
-            lines = [json.dumps({"step": s, "loss": 1.0}) for s in range(1, self.steps + 1)]
-            (launch.output / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+                    launch = job["launch"]
+                    os.environ["NGPU"] = str(launch.nproc)
+                    fake_main(list(launch.args))
 
 
-def test_run_slurm_submits_the_seed_first_and_waits(small_plan, tmp_path):
+@pytest.fixture
+def fake_slurm_env(fake, monkeypatch):
+    monkeypatch.setenv("NGPU", "1")  # FakeSlurm sets it per job, as the job's allocation would
+
+
+def test_run_slurm_submits_the_seed_first_and_waits(small_plan, tmp_path, fake_slurm_env):
     plan = small_plan()
     fake = FakeSlurm(plan)
     messages: list[str] = []
     results = run_slurm(plan, plan.launches(), tmp_path / "slurm", runner=fake, poll=0, on_progress=messages.append,
                         sleep=lambda s: None)
     assert [(r.name, r.status) for r in results] == [("seed", "completed"), ("control", "completed"),
-                                                     ("FSDP+TP2", "completed"), ("AC full", "completed")]
+                                                     ("FSDP+TP2", "completed"), ("lr x2", "completed")]
     sbatches = [c for c in fake.commands if c[0] == "sbatch"]
     assert sbatches[0][:2] == ["sbatch", "--parsable"] and not any("--dependency" in a for a in sbatches[0])
     assert all("--dependency=afterok:500" in c for c in sbatches[1:])
     assert [Path(c[-1]).name for c in sbatches] == ["seed.sbatch", "control.sbatch", "fsdp-tp2.sbatch",
-                                                     "ac-full.sbatch"]
-    assert all((l.output / COMPLETE_MARKER).is_file() for l in plan.launches()[1:])
+                                                     "lr-x2.sbatch"]
+    assert all((l.output / RUN_MARKER).is_file() for l in plan.launches())
     assert "seed: submitted as job 500" in messages and "control: submitted as job 501 (after job 500)" in messages
     # A second call has nothing to submit.
     again = FakeSlurm(plan)
@@ -283,13 +245,16 @@ def test_run_slurm_submits_the_seed_first_and_waits(small_plan, tmp_path):
     assert {r.status for r in results} == {"already complete"} and again.commands == []
 
 
-def test_run_slurm_cancels_runs_waiting_on_a_failed_seed(small_plan, tmp_path):
+def test_run_slurm_cancels_runs_waiting_on_a_failed_seed(small_plan, tmp_path, fake_slurm_env):
     plan = small_plan()
     fake = FakeSlurm(plan, fail=("seed",))
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "seed-500.log").write_text("loading\nerror: out of host memory\nfull logs: /x\n")
     results = run_slurm(plan, plan.launches(), tmp_path / "slurm", runner=fake, poll=0, sleep=lambda s: None)
     assert [(r.name, r.status) for r in results] == [("seed", "failed"), ("control", "skipped"),
-                                                     ("FSDP+TP2", "skipped"), ("AC full", "skipped")]
-    assert "job 500 FAILED" in results[0].message
+                                                     ("FSDP+TP2", "skipped"), ("lr x2", "skipped")]
+    assert results[0].message == "job 500 FAILED"
+    assert results[0].details == "error: out of host memory\nfull logs: /x"
     assert sorted(c[1] for c in fake.commands if c[0] == "scancel") == ["501", "502", "503"]
 
 
@@ -297,20 +262,21 @@ def test_run_slurm_cancels_runs_waiting_on_a_failed_seed(small_plan, tmp_path):
 # Local runs
 
 
-def test_run_local_runs_everything_in_order_then_skips_what_completed(small_plan, fake, tmp_path):
+def test_run_local_runs_everything_in_order_then_reuses_what_completed(small_plan, fake, tmp_path):
     plan = small_plan()
     messages: list[str] = []
     results = run_local(plan, plan.launches(), on_progress=messages.append, launcher=fake)
     assert [(r.name, r.status, r.returncode) for r in results] == [
         ("seed", "completed", 0), ("control", "completed", 0), ("FSDP+TP2", "completed", 0),
-        ("AC full", "completed", 0)]
+        ("lr x2", "completed", 0)]
     assert [(c["run"], c["ngpu"]) for c in calls(tmp_path)][1:] == [("control", "2"), ("fsdp-tp2", "4"),
-                                                                     ("ac-full", "2")]
+                                                                     ("lr-x2", "2")]
     assert calls(tmp_path)[0]["cwd"] == str(REPO_ROOT)
     assert any(m.startswith("[2/4] control: running 2 processes ...") for m in messages)
     assert any(m.startswith("[2/4] control: done in ") and m.endswith(" s") for m in messages)
     control = plan.launches()[1]
-    assert (control.output / COMPLETE_MARKER).is_file() and (control.output / RUN_MARKER).is_file()
+    marker = json.loads((control.output / RUN_MARKER).read_text())
+    assert (marker["plan"], marker["run"], marker["command"]) == ("small", "control", control.command())
     assert "finished control" in (control.output / LOG_NAME).read_text()
 
     messages.clear()
@@ -320,21 +286,24 @@ def test_run_local_runs_everything_in_order_then_skips_what_completed(small_plan
     assert "[1/4] seed: already complete, skipped" in messages
 
 
-def test_a_failed_run_is_reported_with_its_log_and_the_others_still_run(small_plan, fake, tmp_path, monkeypatch):
+def test_a_failed_run_shows_the_launchers_error_block_and_the_others_still_run(small_plan, fake, tmp_path,
+                                                                             monkeypatch):
     plan = small_plan()
     monkeypatch.setenv("FAKE_FAIL", "fsdp-tp2")
     messages: list[str] = []
     results = run_local(plan, plan.launches(), on_progress=messages.append, launcher=fake)
     assert [(r.name, r.status) for r in results] == [("seed", "completed"), ("control", "completed"),
-                                                     ("FSDP+TP2", "failed"), ("AC full", "completed")]
+                                                     ("FSDP+TP2", "failed"), ("lr x2", "completed")]
     failed = results[2]
-    assert not failed.ok and failed.returncode == 3
+    block = ("error: rank 1: the run broke: tensor_parallel_degree=3 does not divide 4 heads\n  (a second line)\n"
+             f"full logs: {plan.output / 'fsdp-tp2'}/logs")
+    assert (failed.returncode, failed.message, failed.details) == (2, "exit 2", block)
     assert failed.log == plan.output / "fsdp-tp2" / LOG_NAME
-    assert "Traceback: the run broke" in failed.message
-    report = next(m for m in messages if "FAILED" in m and m.startswith("[3/4]"))
-    assert report.startswith(f"[3/4] FSDP+TP2: FAILED (exit 3), log: {failed.log}, last lines:")
-    assert "Traceback: the run broke" in report
-    assert not (plan.output / "fsdp-tp2" / COMPLETE_MARKER).exists()
+    report = next(m for m in messages if m.startswith("[3/4]") and "FAILED" in m)
+    assert report == f"[3/4] FSDP+TP2: FAILED (exit 2), log: {failed.log}, error:\n" + "\n".join(
+        f"    {line}" for line in block.splitlines())
+    summary = next(m for m in messages if m.startswith("FSDP+TP2: FAILED"))
+    assert summary.endswith("\n    error: rank 1: the run broke: tensor_parallel_degree=3 does not divide 4 heads")
 
     # Fixed, run again: only the failed run starts; its log keeps the first attempt.
     monkeypatch.delenv("FAKE_FAIL")
@@ -342,6 +311,48 @@ def test_a_failed_run_is_reported_with_its_log_and_the_others_still_run(small_pl
     assert [r.status for r in results] == ["already complete", "already complete", "completed", "already complete"]
     log = failed.log.read_text()
     assert "the run broke" in log and "finished fsdp-tp2" in log and log.count("=== ") == 2
+
+
+def test_without_an_error_block_the_summary_is_the_last_lines(small_plan, fake, monkeypatch):
+    plan = small_plan()
+    monkeypatch.setenv("FAKE_NOISE", "control")
+    results = run_local(plan, plan.launches(), only=["control"], launcher=fake)
+    lines = results[1].details.splitlines()
+    assert len(lines) == 15 and lines[-1].startswith("traceback : To enable traceback")
+    assert lines[0] == "boilerplate line 17"
+
+
+def test_a_seed_killed_by_sigkill_names_the_signal_and_the_memory_it_needs(small_plan, fake, monkeypatch):
+    plan = small_plan()
+    monkeypatch.setenv("FAKE_KILL", "seed")
+    messages: list[str] = []
+    results = run_local(plan, plan.launches(), on_progress=messages.append, launcher=fake)
+    assert [r.status for r in results] == ["failed", "skipped", "skipped", "skipped"]
+    assert results[0].returncode == -9
+    assert results[0].message == (
+        "killed by SIGKILL (exit -9): usually the kernel's out-of-memory killer (see dmesg or the node's kernel "
+        "log); the seed run holds the whole tiny model in fp32 in one process: 229,952 parameters x 4 bytes = "
+        "0.9 MB of host memory, plus what Python and torch take")
+    assert results[0].details == "starting seed"
+
+
+def test_exit_codes_of_signals():
+    from protocol.failures import exit_problem, signal_name
+
+    control = load_plan(PLANS / "cpu_smoke.toml").launches()[1]
+    assert [signal_name(code) for code in (-9, 137, 143, 130, 2, 1, 0, 128, 255)] == [
+        "SIGKILL", "SIGKILL", "SIGTERM", "SIGINT", None, None, None, None, None]
+    assert exit_problem(137, control) == ("killed by SIGKILL (exit 137): usually the kernel's out-of-memory killer "
+                                          "(see dmesg or the node's kernel log)")
+    assert exit_problem(-15, control).startswith("killed by SIGTERM (exit -15): ended from outside")
+    assert exit_problem(3, control) == "exit 3"
+
+
+def test_the_seed_of_the_8b_plan_needs_32_gb():
+    from protocol.failures import seed_memory
+
+    seed = load_plan(PLANS / "converging_llama3_8b.toml").launches()[0]
+    assert "8,030,261,248 parameters x 4 bytes = 32.1 GB of host memory" in seed_memory(seed)
 
 
 def test_a_failed_seed_skips_the_runs_that_need_it(small_plan, fake, monkeypatch):
@@ -357,14 +368,14 @@ def test_exit_0_without_every_step_is_a_failure(small_plan, fake, monkeypatch):
     monkeypatch.setenv("FAKE_SHORT", "control")
     results = run_local(plan, plan.launches(), launcher=fake)
     assert results[1].status == "failed" and results[1].returncode == 0
-    assert results[1].message.startswith("metrics.jsonl reaches step 2 of 3")
+    assert results[1].message == "the run's record says 'running' at step 2 of 3"
 
 
 def test_only_runs_the_named_runs_and_the_seed_they_need(small_plan, fake, tmp_path):
     plan = small_plan()
-    results = run_local(plan, plan.launches(), only=["AC full"], launcher=fake)
-    assert [r.name for r in results] == ["seed", "AC full"]
-    assert [c["run"] for c in calls(tmp_path)] == ["seed", "ac-full"]
+    results = run_local(plan, plan.launches(), only=["lr x2"], launcher=fake)
+    assert [r.name for r in results] == ["seed", "lr x2"]
+    assert [c["run"] for c in calls(tmp_path)] == ["seed", "lr-x2"]
     results = run_local(plan, plan.launches(), only=["fsdp-tp2"], launcher=fake)  # slugs work too
     assert [(r.name, r.status) for r in results] == [("seed", "already complete"), ("FSDP+TP2", "completed")]
 
@@ -372,9 +383,9 @@ def test_only_runs_the_named_runs_and_the_seed_they_need(small_plan, fake, tmp_p
 def test_only_with_an_unknown_name_lists_the_valid_ones(small_plan, fake, tmp_path):
     plan = small_plan()
     with pytest.raises(LaunchError) as info:
-        run_local(plan, plan.launches(), only=["ACfull"], launcher=fake)
-    assert str(info.value) == ("unknown run name(s) 'ACfull'; the plan's runs are: 'seed', 'control', 'FSDP+TP2', "
-                               "'AC full'")
+        run_local(plan, plan.launches(), only=["lrx2"], launcher=fake)
+    assert str(info.value) == ("unknown run name(s) 'lrx2'; the plan's runs are: 'seed', 'control', 'FSDP+TP2', "
+                               "'lr x2'")
     assert calls(tmp_path) == []
 
 

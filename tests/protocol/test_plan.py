@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.launch import describe_layout
-from protocol.plan import REPO_ROOT, PlanError, load_plan, override_args, slugify
+from protocol.plan import REPO_ROOT, override_args, slugify
+from protocol.plan_file import PlanError, load_plan
 
 PLANS = REPO_ROOT / "protocol" / "plans"
 
@@ -105,9 +105,7 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         assert launch.output == plan.output / slugify(launch.name)
         assert launch.depends_on == ("seed",)
     assert arg(launches[5], "--activation_checkpoint.mode") == "full"
-    assert describe_layout(launches[5]) == "dp_shard 2 + activation_checkpoint.mode=full"
-    assert describe_layout(launches[3]) == ("dp_shard 2, tp 2, cp 2, pp 2 (Interleaved1F1B) + "
-                                            "parallelism.pipeline_parallel_microbatch_size=2")
+    assert arg(launches[3], "--parallelism.pipeline_parallel_microbatch_size") == "2"
 
 
 def test_cpu_smoke_commands_are_exact():
@@ -462,9 +460,134 @@ def test_a_bad_optional_plan_key_does_not_hide_the_other_problems(tmp_path):
 
 
 def test_every_key_is_described():
-    from protocol.plan import CONTROL_KEYS, PLAN_KEYS, SET_KEYS, describe_keys
+    from protocol.schema import CONTROL_KEYS, PLAN_KEYS, SET_KEYS, SLURM_KEYS, describe_keys
 
     text = describe_keys()
-    for schema in (PLAN_KEYS, CONTROL_KEYS, SET_KEYS):
+    for schema in (PLAN_KEYS, CONTROL_KEYS, SET_KEYS, SLURM_KEYS):
         for key, spec in schema.items():
             assert spec.doc and f"  {key} (" in text
+
+
+MANY_MISTAKES = """
+[plan]
+name = "many"
+config = "debug_model.toml"
+output = "{output}"
+steps = {steps}
+local_batch_size = 4
+dp_degree = 2
+{sead}
+overrides = {{ "model.flavor" = "tiny", "training.seq_len" = 32 }}
+
+[tolerance]
+loss_atol = {atol}
+
+[control]
+name = "control"
+{tpp}
+
+[[sets]]
+name = "A"
+kind = "parallelism"
+tp = {tp}
+
+[[sets]]
+name = "{second}"
+kind = "{kind}"
+cp = {cp}
+
+[[sets]]
+name = "B"
+kind = "technique"
+pp = {pp}
+pp_schedule = "Interleaved1F1B"
+overrides = {{ "{lr_key}" = 1e-3 }}
+
+[slurm.seed]
+mem = "{mem}"
+
+[slurm.train]
+{partition} = "gpu"
+"""
+WRONG = dict(steps=0, sead="sead = 1", atol=-1.0, tpp="tpp = 2", tp=3, second="a", kind="parallelsm", cp=3, pp=4,
+             lr_key="optimizer.lrr", mem="lots", partition="partion")
+FIXED = dict(steps=4, sead="", atol=1e-4, tpp="", tp=2, second="C", kind="parallelism", cp=2, pp=2,
+             lr_key="optimizer.lr", mem="8G", partition="partition")
+
+
+def test_independent_mistakes_are_all_listed_in_one_pass(tmp_path):
+    """Table problems, name clashes and the trainer's checks of every set come together, so fixing
+    what is listed leaves a valid plan."""
+    message = problems(tmp_path, MANY_MISTAKES.format(output=tmp_path / "out", **WRONG))
+    listed = [line[4:] for line in message.splitlines()[1:]]
+    expected = [
+        "plan.sead: unknown key; did you mean 'seed'?",
+        "plan.steps: must be >= 1, got 0",
+        "tolerance.loss_atol: must be > 0, got -1.0",
+        "control.tpp: unknown key; did you mean 'tp'?",
+        "sets[1].kind: 'parallelsm' is not one of 'parallelism', 'technique'; did you mean 'parallelism'?",
+        "sets[2].overrides.\"optimizer.lrr\": unknown option optimizer.lrr; did you mean 'lr'?",
+        "slurm.seed.mem: 'lots' is not a SLURM mem; write it like \"64G\" or \"500M\"",
+        "slurm.train.partion: unknown key; did you mean 'partition'?",
+        "sets[1] ('a'): name 'a' gives the output folder 'a', as sets[0] ('A') does",
+        "sets[0] ('A') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=3): parallelism.tensor_parallel_degree=3: the tiny "
+        "model's n_heads (4) is not divisible by it",
+        "sets[0] ('A') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=3): parallelism.tensor_parallel_degree=3: the tiny "
+        "model's n_kv_heads (2) is not divisible by it",
+        "sets[0] ('A') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=3): parallelism.tensor_parallel_degree=3: the tiny "
+        "model's vocab_size (256) is not divisible by it",
+        "sets[0] ('A') (pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=3): training.seq_len=32: sequence parallelism splits",
+        "sets[1] ('a') (pp=1 dp_replicate=1 dp_shard=2 cp=3 tp=1): training.seq_len=32: context_parallel_degree=3",
+        "sets[2] ('B') (pp=4 dp_replicate=1 dp_shard=2 cp=1 tp=1): ",
+    ]
+    assert len(listed) == len(expected), message
+    for line, start in zip(listed, expected):
+        assert line.startswith(start), (line, start)
+    assert "needs 8 stages, but the model has only 4 layers" in listed[-1]
+    assert message.splitlines()[0].endswith(f"{len(expected)} problems:")
+
+    fixed = load_plan(write(tmp_path, MANY_MISTAKES.format(output=tmp_path / "out", **FIXED)))
+    assert [s.name for s in fixed.sets] == ["A", "C", "B"]
+
+
+def test_a_set_with_a_problem_of_its_own_is_still_checked_by_the_trainer(tmp_path):
+    sets = TP_SET.replace("tp = 2", "tp = 3") + "colour = 1\n"
+    message = problems(tmp_path, sets=sets)
+    assert "sets[0].colour: unknown key" in message
+    assert "parallelism.tensor_parallel_degree=3: the tiny model's n_heads (4)" in message
+
+
+def test_slurm_options_are_checked(tmp_path):
+    text = plan_text(tmp_path) + """
+[slurm]
+acount = "x"
+[slurm.sed]
+mem = "1G"
+[slurm.seed]
+time = "4h"
+cpus_per_task = 0
+extra = ["--nodes=2", "constraint=h100", "-J name"]
+[slurm.train]
+extra = "--exclusive"
+"""
+    message = problems(tmp_path, text)
+    for expected in (
+            "slurm.acount: unknown key; did you mean 'account'?",
+            "slurm.sed: unknown key; did you mean 'seed'?",
+            "slurm.seed.time: '4h' is not a SLURM time; write it like \"90\" (minutes), \"4:00:00\" or \"2-00:00:00\"",
+            "slurm.seed.cpus_per_task: must be >= 1, got 0",
+            "slurm.seed.extra: '--nodes=2' is set by the run's degrees; remove it",
+            "slurm.seed.extra: 'constraint=h100' is not an sbatch option; write it as after #SBATCH",
+            "slurm.seed.extra: '-J name' is set by the run's name; remove it",
+            "slurm.train.extra: expected a list of strings, got '--exclusive'"):
+        assert f"  - {expected}" in message, expected
+    assert "8 problems" in message
+
+
+def test_slurm_options_merge_common_and_per_kind(tmp_path):
+    text = plan_text(tmp_path) + ('\n[slurm]\naccount = "a"\ntime = "1:00:00"\nextra = ["--x=1"]\n'
+                                  '[slurm.train]\ntime = "2-00:00:00"\nextra = ["--y=2"]\n')
+    plan = load_plan(write(tmp_path, text))
+    seed, control = plan.launches()[:2]
+    assert plan.slurm_job(seed).sbatch_options() == ["--account=a", "--time=1:00:00", "--x=1"]
+    assert plan.slurm_job(control).sbatch_options() == ["--account=a", "--time=2-00:00:00", "--x=1", "--y=2"]

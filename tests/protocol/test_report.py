@@ -142,3 +142,22 @@ def test_format_table_for_the_console(exact_case):
     assert lines[3].split()[0] == "pp2" and lines[3].split()[-1] == "FAIL"
     # columns line up: every verdict starts at the same offset
     assert len({line.rfind("PASS") if "PASS" in line else line.rfind("FAIL") for line in lines[2:]}) == 1
+
+
+def test_runs_without_a_curve_are_failed_rows_and_fail_the_report(tmp_path):
+    from protocol.compare import NotCompared
+
+    control = curve("fsdp")
+    missing = [NotCompared("cp2", "FAILED", "exit 2"), NotCompared("pp2", "NOT RUN", "needs seed")]
+    comparison = compare(control, [curve("tp2")], Tolerance(mode="exact"), missing)
+    assert comparison.passed is False and comparison.results[0].verdict is True
+    paths = write_report(comparison, [control], [curve("tp2")], tmp_path, layouts={"cp2": "dp_shard 2, cp 2"})
+    text = paths["markdown"].read_text()
+    assert table_rows(text)[1:] == [["cp2", "dp_shard 2, cp 2", "-", "-", "-", "-", "-", "FAILED"],
+                                    ["pp2", "", "-", "-", "-", "-", "-", "NOT RUN"]]
+    assert "- **cp2**: FAILED: exit 2" in text and "**Overall: FAIL** (1/3 sets pass)" in text
+    data = json.loads(paths["json"].read_text())
+    assert data["layouts"] == {"tp2": "", "cp2": "dp_shard 2, cp 2", "pp2": ""}
+    assert comparison_from_dict(data) == comparison
+    lines = format_table(comparison).splitlines()
+    assert lines[3].split() == ["cp2", "-", "-", "-", "-", "-", "FAILED"]

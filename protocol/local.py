@@ -1,0 +1,143 @@
+"""Running a plan's launches on this node, one after another, through torchrun_launch.sh.
+
+Each run's output is appended to `<output>/<run>/protocol.log` under a header line, so earlier
+attempts stay readable. A failed run is reported with the launcher's error block (or the last
+lines of its log) and the others still run, except those that need a seed checkpoint that
+failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+
+from protocol.failures import exit_problem, indent, summary
+from protocol.folders import claim_folder, now
+from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
+from protocol.plan import REPO_ROOT, Launch, Plan
+from protocol.reuse import REUSE, Decision, completion_problem
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER = REPO_ROOT / "torchrun_launch.sh"
+LOG_NAME = "protocol.log"
+METRICS_FILE = "metrics.jsonl"
+
+
+def run_local(plan: Plan, launches: Sequence[Launch], only: Sequence[str] | None = None,
+              on_progress: Progress | None = None, launcher: Sequence[str] | None = None,
+              progress_interval: float = 60.0, rerun_stale: bool = False) -> list[RunResult]:
+    """Run the launches on this node, one after another; return one RunResult per selected launch.
+
+    Current finished runs are reused; stale ones are refused (LaunchError), or with rerun_stale
+    moved aside and run again. `launcher` replaces torchrun_launch.sh (tests use a fake);
+    `progress_interval` is how often the step a running run reached is reported.
+    """
+    report = on_progress or logger.info
+    selected = select(launches, only)
+    too_big = [f"{launch.name!r} ({launch.nodes} nodes)" for launch in selected if launch.nodes > 1]
+    if too_big:
+        raise LaunchError(f"runs needing several nodes cannot run locally: {', '.join(too_big)}; use the SLURM "
+                          "launcher, or --only with single-node runs")
+    decisions = prepare(plan, selected, rerun_stale, report)
+    command = list(launcher) if launcher else [str(LAUNCHER)]
+    results: list[RunResult] = []
+    failed: set[str] = set()
+    for i, launch in enumerate(selected, 1):
+        head = f"[{i}/{len(selected)}] {launch.name}"
+        result = run_one(plan, decisions[launch.name], command, head, failed, report, progress_interval)
+        if not result.ok:
+            failed.add(launch.name)
+        results.append(result)
+    summarize(results, report)
+    return results
+
+
+def run_one(plan: Plan, decision: Decision, command: list[str], head: str, failed: set[str], report: Progress,
+            progress_interval: float) -> RunResult:
+    launch = decision.launch
+    blocked = [name for name in launch.depends_on if name in failed]
+    if blocked:
+        report(f"{head}: skipped, it needs {', '.join(blocked)}, which did not complete")
+        return RunResult(launch.name, "skipped", message=f"needs {', '.join(blocked)}, which did not complete")
+    if decision.action == REUSE:
+        report(f"{head}: already complete, skipped")
+        return RunResult(launch.name, "already complete", log=launch.output / LOG_NAME)
+    claim_folder(plan, launch)
+    again = f", {decision.reason}" if decision.reason.startswith("the previous") else ""
+    report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... "
+           f"(log: {launch.output / LOG_NAME})")
+    returncode, seconds, start = execute(plan, launch, command, head, report, progress_interval)
+    log = launch.output / LOG_NAME
+    problem = exit_problem(returncode, launch) if returncode else completion_problem(plan, launch)
+    if problem:
+        title, text = summary(log, start)
+        report(f"{head}: FAILED ({problem}), log: {log}, {title}:\n{indent(text)}")
+        return RunResult(launch.name, "failed", returncode, seconds, log, problem, text)
+    report(f"{head}: done in {seconds:.1f} s")
+    return RunResult(launch.name, "completed", returncode, seconds, log)
+
+
+def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: Progress,
+            progress_interval: float) -> tuple[int, float, int]:
+    """Start the launcher, wait, report the step reached now and then; (exit code, seconds, offset
+    of this attempt's output in the log)."""
+    env = dict(os.environ)
+    if launch.role != "seed":
+        env["NGPU"] = str(launch.nproc)
+    log = launch.output / LOG_NAME
+    with open(log, "ab") as f:
+        f.write(f"=== {now()}: {launch.command()}\n".encode())
+        f.flush()
+        start = f.tell()  # this attempt's output begins after its header line
+        began = time.monotonic()
+        proc = subprocess.Popen([*command, *launch.args], cwd=REPO_ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            returncode = wait(proc, launch, plan.steps, head, report, progress_interval)
+        except BaseException:
+            stop(proc)
+            raise
+    return returncode, time.monotonic() - began, start
+
+
+def wait(proc: subprocess.Popen, launch: Launch, steps: int, head: str, report: Progress, interval: float) -> int:
+    reported = 0
+    while True:
+        try:
+            return proc.wait(timeout=interval)
+        except subprocess.TimeoutExpired:
+            step = last_step(launch) if launch.role != "seed" else 0
+            if step > reported:
+                report(f"{head}: step {step}/{steps}")
+                reported = step
+
+
+def last_step(launch: Launch) -> int:
+    """The highest training step in metrics.jsonl so far (0 when absent): progress only."""
+    path = launch.output / METRICS_FILE
+    step = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if isinstance(record, dict) and "kind" not in record and isinstance(record.get("step"), int):
+                step = max(step, record["step"])
+    return step
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Interrupted (Ctrl-C): end the child, then give up on it politely."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,293 @@
+"""Reading and validating a plan file: `load_plan(path) -> Plan`, or one `PlanError` listing every
+problem with its fix.
+
+Validation is one pass. Every table is read as far as it can be (a bad key is reported and left
+out, the others are kept), and then every check runs on whatever it needs that could be read:
+the name checks on every run whose name is readable, the plan's rules and the trainer's own
+checks (`trainer.config.manager.load_config` and `trainer.preflight.plan_run`: degrees vs world
+size, heads vs TP, seq_len vs TP/CP, layers vs stages, microbatches vs schedule) on every set whose
+degrees are readable. So fixing the listed problems does not reveal new ones, except those that
+could not be checked at all: without a readable base config, DP degree or local batch no launch
+can be built, and a set whose degrees cannot be read cannot be checked by the trainer.
+
+Keys the plan itself sets (steps, batch, seed, degrees, output, config, checkpoint loading)
+cannot be overridden: the error names the plan key to use instead. Keys that shape the model or
+the data (`model.*`, `training.seq_len`, `training.dataset`, `training.dataset_path`) belong in
+`[plan].overrides`, never in one run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.plan import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
+from protocol.plan_checks import name_problems, run_names, spec_problems, trainer_problems
+from protocol.schema import (BATCH_MODES, CONTROL_KEYS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
+                             SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
+                             SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
+                             check_minimum, closest, flatten, read_table)
+from protocol.tolerance import Tolerance
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+logger = logging.getLogger(__name__)
+
+# Plan keys a launch cannot be built without; the others fall back to a stand-in for the checks.
+LAUNCH_KEYS = ("config", "local_batch_size", "dp_degree")
+STAND_INS = {"name": "plan", "steps": 1}
+
+
+class PlanError(ValueError):
+    """A plan that cannot run as written; the message lists every problem and its fix."""
+
+
+@dataclass(frozen=True)
+class TableRead:
+    """A control or set table as far as it could be read.
+
+    name: None when missing or mistyped (no name check then); spec: None when the degrees or the
+    batch cannot be read (no launch check then); clean: the table had no problem of its own.
+    """
+
+    where: str
+    name: str | None
+    spec: RunSpec | None
+    clean: bool
+
+
+def load_plan(path: Path | str) -> Plan:
+    """Read, validate and return a plan; raise PlanError listing every problem."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise PlanError(f"{path}: not valid TOML: {e}") from None
+    problems: list[str] = []
+    plan = read_plan(path, data, problems)
+    if problems or plan is None:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise PlanError(f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''}:\n{listed}")
+    logger.debug("plan %s: %d launches", plan.name, len(plan.launches()))
+    return plan
+
+
+def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
+    """The Plan of a parsed TOML document; every problem found is appended to `problems`.
+
+    Returns None when no launch can be built (a key of LAUNCH_KEYS or the base config is
+    unusable); the returned Plan holds only the sets whose degrees could be read, so it is the
+    plan as written only when `problems` stays empty.
+    """
+    for table in data:
+        if table not in TABLES:
+            problems.append(f"[{table}]: unknown table{closest(table, list(TABLES))} (valid: {', '.join(TABLES)})")
+    if "plan" not in data:
+        problems.append("[plan]: missing; it names the base config, steps, local_batch_size and dp_degree")
+    values = read_plan_table(data.get("plan", {}), problems) if "plan" in data else {}
+    seed_checkpoint = values.get("seed_checkpoint", True)
+    tolerance = read_tolerance(data.get("tolerance"), problems)
+    control = read_spec(data.get("control", {}), "control", CONTROL_KEYS, seed_checkpoint, problems)
+    sets = read_sets(data.get("sets"), seed_checkpoint, problems)
+    slurm = read_slurm(data.get("slurm", {}), problems)
+
+    controls = control_names(control.name or "control", tolerance, values.get("seed", 0))
+    labels = [(read.name, f"{read.where} ({read.name!r})") for read in sets if read.name is not None]
+    problems += name_problems(run_names(seed_checkpoint, controls, labels))
+
+    plan = assemble(path, values, tolerance, control, sets, slurm, problems)
+    if plan is not None:
+        for read in (control, *sets):
+            if read.spec is not None:
+                # "equals the control" is only decided when both tables are as intended
+                problems += spec_problems(plan, read.spec, read.clean and control.clean)
+    return plan
+
+
+def assemble(path: Path, values: dict, tolerance: Tolerance, control: TableRead, sets: list[TableRead],
+             slurm: dict[str, SlurmJob], problems: list[str]) -> Plan | None:
+    """Build the Plan, reading what the base config decides (checkpoint folder, default schedule);
+    None when a launch cannot be built (the reason is already among the problems)."""
+    if any(key not in values for key in LAUNCH_KEYS):
+        return None
+    values = {**STAND_INS, **values}
+    output = Path(values.pop("output", f"outputs/protocol/{slugify(values['name'])}")).expanduser()
+    # A control whose degrees cannot be read is checked once fixed; the sets are checked now.
+    stand_in = RunSpec(name=control.name or "control", kind="control", where="control")
+    plan = Plan(path=path, output=output.absolute(), tolerance=tolerance, control=control.spec or stand_in,
+                sets=tuple(read.spec for read in sets if read.spec is not None), slurm=slurm, **values)
+    argv = common_args(plan, plan.output / "base", plan.seed)
+    found = trainer_problems(argv, None, "plan")
+    if found:  # every launch would fail the same way: say it once
+        problems += found
+        return None
+    from trainer.config.manager import load_config
+
+    config = load_config(argv)
+    return dataclasses.replace(plan, checkpoint_folder=config.checkpoint.folder,
+                               default_pp_schedule=config.parallelism.pipeline_parallel_schedule)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def read_plan_table(data: Any, problems: list[str]) -> dict[str, Any]:
+    values = read_table(data, PLAN_KEYS, "plan", problems)
+    for key, minimum in (("steps", 1), ("warmup_steps", 0), ("local_batch_size", 1), ("dp_degree", 1),
+                         ("gpus_per_node", 1), ("seed", 0)):
+        check_minimum(values, key, minimum, "plan", problems)
+    check_choice(values, "batch", BATCH_MODES, "plan", problems)
+    if "config" in values:
+        from trainer.config.manager import TRAIN_CONFIGS_DIR, ConfigError, resolve_config_file
+
+        try:
+            path = resolve_config_file(values["config"])
+            shipped = path.resolve().parent == TRAIN_CONFIGS_DIR.resolve()
+            values["config"] = path.name if shipped else str(path.resolve())
+        except ConfigError as e:
+            problems.append(str(e).replace("job.config_file", "plan.config", 1))
+            del values["config"]
+    seed_checkpoint = values.get("seed_checkpoint", True)
+    values["overrides"] = check_overrides(values.get("overrides", {}), "plan.overrides", True, seed_checkpoint,
+                                          problems)
+    return values
+
+
+def read_tolerance(data: Any, problems: list[str]) -> Tolerance:
+    fields_ = {f.name: f for f in dataclasses.fields(Tolerance)}
+    schema = {name: Key(type(f.default), "") for name, f in fields_.items()}
+    values = read_table(data if data is not None else {}, schema, "tolerance", problems)
+    values = {k: float(v) if schema[k].kind is float else v for k, v in values.items()}
+    tolerance = Tolerance(**values)
+    problems += tolerance.problems()
+    return tolerance
+
+
+def read_degrees(values: dict, where: str, problems: list[str]) -> None:
+    from trainer.parallel.stages import SCHEDULES
+
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "local_batch_size"):
+        check_minimum(values, key, 1, where, problems)
+    check_choice(values, "pp_schedule", SCHEDULES, where, problems)
+    if "pp_schedule" in values and values.get("pp", 1) == 1:
+        problems.append(f"{where}.pp_schedule: has no effect without pipeline parallelism; set {where}.pp >= 2 or "
+                        "remove it")
+
+
+def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bool,
+              problems: list[str]) -> TableRead:
+    """A control or set table: its name, and its RunSpec when its degrees and batch are readable."""
+    before = len(problems)
+    values = read_table(data, schema, where, problems)
+    check_choice(values, "kind", SET_KINDS, where, problems)
+    read_degrees(values, where, problems)
+    overrides = check_overrides(values.pop("overrides", {}), f"{where}.overrides", False, seed_checkpoint, problems)
+    kind = values.pop("kind", None if "kind" in schema else "control")
+    name = values.pop("name", None if schema["name"].required else "control")
+    if kind == "technique" and not overrides and "overrides" not in (data if isinstance(data, dict) else {}):
+        problems.append(f"{where}.overrides: a technique set needs the trainer options that turn the technique on, "
+                        "e.g. { \"compile.enable\" = true }")
+    readable = isinstance(data, dict) and all(key in values for key in LAYOUT_KEYS if key in data)
+    spec = None
+    if readable:
+        spec = RunSpec(name=name or where, kind=kind or "technique", where=where, overrides=overrides, **values)
+    return TableRead(where=where, name=name, spec=spec, clean=len(problems) == before)
+
+
+def read_sets(data: Any, seed_checkpoint: bool, problems: list[str]) -> list[TableRead]:
+    if data is None:
+        problems.append("sets: the plan has no test sets; add at least one [[sets]] table with name and kind")
+        return []
+    if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+        problems.append("sets: expected an array of tables ([[sets]])")
+        return []
+    return [read_spec(item, f"sets[{i}]", SET_KEYS, seed_checkpoint, problems) for i, item in enumerate(data)]
+
+
+def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, problems: list[str]) -> dict:
+    """Known trainer keys with values of the right type, none the plan sets itself.
+
+    `shared` is true for [plan].overrides: only there may the model and the data be chosen.
+    """
+    from trainer.config.manager import ConfigError, convert, field_types, sections
+
+    known = sections()
+    valid = {}
+    for key, value in flatten(raw).items():
+        at = f'{where}."{key}"'
+        section, _, name = key.partition(".")
+        if section not in known or not name:
+            problems.append(f"{at}: not a trainer option; write it as \"section.key\" with section one of "
+                            f"{', '.join(known)}{closest(section, list(known))}")
+            continue
+        types_ = field_types(known[section])
+        if name not in types_:
+            problems.append(f"{at}: unknown option {key}{closest(name, list(types_))}")
+            continue
+        owner = PLAN_OWNED.get(key) or (SEED_OWNED.get(key) if seed_checkpoint else None)
+        if owner:
+            problems.append(f"{at}: set by the plan; use {owner} instead")
+            continue
+        if not shared and (key.startswith(SHARED_PREFIXES) or key in SHARED_KEYS):
+            problems.append(f"{at}: decides the model or the data, which must be the same in every run; "
+                            "set it in plan.overrides")
+            continue
+        try:
+            convert(value, types_[name], at)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        valid[key] = value
+    return valid
+
+
+# ---------------------------------------------------------------------------------------------
+# [slurm]
+
+
+def read_slurm(data: Any, problems: list[str]) -> dict[str, SlurmJob]:
+    """[slurm] options apply to every job; [slurm.seed] and [slurm.train] to one kind, over them
+    (their extra options come after the common ones)."""
+    values = read_table(data, SLURM_KEYS, "slurm", problems)
+    common = read_slurm_job(values, "slurm", problems)
+    jobs = {}
+    for kind in SLURM_KINDS:
+        table = read_table(values.get(kind, {}), SLURM_JOB_KEYS, f"slurm.{kind}", problems)
+        own = read_slurm_job(table, f"slurm.{kind}", problems)
+        jobs[kind] = SlurmJob(**{**common, **own, "extra": (*common.get("extra", ()), *own.get("extra", ()))})
+    return jobs
+
+
+def read_slurm_job(values: dict, where: str, problems: list[str]) -> dict[str, Any]:
+    """The job keys of one table, checked; returns the valid ones."""
+    job = {key: value for key, value in values.items() if key in SLURM_JOB_KEYS}
+    check_minimum(job, "cpus_per_task", 1, where, problems)
+    for key, pattern, example in (("time", SLURM_TIME, '"90" (minutes), "4:00:00" or "2-00:00:00"'),
+                                  ("mem", SLURM_MEM, '"64G" or "500M"')):
+        if key in job and not pattern.match(job[key]):
+            problems.append(f"{where}.{key}: {job[key]!r} is not a SLURM {key}; write it like {example}")
+            del job[key]
+    extra = []
+    for option in job.pop("extra", []):
+        flag = option.split("=", 1)[0].split()[0] if option.strip() else option
+        if not flag.startswith("-"):
+            problems.append(f"{where}.extra: {option!r} is not an sbatch option; write it as after #SBATCH, "
+                            "e.g. \"--constraint=h100\"")
+        elif flag in SBATCH_OWNED:
+            problems.append(f"{where}.extra: {option!r} is set by {SBATCH_OWNED[flag]}; remove it")
+        else:
+            extra.append(option)
+    if extra:
+        job["extra"] = tuple(extra)
+    return job

@@ -1,0 +1,132 @@
+"""What a run did, told from its own record (`<dump_folder>/run_meta.json`, trainer.run_record).
+
+The report describes each run from this record, never from the plan's current text: a run made
+before the plan was edited shows the options it really ran with. A run's layout is its recorded
+degrees plus the options in which its recorded configuration differs from the control's,
+leaving out what differs by construction (dump folder, the seed of the control's repeats, the
+degrees themselves, the checkpoint it loaded).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.plan import describe_degrees, option_value
+
+# Options that differ between the runs of one plan by construction, or are shown as degrees.
+BY_CONSTRUCTION = {"job.dump_folder", "debug.seed", "checkpoint.initial_load_path",
+                   "parallelism.pipeline_parallel_schedule"}
+MAX_SHOWN = 8  # differences listed per run before "and N more"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run as its record describes it, for reports (None: not recorded)."""
+
+    name: str
+    folder: str
+    layout: str
+    steps: int | None = None
+    status: str | None = None
+    code: str | None = None
+    torch: str | None = None
+    world_size: int | None = None
+    recorded: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": self.folder, "layout": self.layout, "steps": self.steps, "status": self.status,
+                "code": self.code, "torch": self.torch, "world_size": self.world_size, "recorded": self.recorded}
+
+
+def read_record(folder: Path) -> dict | None:
+    from trainer.run_record import read_record as read
+
+    return read(folder)
+
+
+def normalized(value: Any) -> Any:
+    """As it reads back from a JSON record: tuples become lists, paths and other objects strings."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def flat(config: dict | None, prefix: str = "") -> dict[str, Any]:
+    """{"optimizer": {"lr": 0.003}} -> {"optimizer.lr": 0.003}."""
+    out: dict[str, Any] = {}
+    for key, value in (config or {}).items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def show(value: Any) -> str:
+    """An option's value in a message: as on the command line; 'unset' for an absent one."""
+    if value is None:
+        return "unset"
+    if value == "":
+        return "''"
+    return option_value(value)
+
+
+def config_changes(old: dict | None, new: dict | None, skip: set[str] = frozenset()) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) of every option that differs, in the order of the config."""
+    a, b = flat(normalized(old)), flat(normalized(new))
+    keys = list(dict.fromkeys([*b, *a]))
+    return [(key, a.get(key), b.get(key)) for key in keys if key not in skip and a.get(key) != b.get(key)]
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> list[str]:
+    """'optimizer.lr 0.006 -> 0.003' for each change, at most MAX_SHOWN of them."""
+    lines = [f"{key} {show(old)} -> {show(new)}" for key, old, new in changes[:MAX_SHOWN]]
+    if len(changes) > MAX_SHOWN:
+        lines.append(f"and {len(changes) - MAX_SHOWN} more options")
+    return lines
+
+
+def is_degree(key: str) -> bool:
+    return key.startswith("parallelism.") and key.endswith("_degree")
+
+
+def layout(record: dict, control: dict | None) -> str:
+    """'dp_shard 2, tp 2, pp 2 (Interleaved1F1B) + parallelism.pipeline_parallel_microbatch_size=2'."""
+    config = flat(record.get("config"))
+    degrees = dict(record.get("degrees") or {})
+    if degrees.get("pp", 1) > 1:
+        degrees["pp_schedule"] = config.get("parallelism.pipeline_parallel_schedule")
+    options = []
+    if control is not None and control is not record:
+        changes = config_changes(control.get("config"), record.get("config"), BY_CONSTRUCTION)
+        options = [f"{key}={show(new)}" for key, _, new in changes if not is_degree(key)]
+    return " + ".join([describe_degrees(degrees) if degrees else "degrees not recorded", *options])
+
+
+def code_label(code: dict | None) -> str | None:
+    from trainer.version import describe
+
+    return describe(code) if code else None
+
+
+def run_info(name: str, folder: Path, record: dict | None, control: dict | None) -> RunInfo:
+    """The report's description of a run from its record (and the control's, for its options)."""
+    if record is None:
+        return RunInfo(name, str(folder), "not recorded (no run_meta.json)", recorded=False)
+    return RunInfo(name, str(folder), layout(record, control), steps=record.get("last_step"),
+                   status=record.get("status"), code=code_label(record.get("code")), torch=record.get("torch"),
+                   world_size=record.get("world_size"))
+
+
+def code_summary(runs: list[RunInfo]) -> str | None:
+    """'3f2a1c9d (every run)' or '3f2a1c9d (control, tp2); 8b0e44aa (pp2)'; None when no run
+    recorded its code."""
+    by_code: dict[str, list[str]] = {}
+    for run in runs:
+        by_code.setdefault(run.code or "not recorded", []).append(run.name)
+    if set(by_code) == {"not recorded"}:
+        return None
+    if len(by_code) == 1:
+        return f"{next(iter(by_code))} (every run)"
+    return "; ".join(f"{code} ({', '.join(names)})" for code, names in by_code.items())

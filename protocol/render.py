@@ -1,0 +1,68 @@
+"""A plan's launches as text: an aligned table, a JSON list, or a runnable bash script.
+
+The shell script runs the single-node launches in order from the repository root and claims each
+run folder (`.protocol-run`) first, exactly as `protocol run` does, so `protocol run` and
+`protocol compare` recognize the runs it made. Runs needing several nodes are listed, commented
+out (use the SLURM scripts for those).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+
+from protocol.folders import CLAIM_FUNCTION, claim_command
+from protocol.plan import REPO_ROOT, Launch, Plan, describe_degrees
+
+FORMATS = ("table", "json", "shell")
+
+
+class FormatError(ValueError):
+    """An output format that does not exist."""
+
+
+def render(plan: Plan, launches: Sequence[Launch], fmt: str) -> str:
+    """The launches as an aligned `table`, a `json` list, or a runnable bash script (`shell`)."""
+    if fmt == "table":
+        return render_table(launches)
+    if fmt == "json":
+        return render_json(launches)
+    if fmt == "shell":
+        return render_shell(plan, launches)
+    raise FormatError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+def render_table(launches: Sequence[Launch]) -> str:
+    header = ("name", "GPUs", "nodes", "degrees", "output")
+    rows = [(launch.name, str(launch.nproc), str(launch.nodes), describe_degrees(launch.degrees), str(launch.output))
+            for launch in launches]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+    out = [line(header), line(["-" * w for w in widths])]
+    for launch, row in zip(launches, rows):
+        out += [line(row), f"    {launch.command()}"]
+    return "\n".join(out)
+
+
+def render_json(launches: Sequence[Launch]) -> str:
+    return json.dumps([launch.to_dict() for launch in launches], indent=2)
+
+
+def render_shell(plan: Plan, launches: Sequence[Launch]) -> str:
+    """One node runs the runs in order; runs needing several nodes are listed, commented out."""
+    out = ["#!/usr/bin/env bash", "# Convergence protocol launches, in order (the seed checkpoint first).",
+           "set -euo pipefail", f"cd {shlex.quote(str(REPO_ROOT))}", "", CLAIM_FUNCTION, ""]
+    for i, launch in enumerate(launches, 1):
+        head = f"[{i}/{len(launches)}] {launch.name}"
+        if launch.nodes > 1:
+            out += [f"# {head}: needs {launch.nodes} nodes of {launch.procs_per_node}; run this on every node with "
+                    "HEAD_NODE set, or use the SLURM scripts (protocol plan --format slurm):",
+                    f"# {launch.command()}",
+                    f"echo {shlex.quote(head + ': skipped here, needs ' + str(launch.nodes) + ' nodes')}", ""]
+        else:
+            out += [f"echo {shlex.quote(head)}", claim_command(plan, launch), launch.command(), ""]
+    return "\n".join(out)

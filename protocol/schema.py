@@ -1,0 +1,217 @@
+"""The plan file's schema: every key of every table with its type and meaning, the trainer options
+the plan owns, and the functions that read a TOML table against a schema.
+
+Reading a table never stops at the first problem: each function appends what is wrong (naming the
+key and what would be valid) to a `problems` list and keeps the values that are right, so one
+pass over a plan lists every problem it has.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+BATCH_MODES = ("local", "global")
+SET_KINDS = ("parallelism", "technique")
+SLURM_KINDS = ("seed", "train")
+
+
+@dataclass(frozen=True)
+class Key:
+    kind: type
+    doc: str
+    required: bool = False
+    default: Any = None
+
+
+PLAN_KEYS: dict[str, Key] = {
+    "name": Key(str, "Name of the plan, shown in reports.", required=True),
+    "config": Key(str, "Base training config shared by every run: a path, or a bare name looked up in the current "
+                       "directory, then in train_configs/ (as --job.config_file).", required=True),
+    "output": Key(str, "Folder holding one dump folder per run; relative paths are relative to the current "
+                       "directory. Default: outputs/protocol/<slug of name>."),
+    "steps": Key(int, "Training steps of every run (training.steps).", required=True),
+    "warmup_steps": Key(int, "Learning-rate warmup steps of every run (lr_scheduler.warmup_steps); default: the "
+                             "base config's."),
+    "local_batch_size": Key(int, "Rows per data-parallel rank per step (training.local_batch_size).", required=True),
+    "dp_degree": Key(int, "N, the data-parallel degree (dp_replicate x dp_shard) of every run.", required=True),
+    "batch": Key(str, "What stays fixed across runs: 'local' (default), the local batch and the DP degree; "
+                      "'global', only the global batch local_batch_size x dp_degree (sets may then change "
+                      "dp_shard and local_batch_size; gradient accumulation makes up the rest).", default="local"),
+    "seed_checkpoint": Key(bool, "Create one step-0 seed checkpoint first and start every run from it "
+                                 "(identical initial weights in every layout). Default true.", default=True),
+    "seed": Key(int, "debug.seed of the runs (statistical repeats of the control add 1, 2, ...). Default 0.",
+                default=0),
+    "gpus_per_node": Key(int, "Processes (GPUs) per node: a run with more spans nproc / gpus_per_node whole "
+                              "nodes. Default 8.", default=8),
+    "overrides": Key(dict, "Trainer options common to every run, as dotted keys: { \"model.flavor\" = \"tiny\" }.",
+                     default={}),
+}
+
+DEGREE_KEYS: dict[str, Key] = {
+    "dp_replicate": Key(int, "Data-parallel replicas (HSDP/DDP); dp_shard defaults to dp_degree / dp_replicate. "
+                             "Default 1.", default=1),
+    "tp": Key(int, "Tensor-parallel degree. Default 1.", default=1),
+    "cp": Key(int, "Context-parallel degree. Default 1.", default=1),
+    "pp": Key(int, "Pipeline-parallel degree. Default 1.", default=1),
+    "pp_schedule": Key(str, "Pipeline schedule (parallelism.pipeline_parallel_schedule); only with pp > 1. "
+                            "Default: the base config's."),
+}
+
+CONTROL_KEYS: dict[str, Key] = {
+    "name": Key(str, "Name of the control run. Default 'control'.", default="control"),
+    "overrides": Key(dict, "Trainer options of the control only (dotted keys).", default={}),
+    **DEGREE_KEYS,
+}
+
+SET_KEYS: dict[str, Key] = {
+    "name": Key(str, "Name of the test set (unique; its slug names its dump folder).", required=True),
+    "kind": Key(str, "'parallelism' (a layout given by the degree keys) or 'technique' (options given by "
+                     "overrides, on the control's 1D layout unless degrees are given).", required=True),
+    "overrides": Key(dict, "Trainer options of this set only (dotted keys).", default={}),
+    **DEGREE_KEYS,
+    "dp_shard": Key(int, "FSDP shard degree; default dp_degree / dp_replicate. With batch = 'local' it must keep "
+                         "dp_replicate x dp_shard = dp_degree."),
+    "local_batch_size": Key(int, "Local batch of this set; with batch = 'local' it must equal the plan's."),
+}
+# The keys of a set or the control that decide its layout and batch.
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "pp_schedule", "local_batch_size")
+
+SLURM_JOB_KEYS: dict[str, Key] = {
+    "partition": Key(str, "#SBATCH --partition."),
+    "account": Key(str, "#SBATCH --account."),
+    "qos": Key(str, "#SBATCH --qos."),
+    "time": Key(str, "#SBATCH --time: a time limit such as \"90\" (minutes), \"4:00:00\" or \"2-00:00:00\"."),
+    "mem": Key(str, "#SBATCH --mem: host memory per node, such as \"64G\" (the seed job holds the whole model in "
+                    "fp32: 4 bytes per parameter)."),
+    "cpus_per_task": Key(int, "#SBATCH --cpus-per-task."),
+    "extra": Key(list, "Further #SBATCH options, each as written after #SBATCH: [\"--constraint=h100\"]."),
+}
+SLURM_KEYS: dict[str, Key] = {
+    **SLURM_JOB_KEYS,
+    "seed": Key(dict, "Options of the seed checkpoint job only (the keys above); it requests no GPU."),
+    "train": Key(dict, "Options of the training jobs only (the control and the sets; the keys above)."),
+}
+# #SBATCH options the protocol writes itself, and what to use instead.
+SBATCH_OWNED = {
+    "--job-name": "the run's name", "-J": "the run's name", "--output": "the protocol", "-o": "the protocol",
+    "--nodes": "the run's degrees", "-N": "the run's degrees", "--ntasks": "the protocol", "-n": "the protocol",
+    "--ntasks-per-node": "the protocol", "--gpus-per-node": "plan.gpus_per_node",
+    "--dependency": "the protocol (runs wait for the seed)", "-d": "the protocol (runs wait for the seed)",
+    "--partition": "the partition key", "-p": "the partition key", "--account": "the account key",
+    "-A": "the account key", "--qos": "the qos key", "-q": "the qos key", "--time": "the time key",
+    "-t": "the time key", "--mem": "the mem key", "--cpus-per-task": "the cpus_per_task key",
+    "-c": "the cpus_per_task key",
+}
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+SLURM_MEM = re.compile(r"^\d+[KMGT]?$")
+
+TABLES = {"plan": PLAN_KEYS, "tolerance": None, "control": CONTROL_KEYS, "sets": SET_KEYS, "slurm": SLURM_KEYS}
+
+# Options the plan sets itself, and the plan key to use instead.
+PLAN_OWNED = {
+    "job.config_file": "plan.config",
+    "job.dump_folder": "plan.output",
+    "training.steps": "plan.steps",
+    "lr_scheduler.warmup_steps": "plan.warmup_steps",
+    "training.local_batch_size": "plan.local_batch_size (or a set's local_batch_size with batch = 'global')",
+    "training.global_batch_size": "plan.batch and plan.local_batch_size x plan.dp_degree",
+    "debug.seed": "plan.seed",
+    "checkpoint.create_seed_checkpoint": "plan.seed_checkpoint",
+    "parallelism.data_parallel_replicate_degree": "the set's dp_replicate",
+    "parallelism.data_parallel_shard_degree": "plan.dp_degree (or a set's dp_shard with batch = 'global')",
+    "parallelism.tensor_parallel_degree": "the set's tp",
+    "parallelism.context_parallel_degree": "the set's cp",
+    "parallelism.pipeline_parallel_degree": "the set's pp",
+    "parallelism.pipeline_parallel_schedule": "the set's pp_schedule",
+}
+SEED_OWNED = {"checkpoint.initial_load_path": "plan.seed_checkpoint", "checkpoint.load_only": "plan.seed_checkpoint"}
+# Options that decide the model or the data: one value for every run, else nothing is comparable.
+SHARED_PREFIXES = ("model.",)
+SHARED_KEYS = ("training.seq_len", "training.dataset", "training.dataset_path")
+
+
+def describe_keys() -> str:
+    """Every key of every plan table with its type and meaning: the reference for the docs."""
+    lines = []
+    for table, schema in TABLES.items():
+        title = "[[sets]]" if table == "sets" else f"[{table}]"
+        if schema is None:
+            lines += ["", f"{title}: the fields of protocol.tolerance.Tolerance"]
+            continue
+        lines += ["", title]
+        for key, spec in schema.items():
+            need = "required" if spec.required else "optional"
+            lines.append(f"  {key} ({type_word(spec.kind)}, {need}): {spec.doc}")
+    return "\n".join(lines).strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a table
+
+
+def type_word(kind: type) -> str:
+    return {int: "an integer", str: "a string", bool: "true or false", dict: "a table", float: "a number",
+            list: "a list of strings"}[kind]
+
+
+def type_ok(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    return isinstance(value, kind)
+
+
+def closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def read_table(data: Any, schema: dict[str, Key], where: str, problems: list[str]) -> dict[str, Any]:
+    """Values of the keys that are known and well typed (others are reported)."""
+    if not isinstance(data, dict):
+        problems.append(f"{where}: expected a table, got {data!r}")
+        return {}
+    values = {}
+    for key, value in data.items():
+        if key not in schema:
+            problems.append(f"{where}.{key}: unknown key{closest(key, list(schema))} "
+                            f"(valid: {', '.join(schema)})")
+        elif not type_ok(value, schema[key].kind):
+            problems.append(f"{where}.{key}: expected {type_word(schema[key].kind)}, got {value!r}")
+        else:
+            values[key] = value
+    for key, spec in schema.items():
+        if spec.required and key not in data:
+            problems.append(f"{where}.{key}: missing (required): {spec.doc}")
+    return values
+
+
+def check_choice(values: dict, key: str, choices: tuple[str, ...], where: str, problems: list[str]) -> None:
+    if key in values and values[key] not in choices:
+        problems.append(f"{where}.{key}: {values[key]!r} is not one of {', '.join(map(repr, choices))}"
+                        f"{closest(values[key], list(choices))}")
+        del values[key]
+
+
+def check_minimum(values: dict, key: str, minimum: int, where: str, problems: list[str]) -> None:
+    if key in values and values[key] < minimum:
+        problems.append(f"{where}.{key}: must be >= {minimum}, got {values[key]}")
+        del values[key]
+
+
+def flatten(overrides: dict, prefix: str = "") -> dict[str, Any]:
+    """{"model": {"flavor": "tiny"}} and {"model.flavor": "tiny"} both give {"model.flavor": "tiny"}."""
+    flat = {}
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

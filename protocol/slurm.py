@@ -1,0 +1,168 @@
+"""Running a plan through SLURM: write the sbatch scripts, submit them (the seed first, the others
+after it succeeds), wait for the jobs, and judge each finished job by the run it left.
+
+The SLURM client commands go through a `runner(argv) -> stdout` so tests can pass a fake.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from protocol.failures import indent, summary
+from protocol.folders import claim_folder
+from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
+from protocol.plan import Launch, Plan
+from protocol.reuse import REUSE, completion_problem
+from protocol.sbatch import job_log, script_path, write_slurm
+
+logger = logging.getLogger(__name__)
+
+Runner = Callable[[list[str]], str]
+# Final states of a SLURM job (sacct); anything else is still queued or running.
+SLURM_FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+               "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+STATE_CAUSES = {
+    "OUT_OF_MEMORY": "the job passed its host memory limit; raise mem in the plan's [slurm.seed] or [slurm.train]",
+    "TIMEOUT": "the job reached its time limit; raise time in the plan's [slurm.seed] or [slurm.train]",
+}
+
+
+def run_command(argv: list[str]) -> str:
+    """Run a SLURM client command; its stdout, or LaunchError with its stderr."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise LaunchError(f"{argv[0]}: not found; the SLURM launcher needs a SLURM login node") from None
+    if done.returncode:
+        raise LaunchError(f"{' '.join(argv[:2])} failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Sequence[str] | None = None,
+              runner: Runner = run_command, poll: float = 60.0, on_progress: Progress | None = None,
+              sleep: Callable[[float], None] = time.sleep, rerun_stale: bool = False) -> list[RunResult]:
+    """Submit the runs that are not reused and wait for them; one RunResult per selected launch.
+
+    `poll` is the number of seconds between looks at the queue. If the seed job fails, the jobs
+    waiting on it are cancelled and reported as skipped.
+    """
+    report = on_progress or logger.info
+    selected = select(launches, only)
+    decisions = prepare(plan, selected, rerun_stale, report)
+    pending = [launch for launch in selected if decisions[launch.name].action != REUSE]
+    results = {launch.name: RunResult(launch.name, "already complete") for launch in selected
+               if launch not in pending}
+    for name in results:
+        report(f"{name}: already complete, skipped")
+    if pending:
+        out_dir = Path(out_dir).absolute()
+        write_slurm(plan, pending, out_dir)
+        jobs = submit(plan, pending, out_dir, runner, report)
+        results.update(wait_for_jobs(plan, jobs, out_dir, runner, poll, report, sleep))
+    ordered = [results[launch.name] for launch in selected]
+    summarize(ordered, report)
+    return ordered
+
+
+def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner,
+           report: Progress) -> dict[str, tuple[Launch, str]]:
+    """sbatch --parsable each script; name -> (launch, job id)."""
+    jobs: dict[str, tuple[Launch, str]] = {}
+    for launch in launches:
+        claim_folder(plan, launch)
+        argv = ["sbatch", "--parsable"]
+        needed = [jobs[name][1] for name in launch.depends_on if name in jobs]
+        if needed:
+            argv.append("--dependency=afterok:" + ":".join(needed))
+        job_id = runner([*argv, str(script_path(out_dir, launch))]).strip().split(";")[0]
+        jobs[launch.name] = (launch, job_id)
+        report(f"{launch.name}: submitted as job {job_id}" + (f" (after job {', '.join(needed)})" if needed else ""))
+    return jobs
+
+
+def job_states(job_ids: Sequence[str], runner: Runner) -> dict[str, str]:
+    """Job id -> state: sacct's when it knows the job, else squeue's; jobs neither lists are absent."""
+    ids = ",".join(job_ids)
+    states: dict[str, str] = {}
+    try:
+        for line in runner(["squeue", "-h", "-j", ids, "-o", "%i %T"]).splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                states[parts[0]] = parts[1]
+    except LaunchError:
+        pass  # squeue refuses ids that left the queue; sacct knows them
+    try:
+        for line in runner(["sacct", "-n", "-P", "-X", "-j", ids, "-o", "JobID,State"]).splitlines():
+            job, _, state = line.partition("|")
+            if job.strip() in job_ids and state.strip():
+                states[job.strip()] = state.split()[0].rstrip("+")
+    except LaunchError:
+        pass  # no accounting on this cluster: squeue alone decides
+    return states
+
+
+def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path, runner: Runner, poll: float,
+                  report: Progress, sleep: Callable[[float], None]) -> dict[str, RunResult]:
+    results: dict[str, RunResult] = {}
+    seen: dict[str, str] = {}
+    began = time.monotonic()
+    while len(results) < len(jobs):
+        waiting = {name: job for name, job in jobs.items() if name not in results}
+        states = job_states([job_id for _, job_id in waiting.values()], runner)
+        for name, (launch, job_id) in waiting.items():
+            state = states.get(job_id, "GONE")
+            if seen.get(name) != state and state != "GONE":
+                report(f"{name}: job {job_id} {state}")
+                seen[name] = state
+            if state in SLURM_FINAL or state == "GONE":
+                results[name] = job_result(plan, launch, job_id, state, out_dir, time.monotonic() - began)
+                report_result(results[name], report)
+        cancel_orphans(jobs, results, runner, report)
+        if len(results) < len(jobs):
+            sleep(poll)
+    return results
+
+
+def job_result(plan: Plan, launch: Launch, job_id: str, state: str, out_dir: Path, seconds: float) -> RunResult:
+    """A finished job's result; a job that left no accounting record ("GONE") is judged by its run."""
+    log = job_log(out_dir, launch, job_id)
+    problem = completion_problem(plan, launch)
+    if state in ("COMPLETED", "GONE") and not problem:
+        return RunResult(launch.name, "completed", 0, seconds, log, job_id=job_id)
+    why = f"job {job_id} {state}"
+    if state in STATE_CAUSES:
+        why += f": {STATE_CAUSES[state]}"
+    elif state == "COMPLETED":
+        why += f", but {problem}"
+    elif state == "GONE":
+        why = f"job {job_id} left the queue, {problem}"
+    _, text = summary(log)
+    return RunResult(launch.name, "failed", None, seconds, log, why, text, job_id)
+
+
+def report_result(result: RunResult, report: Progress) -> None:
+    if result.ok:
+        report(f"{result.name}: done")
+    else:
+        report(f"{result.name}: FAILED ({result.message}), log: {result.log}\n{indent(result.details)}")
+
+
+def cancel_orphans(jobs: dict[str, tuple[Launch, str]], results: dict[str, RunResult], runner: Runner,
+                   report: Progress) -> None:
+    """Jobs waiting (afterok) on a failed job would wait forever: cancel them, report them skipped."""
+    failed = {name for name, result in results.items() if not result.ok}
+    for name, (launch, job_id) in jobs.items():
+        blocked = [dep for dep in launch.depends_on if dep in failed]
+        if name in results or not blocked:
+            continue
+        try:
+            runner(["scancel", job_id])
+        except LaunchError as e:
+            report(f"{name}: could not cancel job {job_id}: {e}")
+        message = f"needs {', '.join(blocked)}, which did not complete; job {job_id} cancelled"
+        results[name] = RunResult(name, "skipped", message=message, job_id=job_id)
+        report(f"{name}: skipped, {message}")
