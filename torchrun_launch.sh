@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Train on this node: NGPU processes through torchrun, each running `python -m trainer.train`.
+# Train on this node: NGPU processes, each running `python -m trainer.train`, started by
+# `python -m trainer.launcher` through torch's elastic agent (what torchrun --standalone does).
 #
 #   ./torchrun_launch.sh [--job.config_file FILE] [--section.key VALUE ...]
+#
+# A failing rank ends the run with one message on stderr, `error: ...` (the rank that failed
+# first, its exit code or signal) then `full logs: <job.dump_folder>/logs/<time>`, and exit code
+# 2 for a user's mistake, 128+N for signal N, else the rank's exit code (docs/training.md).
 #
 # Environment:
 #   NGPU         processes to start (default: visible GPUs; on a CPU-only machine 2, enough for FSDP)
@@ -39,18 +44,14 @@ fi
 LOG_RANK="${LOG_RANK:-0}"
 ARGS=(--job.config_file "${CONFIG_FILE:-debug_model.toml}" "$@")
 
-# Help, config printing and the seed checkpoint need no process group: one process answers them
-# (the seed checkpoint must come from exactly one process, whatever NGPU and the degrees say).
+# Help and config printing need no process group: one process answers them.
 for arg in "$@"; do
   case "$arg" in
-    -h|--help|--job.print_config|--job.print_config=true|--checkpoint.create_seed_checkpoint|--checkpoint.create_seed_checkpoint=true)
+    -h|--help|--job.print_config|--job.print_config=true)
       exec "$PYTHON" -m trainer.train "${ARGS[@]}" ;;
   esac
 done
 
-# Check the configuration against the world size once, before starting NGPU processes.
-"$PYTHON" -m trainer.preflight --nproc "$NGPU" --device "$DEVICE" "${ARGS[@]}"
-
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m trainer.train "${ARGS[@]}"
+# The launcher checks the configuration against the world size once (trainer/preflight.py), then
+# starts the processes; the seed checkpoint (--checkpoint.create_seed_checkpoint) is one process.
+exec "$PYTHON" -m trainer.launcher --nproc "$NGPU" --device "$DEVICE" --log-ranks "$LOG_RANK" "${ARGS[@]}"

@@ -1,18 +1,23 @@
 """Checks of a configuration against a world size, before any process group exists.
 
-`python -m trainer.preflight --nproc N --device cpu|cuda [overrides]` runs them in one light process (no torch
-import): the launcher calls it so a user's mistake gets one clear message instead of one
-traceback per rank. The trainer repeats the same checks in every rank.
+`python -m trainer.preflight --nproc N --device cpu|cuda [--nproc-per-node K] [overrides]` runs them in
+one light process (no torch import); the launcher (trainer/launcher.py) runs the same checks in its
+own process before starting any rank, so a user's mistake gets one clear message instead of one
+traceback per rank. The trainer repeats the layout checks in every rank.
+
+The host memory check compares what the processes of one machine will hold in CPU memory, counted
+from the model's shapes without building it, with MemAvailable of /proc/meminfo.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_load_options
+from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config
 from trainer.parallel.dims import ParallelDims, layout_problems
@@ -97,25 +102,190 @@ def describe_degrees(dims: ParallelDims) -> str:
     return "(" + " ".join(f"{k}={v}" for k, v in dims.degrees().items()) + ")"
 
 
+# ---------------------------------------------------------------------------------------------
+# Host memory
+
+MEMINFO = "/proc/meminfo"
+FP32_BYTES = 4
+# Adam in float32: the parameter, its gradient, exp_avg and exp_avg_sq.
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Host (CPU) memory the processes of this machine will hold at least, and why."""
+
+    bytes: int
+    what: str  # what holds it: "<who> holds <what> (<figures>)"
+    advice: str  # what to do when it does not fit
+
+
+def gb(n: float) -> str:
+    """Bytes in GB (1e9), or MB below 1 GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def count(n: int) -> str:
+    """8030261248 -> '8.03e9'."""
+    mantissa, exponent = f"{n:.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def model_sizes(flavor: str) -> tuple[int, int]:
+    """(parameters, elements of the largest parameter) of a flavor, from its shapes alone."""
+    from trainer.models.llama3.args import get_flavor, num_params
+
+    args = get_flavor(flavor)
+    largest = args.dim * max(args.vocab_size, args.ffn_hidden_dim, args.n_heads * args.head_dim)
+    return num_params(args), largest
+
+
+def seed_memory_need(config: JobConfig) -> MemoryNeed:
+    """The seed checkpoint: one process builds the whole model in float32 on the CPU, plus the
+    full-size buffer init_weights fills for one parameter at a time."""
+    params, largest = model_sizes(config.model.flavor)
+    return MemoryNeed(
+        bytes=FP32_BYTES * (params + largest),
+        what=(f"creating the seed checkpoint builds the whole model in this one process in float32 "
+              f"({count(params)} parameters x 4 bytes, plus the init buffer of the largest one)"),
+        advice=("create it on a machine with that much free memory and copy the step-0 folder; or start the "
+                "runs without a seed checkpoint (debug.seed alone gives every FSDP layout the same initial "
+                "weights on one device type)"),
+    )
+
+
+def hf_folder_bytes(path: Path) -> int:
+    """Bytes of the safetensors files of a Hugging Face folder (what each rank reads in full)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
+
+
+def loads_hf_folder(config: JobConfig) -> bool:
+    """Whether the run will read checkpoint.initial_load_path as a Hugging Face folder: only when
+    there is no checkpoint of its own to resume from."""
+    c = config.checkpoint
+    if not (c.initial_load_path and c.initial_load_in_hf):
+        return False
+    return not (c.enable and (c.load_step != -1 or complete_checkpoints(checkpoint_folder(config))))
+
+
+def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str,
+                         local_procs: int) -> MemoryNeed | None:
+    """What the `local_procs` processes of one machine hold in host memory, at least: on a CPU
+    the model state (parameters, gradients, Adam state in float32: 16 bytes per parameter, over
+    the ranks of one replica whatever the sharding, times dp_replicate); with
+    checkpoint.initial_load_in_hf, on any device, every rank's full copy of the safetensors files.
+    None when neither applies (the model state lives on the accelerators)."""
+    params, largest = model_sizes(config.model.flavor)
+    world = dims.world_size
+    share = min(local_procs, world) * dims.dp_replicate / world  # of one full model state
+    hf = Path(config.checkpoint.initial_load_path) if loads_hf_folder(config) else None
+    hf_bytes = hf_folder_bytes(hf) if hf is not None else 0
+    parts, advice = [], []
+    state = 0
+    if device_type == "cpu":
+        # Weights (4 bytes) exist from init on; gradients and Adam state from the first step.
+        state = int(TRAINING_BYTES_PER_PARAMETER * params * share)
+        init = local_procs * FP32_BYTES * largest  # init_weights' full-size buffer, per process
+        parts.append(f"parameters, gradients and Adam state in float32 ({count(params)} parameters x 16 bytes"
+                     f"{f' x {share:g}' if share != 1 else ''}, plus each process's init buffer)")
+        advice.append("use a smaller model.flavor, or train on GPUs")
+        need = state + init
+        if hf_bytes:
+            need = max(need, int(FP32_BYTES * params * share) + init + local_procs * hf_bytes)
+    elif hf_bytes:
+        need = local_procs * hf_bytes
+    else:
+        return None
+    if hf_bytes:
+        parts.append(f"each process's full copy of {hf} ({gb(hf_bytes)}) while loading it")
+        advice.append(f"convert the folder once (python -m trainer.models.llama3.hf_adapter import --hf {hf} "
+                      f"--flavor {config.model.flavor} --out DIR) and load DIR as a DCP checkpoint")
+    who = f"{local_procs} process{'es' if local_procs > 1 else ''} on {device_type}"
+    return MemoryNeed(bytes=need, what=f"{who} hold {' and '.join(parts)}", advice="; or ".join(advice))
+
+
+def available_memory(meminfo: str | Path | None = None) -> int | None:
+    """MemAvailable of /proc/meminfo (or `meminfo`) in bytes: memory the kernel can give without
+    swapping. None where it cannot be read (macOS, a container without /proc)."""
+    try:
+        with open(meminfo or MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * {"kB": 1024}.get(unit, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(config: JobConfig, need: MemoryNeed | None, meminfo: str | Path | None = None) -> None:
+    """ConfigError when the memory a run needs at least is more than the machine has available.
+
+    The need counts only what grows with the model (parameters, gradients, optimizer state, full
+    copies while loading), none of the per-process overhead (the interpreter and torch, about
+    0.3 GB each), activations or allocator slack: a run refused here cannot fit, and no run
+    that could fit is refused. A run that passes may still run out of memory; the launcher then
+    names the kernel's out-of-memory killer and this figure.
+    """
+    if need is None or os.environ.get("TRAINER_SKIP_MEMORY_CHECK"):
+        return
+    available = available_memory(meminfo)
+    if available is None or need.bytes <= available:
+        return
+    raise ConfigError(
+        f"model.flavor {config.model.flavor}: {need.what}: {gb(need.bytes)} of host memory, but this machine has "
+        f"{gb(available)} available (MemAvailable in {meminfo or MEMINFO}); {need.advice}. (To try anyway: "
+        "TRAINER_SKIP_MEMORY_CHECK=1)")
+
+
+def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:
+    """The seed checkpoint's check: host memory for the whole model in one process."""
+    check_host_memory(config, seed_memory_need(config), meminfo)
+
+
+def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | None = None,
+          meminfo: str | Path | None = None) -> RunPlan:
+    """Every check of a training run before its processes start: layout, batch split, device
+    options, host memory (of a machine running `local_procs` of the `nproc` processes)."""
+    plan = plan_run(config, nproc)
+    check_device_options(config, device_type)
+    local = nproc if local_procs is None else local_procs
+    check_host_memory(config, training_memory_need(config, plan.dims, device_type, local), meminfo)
+    return plan
+
+
+USAGE = "usage: python -m trainer.preflight --nproc N --device cpu|cuda [--nproc-per-node K] [--section.key value ...]"
+
+
 def main(argv: list[str]) -> int:
-    """python -m trainer.preflight --nproc N --device cpu|cuda [--section.key value ...]"""
+    """python -m trainer.preflight --nproc N --device cpu|cuda [--nproc-per-node K] [--section.key value ...]
+
+    --nproc-per-node: the processes of one machine (default N), for the host memory check."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if len(argv) < 4 or argv[0] != "--nproc" or argv[2] != "--device" or argv[3] not in ("cpu", "cuda"):
-        print("usage: python -m trainer.preflight --nproc N --device cpu|cuda [--section.key value ...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
-    nproc, device_type = int(argv[1]), argv[3]
+    nproc, device_type, rest = int(argv[1]), argv[3], argv[4:]
+    local = None
+    if rest[:1] == ["--nproc-per-node"]:
+        if len(rest) < 2 or not rest[1].isdigit():
+            print(USAGE, file=sys.stderr)
+            return 2
+        local, rest = int(rest[1]), rest[2:]
     try:
-        config = load_config(argv[4:])
-        plan = plan_run(config, nproc)
-        check_device_options(config, device_type)
+        config = load_config(rest)
+        plan = check(config, nproc, device_type, local)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    degrees = describe_degrees(plan.dims)
-    print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {nproc} processes "
-          f"on {device_type} {degrees}")
+    print(describe_run(config, plan, nproc, device_type))
     print(f"outputs: {Path(config.job.dump_folder).resolve()}")
     return 0
+
+
+def describe_run(config: JobConfig, plan: RunPlan, nproc: int, device_type: str) -> str:
+    return (f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {nproc} processes "
+            f"on {device_type} {describe_degrees(plan.dims)}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,50 @@
 """How a process that ran collectives ends: with its exit code and its output flushed, and without
-Python's interpreter teardown. Torch-free, so that any entry point can use it."""
+Python's interpreter teardown; and how it reports its error to the launcher. Torch-free, so that
+any entry point can use it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
+
+# The file torch's elastic agent (trainer/launcher.py, torchrun) gives each process it starts for
+# its error; the agent reads it back into ChildFailedError.failures (ProcessFailure).
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_reported = False
+
+
+def report_error(message: str, exit_code: int, callstack: str | None = None) -> None:
+    """Write this process's error for the launcher, which prints it as the run's one message.
+
+    The file has the JSON layout torch's ErrorHandler writes and ProcessFailure reads
+    ({"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}), plus a "trainer"
+    entry with the exit code and a precise time (torch's timestamp is in whole seconds), which
+    the launcher uses to tell the rank that failed first from those that failed because of it.
+    Only the first report of a process counts (an error while closing after another one must not
+    replace it). Nothing happens outside an elastic agent.
+    """
+    global _reported
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or _reported:
+        return
+    _reported = True
+    now = time.time()
+    data = {
+        "message": {"message": message,
+                    "extraInfo": {"py_callstack": callstack or message, "timestamp": str(int(now))}},
+        "trainer": {"message": message, "exit_code": exit_code, "time": now},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError as e:  # the launcher then falls back on the exit code and the log
+        print(f"could not write the error report {path}: {e}", file=sys.stderr)
 
 
 def run_process(entry: Callable[[], int | None]) -> NoReturn:
@@ -17,7 +53,8 @@ def run_process(entry: Callable[[], int | None]) -> NoReturn:
 
     What Python would do with an escaping exception is done here: SystemExit gives its code
     (a message is printed, exit 1), Ctrl-C gives 130, any other exception prints its traceback
-    and gives 1.
+    and gives 1. The message or the exception (its last traceback line, with the traceback) is
+    also reported to the launcher (`report_error`).
     """
     try:
         code = entry()
@@ -25,11 +62,14 @@ def run_process(entry: Callable[[], int | None]) -> NoReturn:
         code = e.code
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # noqa: BLE001 (reported like Python does, then the same exit path)
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 (reported like Python does, then the same exit path)
+        callstack = traceback.format_exc()
+        sys.stderr.write(callstack)
+        report_error("".join(traceback.format_exception_only(type(e), e)).strip(), 1, callstack)
         code = 1
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
+        report_error(str(code), 1)
         code = 1
     exit_without_teardown(code or 0)
 

@@ -1,13 +1,22 @@
-"""The launcher: help, config printing, clear errors, working directory independence."""
+"""The launcher: help, config printing, clear errors, working directory independence, and how a
+failing rank is reported (one message, its exit code or signal, every rank's log kept)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, describe, launch, read_metrics
+from tests.launch import LAUNCHER, REPO, TINY_JOB, describe, launch, read_metrics
 from trainer.config.manager import load_config
 
 
@@ -76,3 +85,144 @@ def test_default_job_writes_metrics_and_tensorboard(tmp_path):
     meta = json.loads((tmp_path / "run_meta.json").read_text())
     assert meta["num_params"] == 5_573_888 and meta["degrees"]["dp_shard"] == 2
     assert meta["data"]["entropy_floor_nats"] == pytest.approx(2.172, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# A failing rank: one message, the rank's exit code, every rank's log kept
+
+
+def error_block(result) -> tuple[str, Path]:
+    """The failure report as the protocol reads it: from the last line starting `error: ` to the
+    line starting `full logs: `; (the message, the log folder)."""
+    lines = (result.stdout + result.stderr).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert starts, describe(result)
+    ends = [i for i in range(starts[-1], len(lines)) if lines[i].startswith("full logs: ")]
+    assert ends, describe(result)
+    message = "\n".join(lines[starts[-1]:ends[0]])[len("error: "):]
+    return message, Path(lines[ends[0]][len("full logs: "):])
+
+
+def assert_one_report(result, nproc: int) -> tuple[str, Path]:
+    """Exactly one `error:` line and nothing of torchrun's report; every rank's log in the folder."""
+    output = result.stdout + result.stderr
+    assert sum(line.startswith("error: ") for line in output.splitlines()) == 1, describe(result)
+    assert "ChildFailedError" not in output and "torch.distributed.elastic" not in output, describe(result)
+    assert "closing signal" not in output, describe(result)
+    message, folder = error_block(result)
+    assert folder.is_dir() and folder.parent.name == "logs"
+    for rank in range(nproc):
+        assert (folder / f"rank{rank}" / "stdout.log").is_file() and (folder / f"rank{rank}" / "stderr.log").is_file()
+    return message, folder
+
+
+def write_checkpoint(folder: Path, **shape) -> Path:
+    """A model-only step-0 DCP checkpoint of the tiny flavor, with `shape` changed."""
+    from trainer.checkpoint import save_seed_checkpoint
+    from trainer.models.llama3 import Transformer, get_flavor
+
+    args = get_flavor("tiny")
+    for key, value in shape.items():
+        setattr(args, key, value)
+    args.max_seq_len = 32
+    model = Transformer(args)
+    model.init_weights(seed=3)
+    return save_seed_checkpoint(model, folder, overwrite=False)
+
+
+FAILING_JOB = [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4"]
+
+
+def test_checkpoint_of_another_model_is_one_message_exit_2(tmp_path, measured):
+    other = write_checkpoint(tmp_path / "other", dim=32, vocab_size=128)
+    started = time.perf_counter()
+    result = launch(2, [*FAILING_JOB, "--checkpoint.initial_load_path", str(other),
+                        "--job.dump_folder", str(tmp_path / "run")])
+    measured(f"launcher, checkpoint of another model on 2 ranks: exit {result.returncode} after "
+             f"{time.perf_counter() - started:.1f} s")
+    assert result.returncode == 2, describe(result)
+    message, folder = assert_one_report(result, 2)
+    assert re.fullmatch(r"rank [01] \(exit 2\): \S+: parameter tok_embeddings.weight has shape \[128, 32\] in the "
+                        r"checkpoint but \[256, 64\] in this model \(tiny\).*", message), message
+    assert "Traceback" not in result.stdout + result.stderr
+    assert folder == (tmp_path / "run" / "logs").resolve() / folder.name
+    rank = int(message.split()[1])
+    assert "parameter tok_embeddings.weight" in (folder / f"rank{rank}" / "stdout.log").read_text()
+
+
+def test_load_step_that_would_overwrite_newer_checkpoints_is_one_message_exit_2(tmp_path):
+    seed = write_checkpoint(tmp_path / "run" / "checkpoint")
+    for step in (5, 10):
+        shutil.copytree(seed, tmp_path / "run" / "checkpoint" / f"step-{step}")
+    result = launch(2, [*FAILING_JOB, "--checkpoint.enable", "--checkpoint.load_step", "5",
+                        "--job.dump_folder", str(tmp_path / "run")])
+    assert result.returncode == 2, describe(result)
+    message, _ = assert_one_report(result, 2)
+    assert "checkpoint.load_step=5: " in message and "holds newer checkpoints (step-10)" in message, message
+
+
+def test_exception_in_a_rank_gives_its_last_traceback_line_and_exit_code(tmp_path):
+    """Rank 0 cannot create its TensorBoard folder (a file is in the way); rank 1 then loses its
+    peer or is stopped: rank 0 is the cause."""
+    (tmp_path / "tb").write_text("not a folder")
+    result = launch(2, [*FAILING_JOB, "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 1, describe(result)
+    message, folder = assert_one_report(result, 2)
+    traceback_end = (folder / "rank0" / "stderr.log").read_text().strip().splitlines()[-1]
+    assert traceback_end.startswith(("NotADirectoryError", "FileExistsError")), traceback_end
+    assert message == f"rank 0 (exit 1): {traceback_end}"
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_process(launcher_pid: int, rank: int) -> int | None:
+    """The pid of a rank started (directly or not) by the launcher, from /proc (Linux)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_ERROR_FILE" in b"".join(environ):
+            return pid
+    return None
+
+
+def test_rank_killed_by_sigkill_is_named_exit_137(tmp_path):
+    env = dict(os.environ, NGPU="2", PYTHON=sys.executable, LOG_RANK="0", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([str(LAUNCHER), *TINY_JOB, "--training.steps", "100000", "--metrics.log_freq", "1000",
+                             "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").is_file() or not (tmp_path / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        pid = rank_process(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert result.returncode == 128 + signal.SIGKILL, describe(result)
+    message, _ = assert_one_report(result, 2)
+    assert message.startswith("rank 1 was killed by SIGKILL (signal 9): most likely the kernel's out-of-memory "
+                              "killer"), message
+    assert "this run needs at least" in message and "of host memory" in message

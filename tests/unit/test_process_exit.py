@@ -1,8 +1,10 @@
 """How a process that ran gloo collectives ends: `trainer.process_exit.run_process` keeps the entry
-point's exit code and output, and no gloo worker thread can crash the process after a successful run."""
+point's exit code and output, and no gloo worker thread can crash the process after a successful run;
+its error is reported to the launcher."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,7 +54,8 @@ def python_env(**ranks: str) -> dict[str, str]:
     """This environment with the distributed variables given here and no others (none: a world of one),
     and Python's own output buffering."""
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED"):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED",
+                 "TORCHELASTIC_ERROR_FILE"):
         env.pop(name, None)
     return {**env, **ranks}
 
@@ -114,3 +117,42 @@ def test_run_process_keeps_exit_codes_and_flushes_output():
         assert "buffered line" in result.stdout and "logged line" in result.stderr, (outcome, result.stdout)
     assert "RuntimeError: boom" in results["raise"].stderr  # the traceback, as Python prints it
     assert "usage: bad arguments" in results["message"].stderr
+
+
+def test_errors_are_reported_to_the_launcher(tmp_path):
+    """Under an elastic agent (TORCHELASTIC_ERROR_FILE set), an escaping exception or exit message,
+    and a user's mistake found by trainer.train, are written where the launcher reads them."""
+    script = textwrap.dedent("""
+        import sys
+        from trainer.process_exit import run_process
+
+        def entry():
+            outcome = sys.argv[1]
+            if outcome == "raise":
+                raise RuntimeError("boom")
+            if outcome == "message":
+                sys.exit("usage: bad arguments")
+            return int(outcome)
+
+        run_process(entry)
+    """)
+    reports = {}
+    for outcome, code in {"raise": 1, "message": 1, "0": 0, "3": 3}.items():
+        path = tmp_path / f"{outcome}.json"
+        result = subprocess.run([sys.executable, "-c", script, outcome], cwd=REPO, capture_output=True, text=True,
+                                env={**python_env(), "TORCHELASTIC_ERROR_FILE": str(path)}, timeout=120)
+        assert result.returncode == code, result.stderr
+        reports[outcome] = json.loads(path.read_text()) if path.exists() else None
+    assert reports["raise"]["trainer"]["message"] == "RuntimeError: boom"
+    assert reports["raise"]["trainer"]["exit_code"] == 1
+    assert "Traceback (most recent call last)" in reports["raise"]["message"]["extraInfo"]["py_callstack"]
+    assert reports["message"]["trainer"]["message"] == "usage: bad arguments"
+    assert reports["0"] is None and reports["3"] is None  # an exit code alone: the entry point reports its errors
+
+    path = tmp_path / "train.json"
+    result = subprocess.run([sys.executable, "-m", "trainer.train", "--training.stpes", "5"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**python_env(), "TORCHELASTIC_ERROR_FILE": str(path)})
+    assert result.returncode == 2
+    report = json.loads(path.read_text())["trainer"]
+    assert report["exit_code"] == 2 and "unknown key training.stpes; did you mean 'steps'?" in report["message"]
