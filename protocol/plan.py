@@ -138,17 +138,16 @@ class Launch:
         """The shell command that runs this launch from the repository root.
 
         One node: `NGPU=<nproc> ./torchrun_launch.sh ARGS` (the seed: one process, no NGPU). Several
-        nodes: the torchrun rendezvous command to start on every node, with HEAD_NODE set to the
-        first node's host name (or use the SLURM scripts, which do that).
+        nodes: the trainer's launcher joining a c10d rendezvous, to start on every node with
+        HEAD_NODE set to the first node's host name (or use the SLURM scripts, which do that).
         """
         args = shlex.join(self.args)
         if self.role == "seed":
             return f"{LAUNCHER_NAME} {args}"
         if self.nodes == 1:
             return f"NGPU={self.nproc} {LAUNCHER_NAME} {args}"
-        return (f"PYTHONPATH=. python -m torch.distributed.run --nnodes {self.nodes} --nproc_per_node "
-                f"{self.procs_per_node} --rdzv_backend c10d --rdzv_endpoint \"${{HEAD_NODE:?first node}}:{RDZV_PORT}\" "
-                f"--rdzv_id {self.slug} -m trainer.train {args}")
+        return (f"PYTHONPATH=. python -m trainer.launcher --nproc {self.procs_per_node} --device cuda --nnodes "
+                f"{self.nodes} --rdzv-endpoint \"${{HEAD_NODE:?first node}}:{RDZV_PORT}\" --rdzv-id {self.slug} {args}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "kind": self.kind, "nproc": self.nproc, "nodes": self.nodes,

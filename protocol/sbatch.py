@@ -1,8 +1,9 @@
 """SLURM scripts of a plan: one sbatch script per run and a `submit_all.sh`.
 
 The seed job is one process that needs no GPU (it initializes the model on the CPU) but the
-whole model in host memory; every other job starts one torchrun per node through srun, with a
-c10d rendezvous on the first node of the allocation. Each script claims its run folder
+whole model in host memory; every other job starts the trainer's launcher (trainer/launcher.py)
+once per node through srun, with a c10d rendezvous on the first node of the allocation. The
+launcher checks the configuration first and ends a failed run with one `error:` block. Each script claims its run folder
 (`.protocol-run`) before the run starts, so `protocol run` and `protocol compare` recognize the
 runs it made. The plan's [slurm] tables add #SBATCH options per kind of job.
 """
@@ -20,7 +21,7 @@ SUBMIT_ALL = "submit_all.sh"
 
 
 def sbatch_script(plan: Plan, launch: Launch, log_path: Path) -> str:
-    """One job: the seed as a single process, every other run through torchrun's c10d rendezvous."""
+    """One job: the seed as a single process, every other run through a c10d rendezvous."""
     return "\n".join([*sbatch_header(plan, launch, log_path), *job_body(plan, launch)]) + "\n"
 
 
@@ -51,13 +52,11 @@ def job_body(plan: Plan, launch: Launch) -> list[str]:
         '"on $SLURM_NNODES node(s), job $SLURM_JOB_ID"',
     ]
     if launch.role == "seed":
-        return lines + [f'srun --ntasks=1 "$PYTHON" -m trainer.train {args}']
+        return lines + [f'srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
     return lines + [
-        f'"$PYTHON" -m trainer.preflight --nproc {launch.nproc} --device cuda {args}',
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'srun --kill-on-bad-exit=1 "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_NNODES" '
-        f'--nproc_per_node {launch.procs_per_node} --rdzv_backend c10d --rdzv_endpoint "$head:{RDZV_PORT}" '
-        f'--rdzv_id "$SLURM_JOB_ID" -m trainer.train {args}',
+        f'srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc {launch.procs_per_node} --device cuda '
+        f'--nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" {args}',
     ]
 
 

@@ -111,11 +111,10 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
                  'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in control.splitlines()
     srun = next(line for line in control.splitlines() if line.startswith("srun"))
-    assert srun.startswith('srun --kill-on-bad-exit=1 "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_NNODES" '
-                           '--nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint "$head:29500" '
-                           '--rdzv_id "$SLURM_JOB_ID" -m trainer.train --job.config_file llama3_8b.toml')
+    assert srun.startswith('srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc 8 --device cuda '
+                           '--nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" '
+                           '--job.config_file llama3_8b.toml')
     assert srun.endswith("--checkpoint.load_only")
-    assert "-m trainer.preflight --nproc 16 --device cuda" in control
     assert control.index(f"claim {launches[1].output} ") < control.index("srun --kill")
     big = (tmp_path / "slurm" / "4d-fsdp-tp2-cp2-pp2.sbatch").read_text()
     assert "#SBATCH --nodes=16" in big
@@ -130,7 +129,7 @@ def test_the_seed_job_asks_for_memory_and_no_gpu(tmp_path):
                       f"#SBATCH --output={tmp_path / 'seed-%j.log'}", "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
                       "#SBATCH --cpus-per-task=8"]
     assert not any("gpu" in line for line in seed)
-    assert any(line.startswith('srun --ntasks=1 "$PYTHON" -m trainer.train') for line in seed)
+    assert any(line.startswith('srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu ') for line in seed)
 
 
 def test_slurm_options_per_kind_of_job(small_plan, tmp_path):

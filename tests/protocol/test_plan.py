@@ -148,15 +148,15 @@ def test_converging_llama3_8b_validates_at_128_gpus():
         assert arg(launch, "--debug.seed") == str(launch.seed)
 
 
-def test_multi_node_command_uses_torchrun_rendezvous_and_the_seed_has_no_ngpu():
+def test_multi_node_command_uses_a_rendezvous_and_the_seed_has_no_ngpu():
     plan = load_plan(PLANS / "converging_llama3_8b.toml")
     seed, control = plan.launches()[:2]
     assert seed.command().startswith("./torchrun_launch.sh --job.config_file llama3_8b.toml")
     assert "NGPU" not in seed.command() and seed.command().endswith("--checkpoint.create_seed_checkpoint")
     command = control.command()
-    assert command.startswith("PYTHONPATH=. python -m torch.distributed.run --nnodes 2 --nproc_per_node 8 "
-                              "--rdzv_backend c10d --rdzv_endpoint")
-    assert command.endswith("-m trainer.train " + shlex.join(control.args))
+    assert command.startswith("PYTHONPATH=. python -m trainer.launcher --nproc 8 --device cuda --nnodes 2 "
+                              '--rdzv-endpoint "${HEAD_NODE:?first node}:29500" --rdzv-id 1d-fsdp ')
+    assert command.endswith(" " + shlex.join(control.args))
 
 
 # ---------------------------------------------------------------------------------------------

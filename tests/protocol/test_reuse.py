@@ -209,7 +209,8 @@ def test_a_seed_made_by_its_sbatch_script_is_reused_by_protocol_run(small_plan, 
     write_slurm(plan, plan.launches(), tmp_path / "slurm")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\nshift\nexec {fake[0]} "${{@:4}}"\n')
+    # srun --ntasks=1 PYTHON -m trainer.launcher --nproc 1 --device cpu ARGS: the fake launcher gets ARGS
+    (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\nshift\nexec {fake[0]} "${{@:8}}"\n')
     (bin_dir / "srun").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "1", "SLURM_JOB_ID": "7"}
     done = subprocess.run(["bash", str(tmp_path / "slurm" / "seed.sbatch")], capture_output=True, text=True, env=env)
