@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from trainer.config.job_config import JobConfig
-from trainer.config.manager import ConfigError, load_config
+from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.preflight import (
     MemoryNeed,
     available_memory,
@@ -382,6 +382,7 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         print(f"{USAGE}\nerror: {e}", file=sys.stderr)
         return 2
+    args = with_default_config(args)  # the ranks get the same explicit config file
     if "-h" in args or "--help" in args:  # one process answers, without a log folder
         os.execv(sys.executable, [sys.executable, "-m", "trainer.train", *args])
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints
 from trainer.config.job_config import JobConfig
-from trainer.config.manager import ConfigError, load_config
+from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.parallel.dims import ParallelDims, layout_problems
 
 
@@ -273,7 +273,7 @@ def main(argv: list[str]) -> int:
             return 2
         local, rest = int(rest[1]), rest[2:]
     try:
-        config = load_config(rest)
+        config = load_config(with_default_config(rest))
         plan = check(config, nproc, device_type, local)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,7 +32,7 @@ from trainer.checkpoint import (
     save_seed_checkpoint,
 )
 from trainer.config.job_config import JobConfig
-from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml
+from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.data.loader import BatchLoader, check_evaluation_fits
 from trainer.data.sources import build_sources
 from trainer.data.text_sources import DataError, DataExhausted
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             rest = [a for a in argv if a not in ("--help", "-h")]
             sys.stdout.write(help_text(load_config(rest) if rest else None) + "\n")
             return 0
-        config = load_config(argv)
+        config = load_config(with_default_config(argv))
         if config.job.print_config:
             config.job.print_config = False  # so the printed file trains when loaded back
             sys.stdout.write(to_toml(config))

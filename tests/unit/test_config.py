@@ -289,3 +289,22 @@ def test_validation_batches_take_the_training_shape_unless_set():
     config = load_config(["--job.config_file", "debug_model.toml", "--training.seq_len", "64",
                           "--validation.local_batch_size", "2"])
     assert (config.validation.seq_len, config.validation.local_batch_size) == (64, 2)
+
+
+def test_entry_points_train_the_embedded_default_config_without_a_file():
+    from trainer.config.manager import with_default_config
+
+    assert with_default_config(["--training.steps", "5"]) == ["--job.config_file", "debug_model.toml",
+                                                              "--training.steps", "5"]
+    assert with_default_config(["--job.config_file=llama3_8b.toml"]) == ["--job.config_file=llama3_8b.toml"]
+    config = load_config(with_default_config([]))
+    assert (config.model.flavor, config.training.seq_len, config.lr_scheduler.warmup_steps) == ("debugmodel", 128, 10)
+    assert Path(config.job.config_file).name == "debug_model.toml"
+    assert load_config(with_default_config(["--job.config_file", ""])).training.seq_len == 2048  # bare defaults
+
+
+def test_python_m_trainer_train_prints_the_default_config():
+    done = subprocess.run([sys.executable, "-m", "trainer.train", "--job.print_config"], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert 'flavor = "debugmodel"' in done.stdout and "seq_len = 128" in done.stdout

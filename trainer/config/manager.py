@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_CONFIGS_DIR = REPO_ROOT / "train_configs"
+DEFAULT_CONFIG_FILE = "debug_model.toml"  # what the entry points train without --job.config_file
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
@@ -326,6 +327,15 @@ def validate(config: JobConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+    """The command line of an entry point (the launcher, `python -m trainer.train`, the preflight):
+    without --job.config_file, the embedded default config, as torchrun_launch.sh passes it.
+    `--job.config_file ""` asks for the bare dataclass defaults."""
+    if any(arg == "--job.config_file" or arg.startswith("--job.config_file=") for arg in argv):
+        return list(argv)
+    return ["--job.config_file", DEFAULT_CONFIG_FILE, *argv]
 
 
 def load_config(argv: list[str]) -> JobConfig:
