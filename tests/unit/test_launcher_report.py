@@ -53,10 +53,10 @@ def test_exit_codes_and_messages(tmp_path):
     assert describe(RankFailure(0, 2, T, "training.dataset: cannot open 'c4'")) == (
         "rank 0 (exit 2): training.dataset: cannot open 'c4'", 2)
     assert describe(RankFailure(3, 1, T, "ValueError: boom")) == ("rank 3 (exit 1): ValueError: boom", 1)
-    text, code = describe(RankFailure(1, -9, T), memory="this run needs at least 34.2 GB of host memory")
+    text, code = describe(RankFailure(1, -9, T), memory="this run needs at least 38.4 GB of host memory")
     assert code == 137 and text.startswith("rank 1 was killed by SIGKILL (signal 9): most likely the kernel's "
                                            "out-of-memory killer")
-    assert text.endswith("; this run needs at least 34.2 GB of host memory")
+    assert text.endswith("; this run needs at least 38.4 GB of host memory")
     text, code = describe(RankFailure(0, -11, T, log_dir=tmp_path / "rank0"))
     assert code == 139 and "SIGSEGV (signal 11): a crash in native code" in text
     assert str(tmp_path / "rank0" / "stderr.log") in text
