@@ -34,3 +34,23 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 def describe(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc (Linux): torchrun's and the launcher's ranks live in
+    their own process groups, so killing a run means finding them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch import LAUNCHER, REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 
 JOB = [*TINY_JOB, "--training.steps", "20", "--lr_scheduler.warmup_steps", "4"]
 
@@ -110,25 +110,6 @@ def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
-
-
-def descendants(root: int) -> list[int]:
-    """All processes below `root`, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 RESUMABLE = [*JOB, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "10"]

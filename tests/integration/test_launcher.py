@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import LAUNCHER, REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.config.manager import load_config
 
 
@@ -171,24 +171,6 @@ def test_exception_in_a_rank_gives_its_last_traceback_line_and_exit_code(tmp_pat
     traceback_end = (folder / "rank0" / "stderr.log").read_text().strip().splitlines()[-1]
     assert traceback_end.startswith(("NotADirectoryError", "FileExistsError")), traceback_end
     assert message == f"rank 0 (exit 1): {traceback_end}"
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below `root`, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def rank_process(launcher_pid: int, rank: int) -> int | None:
