@@ -19,7 +19,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _reported = False
 
 
-def report_error(message: str, exit_code: int, callstack: str | None = None) -> None:
+def report_error(message: str, exit_code: int, callstack: str | None = None) -> bool:
     """Write this process's error for the launcher, which prints it as the run's one message.
 
     The file has the JSON layout torch's ErrorHandler writes and ProcessFailure reads
@@ -27,12 +27,13 @@ def report_error(message: str, exit_code: int, callstack: str | None = None) -> 
     entry with the exit code and a precise time (torch's timestamp is in whole seconds), which
     the launcher uses to tell the rank that failed first from those that failed because of it.
     Only the first report of a process counts (an error while closing after another one must not
-    replace it). Nothing happens outside an elastic agent.
+    replace it). Nothing happens outside an elastic agent. Returns whether the report was written
+    (then the agent, not this process, shows the message).
     """
     global _reported
     path = os.environ.get(ERROR_FILE_ENV)
     if not path or _reported:
-        return
+        return False
     _reported = True
     now = time.time()
     data = {
@@ -45,6 +46,8 @@ def report_error(message: str, exit_code: int, callstack: str | None = None) -> 
             json.dump(data, f)
     except OSError as e:  # the launcher then falls back on the exit code and the log
         print(f"could not write the error report {path}: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def run_process(entry: Callable[[], int | None]) -> NoReturn:

@@ -330,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.process_exit import report_error
 
     def stop(error: Exception, code: int = 2) -> int:
-        """A user's mistake (2) or a non-finite loss (1): one log line, and the launcher's message."""
-        logger.error("%s", error)
-        report_error(str(error), code)
+        """A user's mistake (2) or a non-finite loss (1): one message, printed by the launcher when
+        there is one (it is in the rank's error.json beside its log), else logged here."""
+        if not report_error(str(error), code):
+            logger.error("%s", error)
         return code
 
     argv = sys.argv[1:] if argv is None else argv

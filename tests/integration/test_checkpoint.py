@@ -48,14 +48,14 @@ def test_seed_checkpoint_refuses_several_processes(tmp_path):
          *TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.create_seed_checkpoint"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert result.returncode != 0
-    assert "runs as ONE process, but 2 were started" in result.stdout
+    assert "runs as ONE process, but 2 were started" in result.stderr  # torchrun prints the rank's report
     assert not (tmp_path / "checkpoint").exists()
 
 
 def test_seed_checkpoint_is_never_overwritten(seed):
     before = (seed / "__0_0.distcp").read_bytes()
     result = launch(1, [*TINY_JOB, "--job.dump_folder", str(seed.parent.parent), "--checkpoint.create_seed_checkpoint"])
-    assert result.returncode == 2 and "exists already; refusing to overwrite it" in result.stdout
+    assert result.returncode == 2 and "exists already; refusing to overwrite it" in result.stderr
     assert (seed / "__0_0.distcp").read_bytes() == before
 
 
@@ -283,7 +283,7 @@ def test_bad_checkpoint_input(tmp_path, seed, other_model_seed):
     other = launch(1, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "8",
                        "--checkpoint.initial_load_path", str(other_model_seed), "--job.dump_folder", str(tmp_path / "b")])
     assert other.returncode != 0
-    assert "parameter tok_embeddings.weight has shape [2048, 256] in the checkpoint but [256, 64]" in other.stdout
+    assert "parameter tok_embeddings.weight has shape [2048, 256] in the checkpoint but [256, 64]" in other.stderr
 
 
 def test_stale_partial_save_is_ignored_and_removed(tmp_path, killed_at_10):
@@ -301,7 +301,7 @@ def test_older_load_step_never_overwrites_newer_checkpoints(tmp_path, killed_at_
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-5")
     result = launch(2, [*RESUMABLE, "--checkpoint.load_step", "5", "--job.dump_folder", str(tmp_path)])
     assert result.returncode != 0
-    assert "holds newer checkpoints (step-10) that this run would overwrite" in result.stdout
+    assert "holds newer checkpoints (step-10) that this run would overwrite" in result.stderr
 
 
 def test_hugging_face_weights_in_and_out_of_a_run(tmp_path):
