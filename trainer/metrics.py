@@ -151,6 +151,14 @@ class StepFigures:
     """Optimizer steps that `tokens` and `elapsed_s` cover."""
 
 
+def console_is_terminal() -> bool:
+    """Colors only on a terminal: log files (the launcher writes each rank's output to one) stay plain."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
 class _Colors:
     def __init__(self, enabled: bool):
         def code(seq: str) -> str:
@@ -209,7 +217,7 @@ class MetricsLogger:
         self.flops_per_token = float(flops_per_token)
         self.dump_folder = Path(job_config.job.dump_folder)
         self.metrics_path = self.dump_folder / METRICS_FILE
-        self.colors = _Colors(not mcfg.disable_color_printing)
+        self.colors = _Colors(not mcfg.disable_color_printing and console_is_terminal())
         self.peak_flops = peak_flops_per_device(self.device, mcfg.peak_flops)
         self.tb_dir: Path | None = None
         self._file = None

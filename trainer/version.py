@@ -23,7 +23,8 @@ def code_version() -> dict:
     """{"commit": sha or None, "dirty": bool or None, "source_sha256": hex digest}.
 
     commit and dirty are None outside a git checkout (e.g. an installed copy without .git).
-    dirty counts changes to tracked files and untracked files that git does not ignore.
+    dirty counts changes to tracked files, and untracked files among the trainer's sources (a
+    user's data or scripts beside the checkout are not a change of the code).
     """
     return {**git_state(REPO_ROOT), "source_sha256": source_hash(REPO_ROOT)}
 
@@ -43,7 +44,18 @@ def git_state(root: Path) -> dict:
     if commit is None:
         return {"commit": None, "dirty": None}
     status = _git(root, "status", "--porcelain")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    if status is None:
+        return {"commit": commit, "dirty": None}
+    return {"commit": commit, "dirty": any(changes_code(line) for line in status.splitlines())}
+
+
+def changes_code(status_line: str) -> bool:
+    """A line of `git status --porcelain`: any change to a tracked file, or an untracked file (or
+    folder) that is or holds trainer source."""
+    if not status_line.startswith("??"):
+        return True
+    path = status_line[3:].strip().strip('"')
+    return path.startswith("trainer/") or path == "torchrun_launch.sh"
 
 
 def _git(root: Path, *args: str) -> str | None:

@@ -113,7 +113,8 @@ def test_zero_elapsed_gives_zero_throughput(tmp_path):
     assert record["step_time_s"] == 0.0
 
 
-def test_console_line_plain_and_colored(tmp_path, caplog):
+def test_console_line_plain_and_colored(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(metrics, "console_is_terminal", lambda: True)
     cfg = make_config(tmp_path, peak_flops=1e13)
     log = make_logger(cfg, world_size=1, flops_per_token=1e9)
     with caplog.at_level(logging.INFO, logger="trainer.metrics"):
@@ -350,3 +351,16 @@ def test_peak_table_specific_names_first():
         for specific in keys[i + 1:]:
             assert general.upper() not in specific.upper(), (
                 f"{general!r} precedes the more specific {specific!r} and would shadow it")
+
+
+def test_colors_only_on_a_terminal(tmp_path, monkeypatch, caplog):
+    """A rank's output goes to a log file under the launcher: no ANSI codes there."""
+    cfg = make_config(tmp_path, disable_color_printing=False)
+    for tty, colored in ((False, False), (True, True)):
+        monkeypatch.setattr(metrics, "console_is_terminal", lambda: tty)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+            log = make_logger(cfg)
+            log.log_step(figures(1))
+            log.close()
+        assert any("\033[" in r.getMessage() for r in caplog.records) is colored

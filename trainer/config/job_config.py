@@ -299,7 +299,8 @@ class Metrics:
     """TensorBoard folder, relative to job.dump_folder; each run gets a time-stamped subfolder."""
 
     disable_color_printing: bool = False
-    """Plain console lines without ANSI colors."""
+    """Plain console lines without ANSI colors (colors are only used when the output is a terminal,
+    never in log files)."""
 
     save_for_all_ranks: bool = False
     """Every rank writes its own TensorBoard folder (default: only the rank that logs)."""
