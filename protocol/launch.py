@@ -99,12 +99,13 @@ def prepare(plan: Plan, selected: Sequence[Launch], rerun_stale: bool, report: P
 def stale_message(plan: Plan, stale: Sequence[Decision], selected: Sequence[Launch]) -> str:
     """One message: each difference once, with the runs it concerns, and how to rerun them."""
     lines = [f"{who}: {text}" for text, who in grouped_differences(stale, selected)]
-    count = f"{len(stale)} run{'s' if len(stale) > 1 else ''}"
-    return (f"{count} in {plan.output} {'were' if len(stale) > 1 else 'was'} made with something other than "
-            f"what {plan.path} runs now, so {'their' if len(stale) > 1 else 'its'} results would not describe "
-            "it:\n  " + "\n  ".join(lines) + f"\nRun them again with `protocol run {plan.path} {RERUN_FLAG}` "
-            f"(their folders move to {plan.output / SUPERSEDED_DIR}/, nothing is deleted), or restore what they "
-            "were made with.")
+    several = len(stale) > 1
+    it, its, they = ("them", "their", "they") if several else ("it", "its", "it")
+    return (f"{len(stale)} run{'s' if several else ''} in {plan.output} {'were' if several else 'was'} made with "
+            f"something other than what {plan.path} runs now, so {its} results would not describe the plan:\n  "
+            + "\n  ".join(lines) + f"\nRun {it} again by adding {RERUN_FLAG} to the same `protocol run` command "
+            f"({its} folder{'s' if several else ''} move{'' if several else 's'} to {plan.output / SUPERSEDED_DIR}/, "
+            f"nothing is deleted), or restore what {they} {'were' if several else 'was'} made with.")
 
 
 def grouped_differences(stale: Sequence[Decision], selected: Sequence[Launch]) -> list[tuple[str, str]]:

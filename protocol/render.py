@@ -3,7 +3,8 @@
 The shell script runs the single-node launches in order from the repository root and claims each
 run folder (`.protocol-run`) first, exactly as `protocol run` does, so `protocol run` and
 `protocol compare` recognize the runs it made. Runs needing several nodes are listed, commented
-out (use the SLURM scripts for those).
+out (use the SLURM scripts for those). A seed checkpoint that exists already is kept, so the
+script can run again; whether it is still the plan's is what `protocol run` checks.
 """
 
 from __future__ import annotations
@@ -64,5 +65,16 @@ def render_shell(plan: Plan, launches: Sequence[Launch]) -> str:
                     f"# {launch.command()}",
                     f"echo {shlex.quote(head + ': skipped here, needs ' + str(launch.nodes) + ' nodes')}", ""]
         else:
-            out += [f"echo {shlex.quote(head)}", claim_command(plan, launch), launch.command(), ""]
+            run = [f"echo {shlex.quote(head)}", claim_command(plan, launch), launch.command()]
+            out += [*unless_seed_exists(launch, run, head), ""]
     return "\n".join(out)
+
+
+def unless_seed_exists(launch: Launch, lines: list[str], head: str) -> list[str]:
+    """The seed's lines, skipped when its checkpoint is complete (the trainer never overwrites a
+    seed, so running them again would stop the script); other launches' lines as they are."""
+    if launch.role != "seed" or launch.seed_checkpoint is None:
+        return lines
+    metadata = shlex.quote(str(launch.seed_checkpoint / ".metadata"))
+    kept = shlex.quote(f"{head}: {launch.seed_checkpoint} exists, kept")
+    return [f"if [ -f {metadata} ]; then", f"  echo {kept}", "else", *(f"  {line}" for line in lines), "fi"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from protocol.folders import CLAIM_FUNCTION, claim_command
 from protocol.plan import RDZV_PORT, REPO_ROOT, Launch, Plan, slugify
+from protocol.render import unless_seed_exists
 
 SUBMIT_ALL = "submit_all.sh"
 
@@ -52,7 +53,8 @@ def job_body(plan: Plan, launch: Launch) -> list[str]:
         '"on $SLURM_NNODES node(s), job $SLURM_JOB_ID"',
     ]
     if launch.role == "seed":
-        return lines + [f'srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
+        seed = [f'srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
+        return lines + unless_seed_exists(launch, seed, "seed")
     return lines + [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f'srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc {launch.procs_per_node} --device cuda '

@@ -69,11 +69,13 @@ def test_shell_script_is_valid_bash_claims_each_folder_and_runs_the_seed_first(s
     bash_syntax_ok(script)
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
     assert f"cd {REPO_ROOT}" in text
-    lines = text.splitlines()
+    lines = [line.strip() for line in text.splitlines()]
     positions = [lines.index(launch.command()) for launch in launches]
     assert positions == sorted(positions)
     for launch, position in zip(launches, positions):  # each run's folder is claimed right before its command
         assert lines[position - 1].startswith(f"claim {launch.output} ")
+    # a seed made already is kept, so the script can run again (the trainer never overwrites a seed)
+    assert lines[positions[0] - 5] == f"if [ -f {plan.seed_checkpoint_path / '.metadata'} ]; then"
 
 
 def test_shell_script_comments_out_runs_needing_several_nodes(tmp_path):
@@ -83,7 +85,7 @@ def test_shell_script_comments_out_runs_needing_several_nodes(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text(text)
     bash_syntax_ok(script)
-    assert f"\n{launches[0].command()}\n" in text  # the seed runs on this node
+    assert f"\n  {launches[0].command()}\n" in text  # the seed runs on this node (unless it exists)
     assert f"\n# {launches[1].command()}\n" in text and "needs 2 nodes" in text
 
 
@@ -129,7 +131,8 @@ def test_the_seed_job_asks_for_memory_and_no_gpu(tmp_path):
                       f"#SBATCH --output={tmp_path / 'seed-%j.log'}", "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
                       "#SBATCH --cpus-per-task=8"]
     assert not any("gpu" in line for line in seed)
-    assert any(line.startswith('srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu ') for line in seed)
+    assert any(line.startswith('  srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu ')
+               for line in seed)
 
 
 def test_slurm_options_per_kind_of_job(small_plan, tmp_path):

@@ -41,9 +41,9 @@ def test_a_changed_set_override_is_refused_by_name_then_rerun_with_the_flag(smal
     message = refusal(plan, fake)
     assert message == (
         f"1 run in {plan.output} was made with something other than what {plan.path} runs now, so its results "
-        "would not describe it:\n  lr x2: optimizer.lr 0.006 -> 0.003\n"
-        f"Run them again with `protocol run {plan.path} --rerun-stale` (their folders move to "
-        f"{plan.output / SUPERSEDED_DIR}/, nothing is deleted), or restore what they were made with.")
+        "would not describe the plan:\n  lr x2: optimizer.lr 0.006 -> 0.003\n"
+        "Run it again by adding --rerun-stale to the same `protocol run` command (its folder moves to "
+        f"{plan.output / SUPERSEDED_DIR}/, nothing is deleted), or restore what it was made with.")
     assert len(calls(tmp_path)) == 4  # refused before anything ran
 
     messages: list[str] = []
@@ -216,6 +216,8 @@ def test_a_seed_made_by_its_sbatch_script_is_reused_by_protocol_run(small_plan, 
     done = subprocess.run(["bash", str(tmp_path / "slurm" / "seed.sbatch")], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((plan.output / "seed" / RUN_MARKER).read_text())["run"] == "seed"
+    again = subprocess.run(["bash", str(tmp_path / "slurm" / "seed.sbatch")], capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and "step-0 exists, kept" in again.stdout  # a resubmitted seed job succeeds
     results = run_local(plan, plan.launches(), launcher=fake)
     assert [r.status for r in results] == ["already complete", "completed", "completed", "completed"]
 
