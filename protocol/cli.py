@@ -219,7 +219,13 @@ def report(comparison, controls, tests, out: Path, out_name: str, found) -> int:
     layouts = {run.name: run.layout for run in found.runs}
     paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts,
                          runs=found.runs, notes=found.notes)
-    return verdict(comparison, layouts, paths, format_table)
+    status = verdict(comparison, layouts, paths, format_table)
+    if found.notes:  # the verdict is about what ran, which is not what the plan says now
+        print(f"note: {len(found.notes)} run(s) differ from the plan as written now; the rows describe what they "
+              "ran (`protocol run PLAN --rerun-stale` runs them again):")
+        for name, differences in found.notes.items():
+            print(f"  {name}: {'; '.join(differences)}")
+    return status
 
 
 def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, out_name: str, layouts: dict) -> int:

@@ -187,7 +187,11 @@ def test_the_report_describes_each_run_from_its_record_not_the_plan(small_plan, 
     plan = small_plan(lr=6e-3, steps=3)
     assert main(["run", str(plan.path)]) == 0
     plan = small_plan(lr=3e-3, steps=5)  # edited after the runs, not run again
+    capsys.readouterr()
     assert main(["compare", str(plan.path)]) == 1
+    out = capsys.readouterr().out  # the console says so too, not only report.md
+    assert "note: 3 run(s) differ from the plan as written now" in out
+    assert "  lr x2: optimizer.lr 0.006 -> 0.003; training.steps 3 -> 5" in out
     data = report_json(plan)
     assert data["layouts"] == {"FSDP+TP2": "dp_shard 2, tp 2", "lr x2": "dp_shard 2 + optimizer.lr=0.006"}
     runs = data["runs"]
