@@ -42,6 +42,14 @@ if [ -z "${NGPU:-}" ]; then
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 LOG_RANK="${LOG_RANK:-0}"
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NGPU: '$NGPU' is not a number of processes; give a positive integer (or leave NGPU unset)" >&2
+  exit 2
+fi
+if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "error: LOG_RANK: '$LOG_RANK' is not a rank or a comma-separated list of ranks (e.g. 0 or 0,1)" >&2
+  exit 2
+fi
 ARGS=(--job.config_file "${CONFIG_FILE:-debug_model.toml}" "$@")
 
 # Help and config printing need no process group: one process answers them.

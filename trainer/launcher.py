@@ -104,6 +104,10 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
         i += 2
     if opts.device not in ("cpu", "cuda"):
         raise UsageError(f"--device: {opts.device!r} is not cpu or cuda")
+    outside = sorted(rank for rank in opts.log_ranks if rank >= opts.nproc)
+    if outside:
+        raise UsageError(f"--log-ranks (LOG_RANK): rank {outside[0]} is not one of this machine's {opts.nproc} "
+                         f"processes (0-{opts.nproc - 1}); nothing of it would be shown")
     if opts.nnodes > 1 and not (opts.rdzv_endpoint and opts.rdzv_id):
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint and --rdzv-id (the same on every machine)")
     return opts, argv[i:]

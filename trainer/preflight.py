@@ -267,7 +267,11 @@ def main(argv: list[str]) -> int:
 
     --nproc-per-node: the processes of one machine (default N), for the host memory check."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    if len(argv) < 4 or argv[0] != "--nproc" or argv[2] != "--device" or argv[3] not in ("cpu", "cuda"):
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.strip()}\n\nThe trainer's own options: python -m trainer.train --help")
+        return 0
+    if (len(argv) < 4 or argv[0] != "--nproc" or not argv[1].isdigit() or int(argv[1]) < 1 or argv[2] != "--device"
+            or argv[3] not in ("cpu", "cuda")):
         print(USAGE, file=sys.stderr)
         return 2
     nproc, device_type, rest = int(argv[1]), argv[3], argv[4:]

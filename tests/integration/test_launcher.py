@@ -209,3 +209,19 @@ def test_rank_killed_by_sigkill_is_named_exit_137(tmp_path):
     assert message.startswith("rank 1 was killed by SIGKILL (signal 9): most likely the kernel's out-of-memory "
                               "killer"), message
     assert "this run needs at least" in message and "of host memory" in message
+
+
+def test_launcher_settings_are_checked_before_anything_starts():
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", NGPU="abc")
+    bad_ngpu = subprocess.run([str(LAUNCHER)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad_ngpu.returncode == 2 and "error: NGPU: 'abc' is not a number of processes" in bad_ngpu.stderr
+    outside = launch(2, ["--training.steps", "1"], log_rank="5")
+    assert outside.returncode == 2, describe(outside)
+    assert "LOG_RANK): rank 5 is not one of this machine's 2 processes (0-1)" in outside.stderr
+    assert "logs:" not in outside.stdout  # nothing started
+
+
+def test_preflight_help():
+    done = subprocess.run([sys.executable, "-m", "trainer.preflight", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m trainer.preflight --nproc N")
