@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +44,7 @@ from trainer.checkpoint_layout import (
     read_checkpoint_record,
 )
 from trainer.config.manager import to_dict
+from trainer.dcp_files import read_model_state, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
 from trainer.version import code_version
@@ -101,30 +101,6 @@ class OptimizerState(Stateful):
 
 # ---------------------------------------------------------------------------------------------
 # Inspecting folders
-
-
-def saved_keys(path: Path) -> dict[str, tuple | None]:
-    """Flattened key -> saved tensor shape (None for non-tensor values)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.state_dict_metadata.items()}
-
-
-def read_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The full model weights of a DCP checkpoint as plain CPU tensors, read by this process alone
-    (whatever layout wrote it: every shard and pipeline stage is in the folder)."""
-    # What torch's own dcp_to_torch_save does, without the detour through a file: the public
-    # dcp.load only fills keys the caller already has.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    return state["model"]
-
-
-def saved_items(keys: dict) -> set[str]:
-    return {key.split(".", 1)[0] for key in keys}
 
 
 def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
@@ -326,8 +302,13 @@ class CheckpointManager:
 
     # ---- saving
 
+    @property
+    def saves(self) -> bool:
+        """Whether this run writes checkpoints at all."""
+        return self.cfg.enable and not self.cfg.load_only
+
     def should_save(self, step: int, last_step: int) -> bool:
-        if not self.cfg.enable or self.cfg.load_only:
+        if not self.saves:
             return False
         return (step % self.cfg.interval == 0 or step == last_step
                 or (step == 1 and self.cfg.enable_first_step_checkpoint))

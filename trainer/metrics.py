@@ -151,6 +151,11 @@ class StepFigures:
     """Optimizer steps that `tokens` and `elapsed_s` cover."""
 
 
+def time_stamp() -> str:
+    """The name of a new run's TensorBoard subfolder: the current time."""
+    return datetime.now().strftime(_STAMP_FORMAT)
+
+
 def console_is_terminal() -> bool:
     """Colors only on a terminal: log files (the launcher writes each rank's output to one) stay plain."""
     try:
@@ -192,8 +197,8 @@ class MetricsLogger:
 
     metrics.jsonl is appended to: which records a start keeps of an earlier run is decided before,
     by trainer.run_record. `run_stamp` names the TensorBoard subfolder (a resumed run passes its
-    own, so that one run's curves stay in one folder); by default the current time, broadcast from
-    rank 0 when every rank writes TensorBoard. `purge_step`: TensorBoard hides the folder's events
+    own, so that one run's curves stay in one folder); by default the current time (`time_stamp`).
+    When every rank writes TensorBoard, rank 0's stamp is broadcast, so other ranks may pass None. `purge_step`: TensorBoard hides the folder's events
     at and after this step (steps a resumed run trains again).
     """
 
@@ -229,8 +234,7 @@ class MetricsLogger:
             self._file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
 
         if mcfg.enable_tensorboard and (is_log_rank or mcfg.save_for_all_ranks):
-            if run_stamp is None:
-                run_stamp = self._shared_stamp(broadcast=mcfg.save_for_all_ranks)
+            run_stamp = self._shared_stamp(run_stamp, broadcast=mcfg.save_for_all_ranks)
             tb_dir = self.dump_folder / mcfg.save_tb_folder / run_stamp
             if mcfg.save_for_all_ranks:
                 tb_dir = tb_dir / f"rank_{rank}"
@@ -241,8 +245,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=purge_step)
             logger.info("TensorBoard events go to %s", tb_dir)
 
-    def _shared_stamp(self, broadcast: bool) -> str:
-        stamp = datetime.now().strftime(_STAMP_FORMAT)
+    def _shared_stamp(self, stamp: str | None, broadcast: bool) -> str:
+        stamp = stamp or time_stamp()
         dist = torch.distributed
         if broadcast and self.world_size > 1 and dist.is_available() and dist.is_initialized():
             box = [stamp]

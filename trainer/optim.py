@@ -71,8 +71,8 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
     """Why the learning rates of steps 1..steps_done would differ under this run's schedule from
     the schedule they were trained with (training.steps or [lr_scheduler] changed), or None."""
     saved_steps = saved_config.get("training", {}).get("steps", config.training.steps)
-    saved = {**to_dict(config)["lr_scheduler"], **saved_config.get("lr_scheduler", {})}
     now = to_dict(config)["lr_scheduler"]
+    saved = {**now, **saved_config.get("lr_scheduler", {})}
     if saved_steps == config.training.steps and saved == now:
         return None
 

@@ -15,7 +15,6 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -36,14 +35,14 @@ from trainer.config.manager import ConfigError, help_text, load_config, to_dict,
 from trainer.data.loader import BatchLoader, check_evaluation_fits
 from trainer.data.sources import build_sources
 from trainer.data.text_sources import DataError, DataExhausted
-from trainer.metrics import MetricsLogger, StepFigures, should_log
+from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
-from trainer.preflight import RunPlan, check_device_options, plan_run
-from trainer.process_exit import run_process
+from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
+from trainer.process_exit import report_error, run_process
 from trainer.step import StepRunner
 from trainer.version import code_version
 
@@ -137,21 +136,14 @@ class Trainer:
         return train, validation
 
     def _tensorboard_stamp(self) -> str | None:
-        """Name of the run's TensorBoard subfolder: a resumed run keeps the one of its record, so
-        one run's curves stay in one folder; a new run gets the current time."""
-        metrics = self.config.metrics
-        if not metrics.enable_tensorboard:
+        """Rank 0: the name of the run's TensorBoard subfolder (MetricsLogger hands it to the other
+        ranks when they write too). A resumed run keeps the one of its record, so one run's curves
+        stay in one folder; a new run gets the current time."""
+        if not self.config.metrics.enable_tensorboard or self.rank != 0:
             return None
-        stamp = None
-        if self.rank == 0:
-            earlier = run_record.read_record(Path(self.config.job.dump_folder)) if self.state.step else None
-            folder = (earlier or {}).get("tensorboard")
-            stamp = Path(folder).name if folder else datetime.now().strftime("%Y%m%d-%H%M%S")
-        if metrics.save_for_all_ranks and dist.get_world_size() > 1:  # every rank writes into the same folder
-            box = [stamp]
-            dist.broadcast_object_list(box, src=0, device=self.device)
-            stamp = box[0]
-        return stamp
+        earlier = run_record.read_record(Path(self.config.job.dump_folder)) if self.state.step else None
+        folder = (earlier or {}).get("tensorboard")
+        return Path(folder).name if folder else time_stamp()
 
     def _metadata(self, model_args, world_size: int, tensorboard_stamp: str | None) -> dict:
         """This start's part of the run record (see trainer.run_record for the fields)."""
@@ -268,10 +260,9 @@ class Trainer:
             last_log_time += time.perf_counter() - paused
         if unchecked is not None:
             self._check_finite(*unchecked)
-        if data_ended and self.state.step >= first_step and self.checkpointer.should_save(self.state.step,
-                                                                                          self.state.step):
-            if self.checkpointer.last_saved != self.state.step:  # the end of the data is the end of the run
-                self.checkpointer.save(self.state.step, last=True)
+        trained = self.state.step >= first_step
+        if data_ended and trained and self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
+            self.checkpointer.save(self.state.step, last=True)  # the end of the data is the end of the run
 
     def _check_finite(self, step: int, result: StepResult) -> None:
         """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from
@@ -301,8 +292,6 @@ def create_seed_checkpoint(config: JobConfig) -> int:
                           "run ./torchrun_launch.sh --checkpoint.create_seed_checkpoint (it starts one)")
     folder = Path(config.job.dump_folder) / config.checkpoint.folder
     refuse_overwrite(folder / "step-0", config.checkpoint.overwrite)  # before the (long) init
-    from trainer.preflight import check_seed
-
     check_seed(config)  # the whole model in float32 in this process: refuse before the allocator fails
     model_args = get_flavor(config.model.flavor)
     model_args.max_seq_len = config.training.seq_len
@@ -327,8 +316,6 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.process_exit import report_error
-
     def stop(error: Exception, code: int = 2) -> int:
         """A user's mistake (2) or a non-finite loss (1): one message, printed by the launcher when
         there is one (it is in the rank's error.json beside its log), else logged here."""

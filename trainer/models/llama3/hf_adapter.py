@@ -164,7 +164,7 @@ def write_hf_folder(path: str | Path, state: dict[str, torch.Tensor], args: Llam
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import read_model_state
+    from trainer.dcp_files import read_model_state
 
     parser = argparse.ArgumentParser(prog="python -m trainer.models.llama3.hf_adapter", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

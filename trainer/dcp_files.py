@@ -1,0 +1,34 @@
+"""Reading a DCP checkpoint folder in one process, whatever layout wrote it: the keys and shapes
+it holds, and its full model weights. Used by the checkpoint manager and by the Hugging Face
+converter, which must not depend on each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+
+def saved_keys(path: Path) -> dict[str, tuple | None]:
+    """Flattened key -> saved tensor shape (None for non-tensor values)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.state_dict_metadata.items()}
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a DCP checkpoint as plain CPU tensors, read by this process alone
+    (whatever layout wrote it: every shard and pipeline stage is in the folder)."""
+    # What torch's own dcp_to_torch_save does, without the detour through a file: the public
+    # dcp.load only fills keys the caller already has.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
+def saved_items(keys: dict) -> set[str]:
+    return {key.split(".", 1)[0] for key in keys}
