@@ -5,9 +5,11 @@ model, optimizer, lr_scheduler, dataloader, train_state, and checkpoint.json (wh
 save is full, the last one included, so raising training.steps continues a finished run exactly;
 checkpoint.last_save_model_only adds the weights alone, in export_dtype, under
 step-<N>/model_only/. Seed checkpoints (step-0) hold only the model. A save is written to
-.step-<N>.partial/ and renamed to step-<N>/ only when every rank has finished, so a run killed
-while saving leaves nothing that looks like a checkpoint; stale partial folders are removed at the
-next start. DCP reshards on load: a checkpoint saved at one layout loads into any other.
+.step-<N>.partial/ and renamed to step-<N>/ as soon as every rank has finished (an asynchronous
+save too: see trainer/async_checkpoint.py), so a run killed while saving leaves nothing that looks
+like a checkpoint. At the next start, a partial folder whose save had finished (readable .metadata,
+every data file whole) is published; the others are removed. DCP reshards on load: a checkpoint
+saved at one layout loads into any other.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 import warnings
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from trainer.checkpoint_layout import (
     MODEL_ONLY_DIR,
     check_initial_load_path,
     complete_checkpoints,
+    finished_partials,
     fingerprint,
     check_step_folders,
     named_step,
@@ -44,9 +47,11 @@ from trainer.checkpoint_layout import (
     read_checkpoint_record,
 )
 from trainer.config.manager import to_dict
-from trainer.dcp_files import read_model_state, saved_items, saved_keys
+from trainer.async_checkpoint import AsyncSaver
+from trainer.dcp_files import incomplete_reason, read_model_state, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
+from trainer.train_state import TrainState
 from trainer.version import code_version
 
 logger = logging.getLogger(__name__)
@@ -60,18 +65,6 @@ class CheckpointError(ValueError):
 
 class TrainingComplete(Exception):
     """The checkpoint folder already holds the final checkpoint of this run."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
 
 
 class ModelState(Stateful):
@@ -89,14 +82,53 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """The optimizer's state under parameter names, its hyperparameters too ("flattened": one key
+    per parameter, e.g. param_groups.<name>.lr). The nested form keys hyperparameters by group
+    index and lists each group's parameter names in one value, which differs between pipeline
+    stages; DCP keeps one rank's copy of a key, so a stage resumed with another stage's list
+    lost its hyperparameters. Checkpoints of earlier versions are nested: they load as such."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, flattened: bool = True):
         self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(flatten_optimizer_state_dict=flattened)
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
+
+
+class SchedulerState(Stateful):
+    """The LR scheduler's state. Its per-group lists (base_lrs, _last_lr) are saved once for all
+    ranks, but pipeline stages may hold different numbers of parameter groups (a stage without
+    any parameter of optimizer.weight_decay_exclude has one); every group follows the same
+    schedule from the same peak, so the lists are resized to this rank's groups."""
+
+    PER_GROUP = ("base_lrs", "_last_lr")
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        groups = len(self.scheduler.optimizer.param_groups)
+        state = dict(state)
+        for key in self.PER_GROUP:
+            values = state.get(key)
+            if values is not None and len(values) != groups:
+                if len(set(values)) != 1:
+                    raise CheckpointError(f"lr_scheduler.{key}: the checkpoint's parameter groups have different "
+                                          f"learning rates {values}; this run has {groups} group(s)")
+                state[key] = [values[0]] * groups
+        self.scheduler.load_state_dict(state)
+
+
+def optimizer_state_is_nested(keys) -> bool:
+    """Whether a checkpoint's optimizer state has the nested form of earlier versions."""
+    return any(key.startswith("optimizer.param_groups.0.") for key in keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,18 +181,17 @@ class CheckpointManager:
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.train_state = train_state
         self.rank = rank
-        self.pending = None  # (future, step, partial path) of an asynchronous save
         self.last_saved: int | None = None  # step of this run's latest save
         # What resume() loaded, for the run record: kind init | checkpoint | resume | hugging_face.
         self.start = {"kind": "init", "path": None, "step": 0, "fingerprint": None}
-        # Background saves talk over their own group so they never interleave with training collectives.
-        self.async_group = dist.new_group(backend="gloo") if self.cfg.async_mode != "disabled" else None
+        self.async_saver = (AsyncSaver(self.cfg.async_mode, rank, self._publish_async)
+                            if self.cfg.async_mode != "disabled" else None)
 
-    def _stateful(self, items, *, export_dtype: torch.dtype | None = None) -> dict:
+    def _stateful(self, items, *, export_dtype: torch.dtype | None = None, nested_optimizer: bool = False) -> dict:
         objects = {
             "model": lambda: ModelState(self.model, export_dtype),
-            "optimizer": lambda: OptimizerState(self.model, self.optimizer),
-            "lr_scheduler": lambda: self.scheduler,
+            "optimizer": lambda: OptimizerState(self.model, self.optimizer, flattened=not nested_optimizer),
+            "lr_scheduler": lambda: SchedulerState(self.scheduler),
             "dataloader": lambda: self.loader,
             "train_state": lambda: self.train_state,
         }
@@ -177,6 +208,10 @@ class CheckpointManager:
                 check_step_folders(self.folder)
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
+        if self.saves:  # every rank must see the same folder below
+            if self.rank == 0:
+                self._publish_finished_partials()
+            dist.barrier()
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
         items = list(ITEMS)
         if self.cfg.enable and self.cfg.load_step != -1:
@@ -243,12 +278,13 @@ class CheckpointManager:
 
     def _load(self, path: Path, wanted: list[str]) -> Path:
         check_model_shapes(path, self.model, self.flavor)
-        present = saved_items(saved_keys(path))
+        keys = saved_keys(path)
+        present = saved_items(keys)
         items = [i for i in wanted if i in present and i not in self.cfg.exclude_from_loading]
         missing = [i for i in wanted if i not in present and i != "model"]
         if missing and "train_state" in present:
             logger.warning("%s has no %s; starting those fresh", path, ", ".join(missing))
-        dcp.load(self._stateful(items), checkpoint_id=str(path))
+        dcp.load(self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys)), checkpoint_id=str(path))
         if "lr_scheduler" in items:
             self._continue_schedule(path)
         kind = "resume" if "train_state" in items else "checkpoint"
@@ -293,6 +329,25 @@ class CheckpointManager:
         if self.rank == 0:
             write_hf_folder(checkpoint / "hf", read_model_state(checkpoint), self.model.args, dtype)
 
+    def _publish_finished_partials(self) -> None:
+        """Publish the saves the last run finished writing but stopped before renaming (an
+        asynchronous save completes in the background; a crash can come before its rename).
+        Retention waits for the next save: this run may resume from an older load_step."""
+        for step, partial in finished_partials(self.folder).items():
+            problem = incomplete_reason(partial)
+            if problem is None and read_checkpoint_record(partial) is None:
+                if any((partial / sub).exists() for sub in (MODEL_ONLY_DIR, "hf")):
+                    problem = "its exports were being written when the run stopped"
+                else:  # written by an earlier version of this trainer, which wrote the record last
+                    write_checkpoint_record(partial, checkpoint_record(
+                        self.config, step, sorted(saved_items(saved_keys(partial))), "periodic", exports=[],
+                        published_at_restart=True))
+            if problem is not None:
+                logger.warning("%s is not a complete save: %s", partial, problem)
+                continue  # removed by _remove_stale_partials
+            logger.info("publishing %s: its save had completed before the run stopped", partial)
+            self._rename_into_place(step, partial)
+
     def _remove_stale_partials(self) -> None:
         if not self.folder.is_dir():
             return
@@ -316,15 +371,24 @@ class CheckpointManager:
     def save(self, step: int, *, last: bool = False) -> None:
         """Write step-<step>, a full checkpoint. The last save also writes the exports it is
         configured for: model_only/ (the weights in export_dtype) and hf/."""
-        self.wait()
+        started = time.perf_counter()
+        self._save(step, last)
+        mode = "disabled" if last else self.cfg.async_mode
+        logger.info("checkpoint step-%d: training paused %.3f s to save (async_mode %s)",
+                    step, time.perf_counter() - started, mode)
+
+    def _save(self, step: int, last: bool) -> None:
+        self.wait()  # the save before: its files, and the staging buffers it may reuse
         self.last_saved = step
         final, partial = self.folder / f"step-{step}", partial_path(self.folder, step)
         refuse_overwrite(final, self.cfg.overwrite)
         self._make_folder(partial, fresh=True)
         state = self._stateful(ITEMS)
-        if self.cfg.async_mode != "disabled" and not last:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
-            self.pending = (future, step, partial)
+        if self.async_saver is not None and not last:
+            if self.rank == 0:  # first, so that a save found complete after a crash has its record
+                write_checkpoint_record(partial, checkpoint_record(self.config, step, list(ITEMS), "periodic",
+                                                                   exports=[], export_dtype=None))
+            self.async_saver.start(state, step, partial)
             return
         dcp.save(state, checkpoint_id=str(partial))
         exports = []
@@ -347,14 +411,15 @@ class CheckpointManager:
         dist.barrier()
 
     def wait(self) -> None:
-        """Finish an asynchronous save: called by every rank at the same point (the next save, the
-        end of training), so the collectives of publishing it stay in step across ranks."""
-        if self.pending is None:
-            return
-        future, step, partial = self.pending
-        self.pending = None
-        future.result()
-        self._finish(step, partial, kind="periodic", exports=[])
+        """Wait for the asynchronous save in flight, if any, to be written and published (rank 0
+        publishes it from the writer's thread as soon as it is complete; see AsyncSaver)."""
+        if self.async_saver is not None:
+            self.async_saver.wait()
+
+    def _publish_async(self, step: int, partial: Path) -> None:
+        """Rank 0, on the writer's thread, once DCP wrote .metadata (after every rank's data)."""
+        self._rename_into_place(step, partial)
+        self._apply_retention()
 
     def _finish(self, step: int, partial: Path, kind: str, exports: list[str]) -> None:
         """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
@@ -363,13 +428,17 @@ class CheckpointManager:
             write_checkpoint_record(partial, checkpoint_record(
                 self.config, step, list(ITEMS), kind, exports=exports,
                 export_dtype=self.cfg.export_dtype if exports else None))
-            final = self.folder / f"step-{step}"
-            if final.exists():  # only reachable with checkpoint.overwrite
-                shutil.rmtree(final)
-            partial.rename(final)
-            logger.info("saved checkpoint %s", final)
+            self._rename_into_place(step, partial)
             self._apply_retention()
         dist.barrier()
+
+    def _rename_into_place(self, step: int, partial: Path) -> None:
+        """Rank 0: publish a complete save under its final name."""
+        final = self.folder / f"step-{step}"
+        if final.exists():  # only reachable with checkpoint.overwrite: the partial is the newer save
+            shutil.rmtree(final)
+        partial.rename(final)
+        logger.info("saved checkpoint %s", final)
 
     def _apply_retention(self) -> None:
         """Keep the newest keep_latest_k checkpoints, and always the newest full one (the point

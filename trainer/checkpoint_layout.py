@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+PARTIAL_FOLDER = re.compile(r"^\.step-(\d+)\.partial$")
 CHECKPOINT_RECORD = "checkpoint.json"  # beside DCP's .metadata: what saved the checkpoint (see read_checkpoint_record)
 MODEL_ONLY_DIR = "model_only"  # inside the last step-N with checkpoint.last_save_model_only: the weights alone
 
@@ -31,6 +32,21 @@ def complete_checkpoints(folder: Path) -> dict[int, Path]:
     found = {}
     for path in folder.iterdir():
         match = STEP_FOLDER.match(path.name)
+        if match and (path / ".metadata").is_file():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def finished_partials(folder: Path) -> dict[int, Path]:
+    """step -> .step-N.partial folders holding DCP's .metadata, oldest first. DCP writes .metadata
+    last, once every rank's data is written, so such a save finished but was not renamed yet (the
+    run stopped first); a run that writes checkpoints publishes it at start (see
+    CheckpointManager.resume, which also checks that .metadata is readable)."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = PARTIAL_FOLDER.match(path.name)
         if match and (path / ".metadata").is_file():
             found[int(match.group(1))] = path
     return dict(sorted(found.items()))
@@ -60,6 +76,9 @@ def named_step(folder: Path, found: dict[int, Path], step: int) -> Path:
     """The checkpoint of checkpoint.load_step, or ValueError saying why there is none."""
     if step in found:
         return found[step]
+    if (partial_path(folder, step) / ".metadata").is_file():
+        raise ValueError(f"checkpoint.load_step={step}: the save of step {step} in {folder} finished but was never "
+                         "published; a run without checkpoint.load_only publishes it when it starts")
     if partial_path(folder, step).exists():
         raise ValueError(f"checkpoint.load_step={step}: the save of step {step} in {folder} never "
                          "completed (the run stopped while writing it)")
@@ -84,6 +103,8 @@ def check_load_options(config) -> None:
     if c.enable:
         check_step_folders(folder)
     found = complete_checkpoints(folder) if c.enable else {}
+    if c.enable and not c.load_only:  # published when the run starts
+        found = dict(sorted({**finished_partials(folder), **found}.items()))
     if c.enable and c.load_step != -1:
         named_step(folder, found, c.load_step)
     elif not found and c.initial_load_path:

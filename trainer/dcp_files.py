@@ -32,3 +32,20 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 def saved_items(keys: dict) -> set[str]:
     return {key.split(".", 1)[0] for key in keys}
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the DCP checkpoint in `path` cannot be complete, or None: its .metadata must be
+    readable, and every data file it names must hold the bytes it lists."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or foreign file: any unpickling error means the same
+        return f"its .metadata cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file() or file.stat().st_size < size:
+            return f"its data file {name} is missing or shorter than .metadata says ({size} bytes)"
+    return None

@@ -46,8 +46,20 @@ def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: i
 
 
 def set_collective_timeout(timeout_s: int) -> None:
-    """Tighten the timeout once the slow first collectives (init, compile) are behind us."""
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    """Tighten the timeout of every process group of this rank once the slow first collectives
+    (init, compile) are behind us.
+
+    Training collectives run on the mesh's subgroups (and the checkpoint's gloo group), not only on
+    the default group, and each group carries its own timeout from its creation, so each is set.
+    The barrier first lets every peer leave its slow first collectives under the long init timeout.
+    Call it on every rank, after all groups exist: a group created later keeps the init timeout.
+    """
+    dist.barrier()
+    timeout = timedelta(seconds=timeout_s)
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):  # the groups this rank belongs to, the default one included
+        if group is not c10d.GroupMember.NON_GROUP_MEMBER:
+            c10d._set_pg_timeout(timeout, group)
 
 
 def set_determinism(seed: int, deterministic: bool, warn_only: bool) -> None:

@@ -149,6 +149,10 @@ class StepFigures:
     """Wall seconds since the previous logged step."""
     steps_since_log: int
     """Optimizer steps that `tokens` and `elapsed_s` cover."""
+    loss_scale: dict | None = None
+    """float16 runs: the loss scaler's state after this step (scale, skipped_steps, ...)."""
+    step_skipped: bool = False
+    """float16 runs: this step's gradients overflowed and the optimizer did not step."""
 
 
 def time_stamp() -> str:
@@ -277,7 +281,8 @@ class MetricsLogger:
         record = {
             "step": int(figures.step),
             "loss": float(figures.loss),
-            "grad_norm": float(figures.grad_norm),
+            # A skipped float16 step has no usable norm: null, not a non-standard NaN in the JSON.
+            "grad_norm": None if figures.step_skipped else float(figures.grad_norm),
             "lr": float(figures.lr),
             "tokens": int(figures.tokens_seen),
             "tokens_per_s": tokens_per_s,
@@ -287,6 +292,10 @@ class MetricsLogger:
             "time": time.time(),
             "step_time_s": step_time_s,
         }
+        if figures.loss_scale is not None:
+            record["loss_scale"] = float(figures.loss_scale["scale"])
+            record["skipped_steps"] = int(figures.loss_scale["skipped_steps"])
+            record["step_skipped"] = figures.step_skipped
 
         c = self.colors
         mem_gib = memory.get("max_reserved_gib", memory.get("peak_rss_gib", 0.0))
@@ -301,6 +310,8 @@ class MetricsLogger:
         if mfu is not None:
             parts.append(f"{c.mfu}mfu {mfu:.2f}%{c.reset}")
         parts.append(f"{c.mem}mem {mem_gib:.2f}GiB{c.reset}")
+        if figures.loss_scale is not None:
+            parts.append(f"loss_scale {record['loss_scale']:g} (skipped {record['skipped_steps']})")
         logger.info("  ".join(parts))
 
         if self.is_log_rank:
@@ -308,7 +319,8 @@ class MetricsLogger:
         if self._tb is not None:
             step = figures.step
             self._tb.add_scalar("loss_metrics/global_avg_loss", record["loss"], step)
-            self._tb.add_scalar("grad_norm", record["grad_norm"], step)
+            if record["grad_norm"] is not None:
+                self._tb.add_scalar("grad_norm", record["grad_norm"], step)
             self._tb.add_scalar("lr", record["lr"], step)
             self._tb.add_scalar("throughput/tps", tokens_per_s, step)
             self._tb.add_scalar("throughput/tflops", tflops, step)
@@ -316,6 +328,9 @@ class MetricsLogger:
                 self._tb.add_scalar("throughput/mfu_pct", mfu, step)
             for key, value in memory.items():
                 self._tb.add_scalar(f"memory/{key}", value, step)
+            if figures.loss_scale is not None:
+                self._tb.add_scalar("loss_scale/scale", record["loss_scale"], step)
+                self._tb.add_scalar("loss_scale/skipped_steps", record["skipped_steps"], step)
             self._tb.flush()
         return record
 

@@ -11,13 +11,44 @@ from torch.distributed.tensor import DTensor
 from trainer.config.manager import to_dict
 
 
-def build_optimizer(params, cfg) -> torch.optim.Optimizer:
-    """AdamW or Adam from the [optimizer] section."""
+def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
+    """AdamW or Adam from the [optimizer] section, over (name, parameter) pairs."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     kwargs["foreach"] = cfg.implementation == "foreach"
     kwargs["fused"] = cfg.implementation == "fused"
     optimizer_class = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    return optimizer_class(params, **kwargs)
+    return optimizer_class(param_groups(named_parameters, cfg.weight_decay_exclude), **kwargs)
+
+
+# The kinds of parameter optimizer.weight_decay_exclude can name (the type of that key lists them too).
+WEIGHT_DECAY_EXCLUDABLE = ("norm", "embedding", "output", "bias")
+
+
+def parameter_kind(name: str) -> str:
+    """What a parameter is, from its original name (the same under every parallel layout):
+    'norm' (an RMSNorm gain), 'embedding' (the token embedding), 'output' (the final
+    projection to the vocabulary), 'bias', or 'weight' (any other matrix)."""
+    module, _, leaf = name.rpartition(".")
+    owner = module.rpartition(".")[2]
+    if leaf == "bias":
+        return "bias"
+    if owner.endswith("norm"):  # attention_norm, ffn_norm and the final norm
+        return "norm"
+    return {"tok_embeddings": "embedding", "output": "output"}.get(owner, "weight")
+
+
+def param_groups(named_parameters, exclude) -> list:
+    """One group of every parameter when nothing is excluded (the optimizer state then has the
+    layout of earlier checkpoints), else a decayed group and a group of the excluded kinds with
+    weight_decay 0. A pipeline stage that holds none of the excluded kinds (e.g. no embedding)
+    gets no empty group: checkpoints map groups by parameter name, and empty ones have none."""
+    named = list(named_parameters)
+    if not exclude:
+        return [p for _, p in named]
+    excluded = [p for n, p in named if parameter_kind(n) in exclude]
+    decayed = [p for n, p in named if parameter_kind(n) not in exclude]
+    groups = [{"params": decayed}, {"params": excluded, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float | None,

@@ -8,8 +8,11 @@ runs the microbatches through the stages; a vocabulary-sharded loss runs inside 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from trainer.loss import count_targets, cross_entropy_sum
 from trainer.optim import NormReduction
@@ -33,6 +36,10 @@ class StepRunner:
         compile_loss = config.compile.enable and "loss" in config.compile.components
         self.cross_entropy_sum = torch.compile(cross_entropy_sum, backend=config.compile.backend) if compile_loss \
             else cross_entropy_sum
+        # Gradient accumulation: the all-reduce across replicas (HSDP, DDP) runs once, after the
+        # last microbatch; see `_all_reduce_only_after`.
+        self.replicated_roots = [stage for stage in parallel.stages.values() if isinstance(stage, FSDPModule)] \
+            if dims.dp_replicate > 1 else []
         self.pipeline = None
         if parallel.stage_plan is not None:
             n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
@@ -50,22 +57,43 @@ class StepRunner:
         return [(shard_sequence(i, self.cp_rank, self.cp), shard_sequence(l, self.cp_rank, self.cp))
                 for i, l in microbatches]
 
-    def forward_backward(self, microbatches: Microbatches) -> torch.Tensor:
-        """Accumulate the gradients of the global loss; returns this rank's share of the loss
-        (the shares of all ranks sum to the global loss, see `global_sum`)."""
+    def forward_backward(self, microbatches: Microbatches, loss_scale: float | None = None) -> torch.Tensor:
+        """Accumulate the gradients of the global loss (times `loss_scale` when float16 needs it,
+        see trainer.loss_scale); returns this rank's share of the unscaled loss (the shares of
+        all ranks sum to the global loss, see `global_sum`)."""
         microbatches = self._local_tokens(microbatches)
         global_targets = sum(count_targets(labels) for _, labels in microbatches).float()
         dist.all_reduce(global_targets, group=self.loss_group)
+        # Scaling the denominator scales every microbatch's loss and gradient by loss_scale.
+        denominator = global_targets if loss_scale is None else global_targets / loss_scale
         share = torch.zeros((), device=self.device)
         with loss_context(self.loss_parallel):
-            for inputs, labels in microbatches:
-                if self.pipeline is not None:
-                    share += self.pipeline.forward_backward(inputs, labels, global_targets)
-                    continue
-                loss = self._loss_sum(self.model(inputs), labels) / global_targets
-                loss.backward()
-                share += loss.detach()
-        return share
+            for index, (inputs, labels) in enumerate(microbatches):
+                with self._all_reduce_only_after(last=index == len(microbatches) - 1):
+                    if self.pipeline is not None:
+                        share += self.pipeline.forward_backward(inputs, labels, denominator)
+                        continue
+                    loss = self._loss_sum(self.model(inputs), labels) / denominator
+                    loss.backward()
+                    share += loss.detach()
+        return share if loss_scale is None else share / loss_scale
+
+    @contextlib.contextmanager
+    def _all_reduce_only_after(self, last: bool):
+        """Under HSDP and DDP, skip the all-reduce across replicas for all but the last microbatch
+        of a step: FSDP keeps adding the (shard-reduced) gradients of the earlier microbatches and
+        all-reduces their sum once. Within a shard group the reduce-scatter still runs per
+        microbatch, so gradients stay sharded in memory (FSDP alone has no all-reduce to skip)."""
+        if last or not self.replicated_roots:
+            yield
+            return
+        for root in self.replicated_roots:
+            root.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            for root in self.replicated_roots:
+                root.set_requires_all_reduce(True)
 
     @torch.no_grad()
     def evaluate(self, microbatches: Microbatches) -> torch.Tensor:

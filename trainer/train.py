@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     TrainingComplete,
-    TrainState,
     checkpoint_record,
     refuse_overwrite,
     save_seed_checkpoint,
@@ -35,15 +35,18 @@ from trainer.config.manager import ConfigError, help_text, load_config, to_dict,
 from trainer.data.loader import BatchLoader, check_evaluation_fits
 from trainer.data.sources import build_sources
 from trainer.data.text_sources import DataError, DataExhausted
+from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
+from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
 from trainer.process_exit import report_error, run_process
 from trainer.step import StepRunner
+from trainer.train_state import TrainState
 from trainer.version import code_version
 
 logger = logging.getLogger("trainer")
@@ -57,6 +60,7 @@ class NonFiniteLossError(RuntimeError):
 class StepResult:
     loss: torch.Tensor  # this rank's share of the global loss (sums to it over data-parallel ranks)
     grad_norm: torch.Tensor  # global gradient norm before clipping
+    skipped: bool = False  # float16: the gradients overflowed at this loss scale, no optimizer step
 
 
 class Trainer:
@@ -76,11 +80,12 @@ class Trainer:
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name
         self.runner = StepRunner(parallel, plan.dims, self.mesh, config, self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), config.optimizer)
+        self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)
         self.source = self.loader.source
-        self.state = TrainState()
+        self.loss_scaler = build_loss_scaler(config, resolve_param_dtype(config.training.mixed_precision_param, self.device))
+        self.state = TrainState(loss_scaler=self.loss_scaler)
         self.tokens_per_step = plan.global_batch_size * config.training.seq_len
         self.checkpointer = CheckpointManager(
             config, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
@@ -166,12 +171,36 @@ class Trainer:
         }
 
     def train_step(self) -> StepResult:
-        loss_share = self.runner.forward_backward(self.loader.next_batch())
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.training.max_norm, self.runner.norm_reduction())
-        self.optimizer.step()
-        self.scheduler.step()
+        scaler = self.loss_scaler
+        loss_share = self.runner.forward_backward(self.loader.next_batch(), scaler.scale if scaler else None)
+        if scaler is None:
+            grad_norm, skipped = self._clip(), False
+            self.optimizer.step()
+        else:
+            grad_norm, skipped = self._scaled_update(scaler)
+        with warnings.catch_warnings():  # torch warns when the first optimizer step was skipped
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()  # also after a skipped step: the schedule follows the step number
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_share, grad_norm)
+        return StepResult(loss_share, grad_norm, skipped)
+
+    def _clip(self) -> torch.Tensor:
+        return clip_grad_norm(self.model.parameters(), self.config.training.max_norm, self.runner.norm_reduction())
+
+    def _scaled_update(self, scaler: DynamicLossScaler) -> tuple[torch.Tensor, bool]:
+        """Unscale, then step unless some gradient overflowed (see trainer.loss_scale). The norm is
+        global, so every rank takes the same decision; reading it waits for the device, which
+        float16 training pays once per step."""
+        unscale_gradients(self.model.parameters(), scaler.scale)
+        grad_norm = self._clip()
+        finite = bool(torch.isfinite(grad_norm).item())
+        scaler.update(finite, self.state.step)
+        if finite:
+            self.optimizer.step()
+        else:
+            logger.warning("step %d: gradients overflowed at loss scale %g; step skipped, scale now %g",
+                           self.state.step, scaler.scale * 2, scaler.scale)
+        return grad_norm, not finite
 
     @torch.no_grad()
     def validation_loss(self) -> float:
@@ -237,7 +266,7 @@ class Trainer:
             if logging_step or evaluating or saving or step == last_step:
                 self._check_finite(*unchecked)
                 unchecked = None
-            if step == 1:
+            if step == first_step:  # also after a resume, which starts past step 1
                 env.set_collective_timeout(cfg.comm.train_timeout_seconds)
             if step % cfg.training.gc_freq == 0:
                 gc.collect(1)
@@ -248,6 +277,7 @@ class Trainer:
                     step=step, loss=loss, grad_norm=result.grad_norm.item(), lr=lr,
                     tokens=(step - last_log_step) * self.tokens_per_step, tokens_seen=self.state.tokens_seen,
                     elapsed_s=now - last_log_time, steps_since_log=step - last_log_step,
+                    loss_scale=self.loss_scaler.state_dict() if self.loss_scaler else None, step_skipped=result.skipped,
                 ))
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(f"step {step}: loss {loss}; stopping")
@@ -266,8 +296,8 @@ class Trainer:
 
     def _check_finite(self, step: int, result: StepResult) -> None:
         """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from
-        any rank and all stop together."""
-        if not torch.isfinite(result.grad_norm).item():
+        any rank and all stop together. (A float16 step skipped for an overflow is expected.)"""
+        if not result.skipped and not torch.isfinite(result.grad_norm).item():
             raise NonFiniteLossError(
                 f"step {step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
                 "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
@@ -352,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         trainer.train()
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, LossScaleError) as e:
         return stop(e, 1)
     except (ConfigError, DataError, CheckpointError) as e:  # a stream that cannot be opened, a step folder in the way
         return stop(e)

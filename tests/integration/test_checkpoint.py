@@ -12,6 +12,8 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
@@ -206,6 +208,98 @@ def test_resume_after_a_crash_keeps_each_step_once(tmp_path, killed_at_10):
     assert {"step": 11, "loss": 1.0} in [json.loads(line) for line in moved[0].read_text().splitlines()]  # kept
 
 
+# Loaded by every process of a run through PYTHONPATH: its ranks SIGKILL themselves when they reach
+# the save of step KILL_AT_SAVE, once the previous (asynchronous) save has written its .metadata,
+# which DCP writes last. They wait up to 5 s more for that save to be published, which takes
+# milliseconds when saves are published on completion, so the kill always falls between two saves.
+KILL_HOOK = """
+import os
+
+if "RANK" in os.environ and "KILL_AT_SAVE" in os.environ:
+    import signal
+    import time
+
+    import trainer.checkpoint
+
+    save = trainer.checkpoint.CheckpointManager.save
+
+    def save_or_die(self, step, **kwargs):
+        if step == int(os.environ["KILL_AT_SAVE"]):
+            written = [self.folder / f".step-{self.last_saved}.partial", self.folder / f"step-{self.last_saved}"]
+            deadline = time.time() + 60
+            while not any((p / ".metadata").is_file() for p in written) and time.time() < deadline:
+                time.sleep(0.01)
+            deadline = time.time() + 5
+            while not written[1].exists() and time.time() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(self, step, **kwargs)
+
+    trainer.checkpoint.CheckpointManager.save = save_or_die
+"""
+
+ASYNC_RESUMABLE = [*JOB, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "3",
+                   "--checkpoint.async_mode", "async"]
+
+
+@pytest.fixture(scope="module")
+def async_killed_at_6(tmp_path_factory):
+    """A 2-process run with asynchronous saves every 3 steps, SIGKILLed after its step-3 save
+    was written, at the start of its step-6 save."""
+    dump, hook = tmp_path_factory.mktemp("async-killed"), tmp_path_factory.mktemp("kill-hook")
+    (hook / "sitecustomize.py").write_text(KILL_HOOK)
+    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "KILL_AT_SAVE")}
+    os.environ.update(PYTHONPATH=str(hook), KILL_AT_SAVE="6")
+    try:
+        result = launch(2, [*ASYNC_RESUMABLE, "--job.dump_folder", str(dump)])
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    assert result.returncode == 128 + signal.SIGKILL, describe(result)
+    assert max(r["step"] for r in read_metrics(dump)) == 6
+    return dump
+
+
+def test_async_checkpoint_survives_a_crash(tmp_path, async_killed_at_6, uninterrupted):
+    """The step-3 save was published as soon as it was written: the restart resumes from it."""
+    checkpoints = async_killed_at_6 / "checkpoint"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3"]  # not left as .step-3.partial
+    assert json.loads((checkpoints / "step-3" / "checkpoint.json").read_text())["step"] == 3
+    shutil.copytree(async_killed_at_6, tmp_path, dirs_exist_ok=True)
+    result = launch(2, [*ASYNC_RESUMABLE, "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert "loaded model, optimizer, lr_scheduler, dataloader, train_state" in result.stdout
+    assert "(step 3)" in result.stdout
+    assert json.loads((tmp_path / "run_meta.json").read_text())["start"]["step"] == 3
+    resumed = losses_by_step(tmp_path)
+    assert [resumed[s] for s in range(4, 21)] == [uninterrupted[s] for s in range(4, 21)]  # bitwise
+
+
+def test_restart_publishes_a_finished_partial_save_and_removes_an_unfinished_one(tmp_path, async_killed_at_6,
+                                                                                  uninterrupted):
+    """A crash between DCP's .metadata and the rename leaves a finished .step-N.partial: it is
+    published (with a checkpoint.json, even when an earlier version wrote none); a partial
+    without .metadata was cut off while writing and is removed."""
+    shutil.copytree(async_killed_at_6, tmp_path, dirs_exist_ok=True)
+    checkpoints = tmp_path / "checkpoint"
+    [saved] = checkpoints.glob("*step-3*")  # step-3, or .step-3.partial where saves are published late
+    if saved.name == "step-3":
+        saved.rename(checkpoints / ".step-3.partial")
+    (checkpoints / ".step-3.partial" / "checkpoint.json").unlink(missing_ok=True)  # as an earlier version left it
+    shutil.copytree(checkpoints / ".step-3.partial", checkpoints / ".step-6.partial")
+    (checkpoints / ".step-6.partial" / ".metadata").unlink()
+    # Step 4's loss depends only on the state after step 3, so 4 steps here equal 20 there.
+    result = launch(2, [*ASYNC_RESUMABLE, "--training.steps", "4", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    assert f"publishing {checkpoints / '.step-3.partial'}: its save had completed" in result.stdout
+    assert f"removing {checkpoints / '.step-6.partial'}: a save that never completed" in result.stdout
+    assert "(step 3)" in result.stdout
+    assert losses_by_step(tmp_path)[4] == uninterrupted[4]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-3", "step-4"]
+    record = json.loads((checkpoints / "step-3" / "checkpoint.json").read_text())
+    assert (record["step"], record["published_at_restart"]) == (3, True)
+
+
 INTERLEAVED_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                    "Interleaved1F1B")
 
@@ -224,6 +318,23 @@ def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, name
     measured(f"saved at FSDP 2, resumed at {name}: steps 11-20 max |loss diff| {diff:.2e}")
     assert diff <= 1e-5
     assert min(losses) == 11  # data position restored: it continued at step 11, not step 1
+
+
+def test_pipeline_resume_restores_every_stage(tmp_path):
+    """PP 2 resumed from its own checkpoint: each stage gets back its own optimizer settings,
+    including a second parameter group that only stage 0 holds (the embedding, not decayed)."""
+    job = [*TINY_JOB, "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size", "8",
+           "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4",
+           "--optimizer.weight_decay", "0.5", "--optimizer.weight_decay_exclude", "embedding",
+           "--checkpoint.enable", "--checkpoint.interval", "4"]
+    result = launch(2, [*job, "--job.dump_folder", str(tmp_path / "full")])
+    assert result.returncode == 0, describe(result)
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", tmp_path / "resumed" / "checkpoint" / "step-4")
+    result = launch(2, [*job, "--job.dump_folder", str(tmp_path / "resumed")])
+    assert result.returncode == 0, describe(result)
+    assert "(step 4)" in result.stdout
+    uninterrupted, resumed = losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "resumed")
+    assert [resumed[s] for s in range(5, 9)] == [uninterrupted[s] for s in range(5, 9)]
 
 
 def test_retention_async_save_and_model_only_export(seed, tmp_path):
@@ -271,6 +382,7 @@ def test_bad_checkpoint_input(tmp_path, seed, other_model_seed):
     message = refused("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "c"))
     assert "no checkpoint of step 4" in message and "complete checkpoints: none" in message
     shutil.copytree(seed, tmp_path / "d" / "checkpoint" / ".step-4.partial")
+    (tmp_path / "d" / "checkpoint" / ".step-4.partial" / ".metadata").unlink()  # DCP writes it last
     message = refused("--checkpoint.enable", "--checkpoint.load_step", "4", "--job.dump_folder", str(tmp_path / "d"))
     assert "the save of step 4" in message and "never completed" in message
     (tmp_path / "e").mkdir()
@@ -289,6 +401,7 @@ def test_bad_checkpoint_input(tmp_path, seed, other_model_seed):
 def test_stale_partial_save_is_ignored_and_removed(tmp_path, killed_at_10):
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / ".step-15.partial")
+    (tmp_path / "checkpoint" / ".step-15.partial" / ".metadata").unlink()  # DCP writes it last
     result = launch(2, [*RESUMABLE, "--training.steps", "11", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     assert "a save that never completed" in result.stdout
@@ -356,3 +469,74 @@ def test_hugging_face_export_of_a_pipeline_run_has_every_stage(seed, tmp_path):
     expected = to_hf(read_model_state(seed), args)
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+class _Position:
+    """Stands in for the data loader: the manager saves its state_dict."""
+
+    def state_dict(self) -> dict:
+        return {"step": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _two_async_saves(rank: int, mode: str, folder: str, results) -> None:
+    """One process: two asynchronous saves of a small model, recording what DCP staged each time."""
+    import time as clock
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    from trainer.checkpoint import CheckpointManager
+    from trainer.train_state import TrainState
+    from trainer.config.job_config import JobConfig
+    from trainer.process_exit import exit_without_teardown
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
+    staged = []
+    original_stage = StateDictStager.stage
+    StateDictStager.stage = lambda self, state, **kw: staged.append(original_stage(self, state, **kw)) or staged[-1]
+    config = JobConfig()
+    config.job.dump_folder, config.checkpoint.enable, config.checkpoint.async_mode = folder, True, mode
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, scheduler=scheduler, loader=_Position(),
+                                train_state=TrainState(), rank=0)
+    published = []
+    for step in (1, 2):
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+        manager.save(step)
+        expected = model.weight.detach().clone()
+        # Published without any further call: poll the folder, as a crash right now would find it.
+        deadline = clock.time() + 10
+        while not (manager.folder / f"step-{step}").exists() and clock.time() < deadline:
+            clock.sleep(0.01)
+        published.append((manager.folder / f"step-{step}" / ".metadata").is_file())
+    manager.wait()
+    loaded = {"model": {"weight": torch.zeros(16, 16), "bias": torch.zeros(16)}}
+    dcp.load(loaded, checkpoint_id=str(manager.folder / "step-2"))
+    weights = [s["model"]["weight"] for s in staged]
+    results.update(published=published, staged=len(staged), same_storage=(
+        weights[0].untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()),
+        round_trip=torch.equal(loaded["model"]["weight"], expected), record=(manager.folder / "step-2" /
+                                                                              "checkpoint.json").is_file())
+    dist.destroy_process_group()
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+
+
+@pytest.mark.parametrize("mode, reuses", [("async", False), ("async_with_pinned_mem", True)])
+def test_async_save_is_published_when_complete_and_pinned_mode_reuses_its_buffers(tmp_path, mode, reuses):
+    """Each asynchronous save appears as step-N as soon as it is written, not at the next save;
+    async_with_pinned_mem stages every save into the same CPU buffers (pinned with CUDA), async
+    into fresh memory each time; both round-trip exactly."""
+    with mp.Manager() as shared:
+        results = shared.dict()
+        mp.spawn(_two_async_saves, args=(mode, str(tmp_path), results), nprocs=1, join=True)
+        results = dict(results)
+    assert results["staged"] == 2 and results["same_storage"] is reuses
+    assert results["published"] == [True, True]
+    assert results["record"] and results["round_trip"]

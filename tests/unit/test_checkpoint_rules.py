@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete, TrainState
+from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete
+from trainer.train_state import TrainState
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_dict
 from trainer.optim import build_lr_scheduler, build_optimizer, schedule_change, set_schedule_position
@@ -91,7 +92,7 @@ def test_schedule_change_names_steps_whose_learning_rate_differs():
 def test_continued_schedule_takes_the_new_step_count():
     """The optimizer state saved at step 10 of a 10-step run holds the lr of that run's step 11."""
     old = schedule_config(10, 2)
-    params = [torch.nn.Parameter(torch.zeros(1))]
+    params = [("w", torch.nn.Parameter(torch.zeros(1)))]
     optimizer = build_optimizer(params, old.optimizer)
     scheduler = build_lr_scheduler(optimizer, old.lr_scheduler, 10)
     for _ in range(10):
@@ -102,10 +103,29 @@ def test_continued_schedule_takes_the_new_step_count():
     resumed = build_lr_scheduler(optimizer, new.lr_scheduler, 15)
     resumed.load_state_dict(saved)
     set_schedule_position(resumed, resumed.last_epoch)
-    reference = build_lr_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], new.optimizer),
+    reference = build_lr_scheduler(build_optimizer([("w", torch.nn.Parameter(torch.zeros(1)))], new.optimizer),
                                    new.lr_scheduler, 15)
     for _ in range(10):
         reference.optimizer.step()
         reference.step()
     assert optimizer.param_groups[0]["lr"] == reference.get_last_lr()[0] == resumed.get_last_lr()[0]
     assert optimizer.param_groups[0]["lr"] > 0  # the 10-step schedule had reached 0 here
+
+
+def test_a_finished_partial_save_counts_as_a_checkpoint_to_load(tmp_path):
+    """DCP writes .metadata last: a .step-N.partial holding it is published at start, so the
+    launcher's check accepts load_step N (not with load_only, which never publishes)."""
+    from trainer.checkpoint_layout import check_load_options, finished_partials
+
+    config = JobConfig()
+    config.job.dump_folder, config.checkpoint.enable, config.checkpoint.load_step = str(tmp_path), True, 3
+    partial = tmp_path / "checkpoint" / ".step-3.partial"
+    partial.mkdir(parents=True)
+    with pytest.raises(ValueError, match="the save of step 3 .* never completed"):
+        check_load_options(config)
+    (partial / ".metadata").write_bytes(b"x")
+    assert finished_partials(tmp_path / "checkpoint") == {3: partial}
+    check_load_options(config)
+    config.checkpoint.load_only = True
+    with pytest.raises(ValueError, match="finished but was never published; a run without checkpoint.load_only"):
+        check_load_options(config)

@@ -185,6 +185,14 @@ def test_invalid_values(argv, fragment):
     assert fragment in error_of(argv)
 
 
+def test_weight_decay_exclude_names_the_key_and_the_kinds():
+    message = error_of(["--optimizer.weight_decay_exclude", "norm,embeddings"])
+    assert "optimizer.weight_decay_exclude: 'embeddings' is not valid" in message
+    assert "choose one of 'norm', 'embedding', 'output', 'bias'" in message
+    assert load_config(["--optimizer.weight_decay_exclude", "norm,output"]).optimizer.weight_decay_exclude == [
+        "norm", "output"]
+
+
 def test_several_problems_reported_together():
     message = error_of(["--training.steps", "0", "--optimizer.lr", "-1"])
     assert "training.steps" in message and "optimizer.lr" in message

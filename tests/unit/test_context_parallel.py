@@ -1,5 +1,6 @@
 """Context-parallel attention over 2 gloo processes equals causal attention of the whole sequence,
-in the forward and in the gradients of queries, keys and values (GQA: 4 query heads, 2 K/V heads)."""
+in the forward and in the gradients of queries, keys and values (GQA: 4 query heads, 2 K/V heads).
+The gathered keys and values are kept for backward once, not once per query head."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ def run_rank(rank: int, init_file: str, results) -> None:
     q, k, v, upstream = reference_inputs()
     local = [shard_sequence(t, rank, CP).detach().requires_grad_() for t in (q, k, v)]
     core = ContextParallelAttention(mesh)
-    out = core(*local)
+    saved_shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_shapes.append(tuple(t.shape)) or t, lambda t: t):
+        out = core(*local)
     (out * shard_sequence(upstream, rank, CP)).sum().backward()
-    results[rank] = (out.detach(), *(t.grad for t in local), core.positions(T // CP, out.device))
+    results[rank] = (out.detach(), *(t.grad for t in local), core.positions(T // CP, out.device), saved_shapes)
     dist.destroy_process_group()
     exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
 
@@ -48,7 +51,9 @@ def test_cp_attention_matches_full_sequence_attention(tmp_path):
     (out * upstream).sum().backward()
 
     for rank in range(CP):
-        cp_out, dq, dk, dv, positions = results[rank]
+        cp_out, dq, dk, dv, positions, saved_shapes = results[rank]
+        # The attention kernel keeps the whole sequence's K and V with their 2 heads, not 4 copies.
+        assert (B, KV_HEADS, T, DIM) in saved_shapes and (B, HEADS, T, DIM) not in saved_shapes
         torch.testing.assert_close(positions, torch.cat([torch.arange(rank * 4, rank * 4 + 4),
                                                          torch.arange((3 - rank) * 4, (4 - rank) * 4)]))
         torch.testing.assert_close(cp_out, shard_sequence(out.detach(), rank, CP), rtol=1e-12, atol=1e-12)

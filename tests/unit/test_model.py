@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from trainer.models.llama3 import FLAVORS, Transformer, get_flavor
 from trainer.models.llama3.args import LlamaModelArgs, RopeScaling, flops_per_token, num_params
-from trainer.models.llama3.model import apply_rope, count_params_on_meta, rope_inverse_frequencies, rope_table
+from trainer.models.llama3.model import (
+    CausalAttention,
+    apply_rope,
+    count_params_on_meta,
+    rope_inverse_frequencies,
+    rope_table,
+)
 
 
 @pytest.mark.parametrize("flavor, published", [
@@ -123,6 +129,59 @@ def test_grouped_query_attention_matches_naive_reference():
     assert (got - expected).abs().max().item() < 1e-10
 
 
+class RepeatedKVAttention(CausalAttention):
+    """The attention core before enable_gqa: every query head gets its own copy of its K/V head."""
+
+    def __call__(self, q, k, v):
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        copies = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def saved_bytes(block, x, rope) -> tuple[int, torch.Tensor]:
+    """(bytes of the distinct activation storages autograd keeps for backward, output) of one
+    block's forward; the weights and the RoPE table, kept anyway, are not counted."""
+    kept_anyway = {t.untyped_storage().data_ptr() for t in [*block.parameters(), rope]}
+    storages = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in kept_anyway:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x, rope)
+    return sum(storages.values()), out
+
+
+def gqa_saved_bytes(dim: int, heads: int, kv_heads: int, batch: int = 2, seq: int = 64):
+    """(saved bytes with repeated K/V, saved bytes now, K/V bytes saved once, outputs and input grads of both)."""
+    args = LlamaModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, vocab_size=8, multiple_of=32,
+                          max_seq_len=seq)
+    model = Transformer(args)
+    model.init_weights(0)
+    block = model.layers["0"]
+    results = []
+    for core in (RepeatedKVAttention(), CausalAttention()):
+        block.attention.core = core
+        x = torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        saved, out = saved_bytes(block, x, model.freqs_cis)
+        out.backward(torch.ones_like(out))
+        results.append((saved, out.detach(), x.grad))
+    kv_once = 2 * batch * seq * kv_heads * args.head_dim * 4  # K and V, float32
+    return results[0][0], results[1][0], kv_once, results
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (32, 8)])  # the tiny flavor's ratio; Llama 3 8B/70B's
+def test_gqa_keeps_keys_and_values_once_for_backward(heads, kv_heads):
+    before, after, kv_once, ((_, old_out, old_grad), (_, out, grad)) = gqa_saved_bytes(128, heads, kv_heads)
+    # The repeated K/V (heads / kv_heads copies) are no longer kept; K and V are kept once.
+    assert before - after == kv_once * (heads // kv_heads - 1)
+    assert torch.equal(out, old_out)
+    torch.testing.assert_close(grad, old_grad, rtol=0, atol=1e-6)
+
+
 def test_rope_scaling_keeps_high_and_divides_low_frequencies():
     scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
     plain = rope_inverse_frequencies(128, 500000.0, None)
@@ -200,3 +259,13 @@ def test_tiny_model_overfits_one_batch():
         loss.backward()
         optimizer.step()
     assert losses[-1] < 0.5 * losses[0]
+
+
+if __name__ == "__main__":
+    # The saved-activation table of docs/performance.md.
+    print("| dim | heads | kv heads | saved with repeated K/V | saved now | change | K and V kept once |")
+    print("|---|---|---|---|---|---|---|")
+    for dim, heads, kv_heads in ((64, 4, 2), (512, 32, 8), (512, 64, 8)):
+        before, after, kv_once, _ = gqa_saved_bytes(dim, heads, kv_heads)
+        print(f"| {dim} | {heads} | {kv_heads} | {before / 2**10:.0f} KiB | {after / 2**10:.0f} KiB "
+              f"| {100 * (after - before) / before:.1f}% | {kv_once / 2**10:.0f} KiB |")

@@ -44,7 +44,7 @@ def test_zero_warmup_starts_at_peak():
 
 def test_scheduler_applies_factor_of_each_step():
     param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = build_optimizer([param], Optimizer(lr=0.1))
+    optimizer = build_optimizer([("w", param)], Optimizer(lr=0.1))
     scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=4, decay_ratio=0.5, min_lr_factor=0.1), 12)
     used = []
     for _ in range(12):
@@ -57,10 +57,66 @@ def test_scheduler_applies_factor_of_each_step():
 @pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
 def test_optimizer_from_config(name, cls):
     param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = build_optimizer([param], Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2))
+    optimizer = build_optimizer([("w", param)], Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2))
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.5, (0.8, 0.9), 1e-6, 0.2)
+
+
+def tiny_model():
+    from trainer.models.llama3.args import get_flavor
+    from trainer.models.llama3.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(get_flavor("tiny"))
+
+
+def group_names(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [sorted(names[id(p)] for p in group["params"]) for group in optimizer.param_groups]
+
+
+def test_nothing_excluded_keeps_one_group_of_every_parameter():
+    model = tiny_model()
+    optimizer = build_optimizer(model.named_parameters(), Optimizer(weight_decay=0.1))
+    assert group_names(model, optimizer) == [sorted(n for n, _ in model.named_parameters())]
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("exclude, expected", [
+    (["norm"], {"layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "layers.1.attention_norm.weight",
+                "layers.1.ffn_norm.weight", "layers.2.attention_norm.weight", "layers.2.ffn_norm.weight",
+                "layers.3.attention_norm.weight", "layers.3.ffn_norm.weight", "norm.weight"}),
+    (["embedding", "output"], {"tok_embeddings.weight", "output.weight"}),
+    (["bias"], set()),  # Llama has no biases: one decayed group, as without exclusions
+])
+def test_excluded_kinds_form_a_group_without_decay(exclude, expected):
+    model = tiny_model()
+    optimizer = build_optimizer(model.named_parameters(), Optimizer(weight_decay=0.1, weight_decay_exclude=exclude))
+    everything = {n for n, _ in model.named_parameters()}
+    groups = group_names(model, optimizer)
+    assert groups == ([sorted(everything - expected), sorted(expected)] if expected else [sorted(everything)])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0][:len(groups)]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_excluded_parameters_are_not_decayed(name):
+    """With zero gradients the only update is weight decay: AdamW scales a decayed weight by exactly
+    1 - lr x weight_decay, Adam's L2 term moves it; an excluded weight stays bitwise unchanged."""
+    model = tiny_model()
+    cfg = Optimizer(name=name, lr=0.1, weight_decay=0.5, weight_decay_exclude=["norm", "embedding"])
+    optimizer = build_optimizer(model.named_parameters(), cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for n, p in model.named_parameters():
+        if n == "tok_embeddings.weight" or n.endswith("norm.weight"):
+            assert torch.equal(p, before[n]), n
+        elif name == "AdamW":
+            assert torch.equal(p, before[n] * (1 - 0.1 * 0.5)), n
+        else:
+            assert not torch.equal(p, before[n]), n
 
 
 def test_clip_grad_norm_returns_global_norm_and_clips():

@@ -72,6 +72,10 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW); L2 penalty for Adam."""
 
+    weight_decay_exclude: list[Literal["norm", "embedding", "output", "bias"]] = field(default_factory=list)
+    """Parameter kinds trained without weight decay: norm (RMSNorm gains), embedding (token
+    embedding), output (final projection), bias. Empty: every parameter decays."""
+
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
     """Kernel strategy of the torch optimizer: one kernel per tensor, grouped, or fused."""
 
@@ -133,7 +137,20 @@ class Training:
     """Dtype FSDP casts parameters to for compute. auto: bfloat16 on CUDA, float32 on CPU."""
 
     mixed_precision_reduce: DType = "float32"
-    """Dtype of the FSDP gradient reduction."""
+    """Dtype of every gradient reduction: FSDP's reduce-scatter and all-reduce, the TP all-reduce
+    of the norm weights' gradients and the CP reduce-scatter of key/value gradients."""
+
+    loss_scale_initial: float = 65536.0
+    """float16 compute only (mixed_precision_param = "float16"): the first dynamic loss scale, a
+    power of two. The loss is multiplied by the scale before backward so that small gradients
+    do not flush to zero in float16; a step whose gradients overflow is skipped and halves it."""
+
+    loss_scale_growth_interval: int = 1000
+    """float16 only: double the loss scale after this many steps in a row without an overflow."""
+
+    loss_scale_min: float = 1.0
+    """float16 only: the smallest loss scale, a power of two; an overflow at this scale stops the
+    run as a diverged loss."""
 
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
@@ -236,7 +253,11 @@ class Checkpoint:
     """Dtype of a model-only last save."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """Save in a background thread instead of blocking training."""
+    """disabled: training waits until the save is written. async: training waits only while the
+    state is copied to fresh CPU memory; a background thread writes it and the checkpoint is
+    published as soon as every rank's part is written. async_with_pinned_mem: as async, copying
+    into CPU buffers kept for the whole run (pinned with CUDA; on CPU only reused). The last save
+    is always synchronous (docs/checkpoints.md)."""
 
     keep_latest_k: int = 10
     """Keep this many newest checkpoints; 0 keeps all."""
@@ -317,7 +338,8 @@ class Comm:
     """Timeout for process-group creation and the first collectives."""
 
     train_timeout_seconds: int = 100
-    """Timeout for collectives once training has started."""
+    """Timeout for collectives once the first step has run, on every process group (mesh
+    subgroups included); checkpoint saves after that step run under it too."""
 
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""

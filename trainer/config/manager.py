@@ -18,6 +18,7 @@ import difflib
 import functools
 import inspect
 import logging
+import math
 import sys
 import types
 import typing
@@ -271,6 +272,15 @@ def validate(config: JobConfig) -> None:
         f"training.global_batch_size: must be -1 (local x data-parallel degree) or >= 1, got {c.training.global_batch_size}",
     )
     need(c.training.seq_len >= 2, f"training.seq_len: must be >= 2, got {c.training.seq_len}")
+    for key in ("loss_scale_initial", "loss_scale_min"):
+        value = getattr(c.training, key)
+        need(value > 0 and math.frexp(value)[0] == 0.5, f"training.{key}: must be a power of two (so that unscaling "
+             f"is exact), e.g. 65536 or 1, got {value}")
+    need(c.training.loss_scale_min <= c.training.loss_scale_initial,
+         f"training.loss_scale_min: must be <= training.loss_scale_initial ({c.training.loss_scale_initial}), "
+         f"got {c.training.loss_scale_min}")
+    need(c.training.loss_scale_growth_interval >= 1,
+         f"training.loss_scale_growth_interval: must be >= 1, got {c.training.loss_scale_growth_interval}")
     need(c.training.gc_freq >= 1, f"training.gc_freq: must be >= 1, got {c.training.gc_freq}")
     need(c.optimizer.lr >= 0, f"optimizer.lr: must be >= 0, got {c.optimizer.lr}")
     for key in ("beta1", "beta2"):

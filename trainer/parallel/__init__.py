@@ -60,11 +60,13 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     reshard = p.fsdp_reshard_after_forward
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, device)
     data_parallel = needs_fsdp(dims, param_dtype, config.training.enable_cpu_offload)
+    # Every gradient reduction runs in this dtype: FSDP's, TP's norm weights, CP's keys/values.
+    reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     for stage in stages.values():
         if dims.tp > 1:
-            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel)
+            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype)
         if dims.cp > 1:
-            apply_cp(stage, mesh["cp"])
+            apply_cp(stage, mesh["cp"], reduce_dtype=reduce_dtype)
         apply_ac(stage, ac.mode, ac.selective_ac_option)
         if config.compile.enable and "model" in config.compile.components:
             apply_compile(stage, config.compile.backend)
@@ -73,7 +75,7 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
                 stage,
                 data_parallel_mesh(dims, mesh),
                 param_dtype=param_dtype,
-                reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
+                reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard == "always" or (reshard == "default" and dims.pp == 1),
                 cpu_offload=config.training.enable_cpu_offload,
             )

@@ -7,6 +7,11 @@ Modes (activation_checkpoint.mode):
              expensive ops (matmuls, attention, collectives) and recomputes the cheap ones
              (norms, activations, RoPE).
 
+Only functional collectives (`_c10d_functional`, which return new tensors) can be kept: a blocking
+c10d call writes into a tensor it is given, and a recompute that skips it would leave that tensor
+unwritten. So the forward collectives inside blocks are functional: DTensor's (TP) and CP's
+key/value all-gather (trainer/parallel/context.py).
+
 The recompute runs inside the block's forward (`TransformerBlock.recompute`), so parameter names,
 FSDP units and pipeline stages are the same with and without it. Layer indices are global, so a
 pipeline-parallel run checkpoints the same blocks as a run without pipelining.

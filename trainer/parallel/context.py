@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from trainer.models.llama3.model import repeat_kv
+from trainer.models.llama3.model import grouped_query_attention
 
 
 def load_balanced_positions(cp_rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
@@ -39,36 +38,40 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
 
 class GatherSequence(torch.autograd.Function):
     """All-gather a (B, T_local, ...) tensor along the sequence over a process group, in rank order;
-    backward reduce-scatters (sums) the gradient back to the owner of each piece.
+    backward reduce-scatters (sums) the gradient back to the owner of each piece, in `reduce_dtype`
+    (the configured gradient-reduction precision: a bfloat16 sum over ranks loses bits).
 
-    Plain blocking c10d calls rather than functional collectives: on gloo the functional
-    reduce-scatter is an allreduce plus a deferred copy that only happens at wait time, and
-    keeping the collective synchronous keeps the ordering explicit and identical on every backend.
+    The forward all-gather is a functional collective (it returns a new tensor): selective
+    activation checkpointing can then keep its output instead of gathering again in backward
+    (trainer/parallel/checkpointing.py). The reduce-scatter is a plain blocking c10d call: on gloo
+    the functional one is an allreduce plus a deferred copy that only happens at wait time, and a
+    synchronous call keeps the ordering explicit and identical on every backend.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+        ctx.group, ctx.reduce_dtype = group, reduce_dtype
         world = dist.get_world_size(group)
         # Collectives concatenate along dim 0: (world * B, T_local, ...), then move ranks into the sequence.
-        gathered = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(gathered, x.contiguous(), group=group)
+        functional = torch.ops._c10d_functional
+        gathered = functional.wait_tensor(functional.all_gather_into_tensor(x.contiguous(), world, group.group_name))
         return gathered.unflatten(0, (world, -1)).movedim(0, 1).flatten(1, 2)  # (B, world * T_local, ...)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
-        per_rank = grad.unflatten(1, (world, -1)).movedim(1, 0).flatten(0, 1).contiguous()  # (world * B, T_local, ...)
+        per_rank = grad.unflatten(1, (world, -1)).movedim(1, 0).flatten(0, 1)  # (world * B, T_local, ...)
+        per_rank = per_rank.to(ctx.reduce_dtype or grad.dtype).contiguous()
         local = per_rank.new_empty((per_rank.shape[0] // world, *per_rank.shape[1:]))
         dist.reduce_scatter_single(local, per_rank, op=dist.ReduceOp.SUM, group=ctx.group)
-        return local, None
+        return local.to(grad.dtype), None, None
 
 
 class ContextParallelAttention:
     """Attention core (see trainer.models.llama3.model.CausalAttention) of one CP rank."""
 
-    def __init__(self, cp_mesh):
-        self.group = cp_mesh.get_group()
+    def __init__(self, cp_mesh, reduce_dtype: torch.dtype | None = None):
+        self.group, self.reduce_dtype = cp_mesh.get_group(), reduce_dtype
         self.rank, self.degree = cp_mesh.get_local_rank(), cp_mesh.size()
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
@@ -77,18 +80,17 @@ class ContextParallelAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         local_len = q.shape[1]
         # Keys and values of all CP ranks, concatenated in rank order along the sequence.
-        k = GatherSequence.apply(k, self.group)
-        v = GatherSequence.apply(v, self.group)
+        k = GatherSequence.apply(k, self.group, self.reduce_dtype)
+        v = GatherSequence.apply(v, self.group, self.reduce_dtype)
         query_positions = self.positions(local_len, q.device)
         key_positions = torch.cat([load_balanced_positions(r, self.degree, local_len * self.degree, q.device)
                                    for r in range(self.degree)])
         visible = query_positions[:, None] >= key_positions[None, :]  # causal, by true positions
-        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
-        return out.transpose(1, 2)
+        return grouped_query_attention(q, k, v, attn_mask=visible)
 
 
-def apply_cp(model: torch.nn.Module, cp_mesh) -> None:
-    """Make every attention layer of `model` (a whole Llama or a pipeline stage) context parallel."""
+def apply_cp(model: torch.nn.Module, cp_mesh, *, reduce_dtype: torch.dtype | None = None) -> None:
+    """Make every attention layer of `model` (a whole Llama or a pipeline stage) context parallel;
+    the key/value gradients are reduce-scattered in `reduce_dtype` (None: their own dtype)."""
     for block in model.layers.values():
-        block.attention.core = ContextParallelAttention(cp_mesh)
+        block.attention.core = ContextParallelAttention(cp_mesh, reduce_dtype)

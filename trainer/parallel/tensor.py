@@ -8,6 +8,11 @@ activations outside attention and FFN are never replicated across TP ranks:
 
     x (B, T/tp) -norm-> all-gather -> (B, T) -> attention / FFN -> reduce-scatter -> (B, T/tp)
 
+The RMSNorm weights are replicated over the TP ranks, but each rank sees only its tokens, so
+their gradient is a partial sum that must be all-reduced over TP. DTensor would do that in the
+parameter's dtype (bfloat16 under mixed precision) when FSDP asks for the replicated gradient;
+`ReduceGradient` does it first, in the configured reduce dtype, so no gradient is summed in bf16.
+
 The token embedding is split by vocabulary rows, the output projection by vocabulary columns.
 With loss parallelism the logits stay split by vocabulary and the cross-entropy is computed on
 the shards (torch's `loss_parallel`), never gathering a (B, T, vocab) tensor.
@@ -16,6 +21,7 @@ the shards (torch's `loss_parallel`), never gathering a (B, T, vocab) tensor.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -29,8 +35,30 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool) -> None:
-    """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks, in place."""
+class ReduceGradient(torch.autograd.Function):
+    """Identity on a replicated weight (a DTensor); backward all-reduces its partial gradient over
+    the mesh in `dtype`, then casts the sum back to the weight's dtype (autograd requires it)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = dtype
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if all(p.is_replicate() for p in grad.placements):
+            return grad, None
+        replicated = [Replicate()] * grad.device_mesh.ndim
+        return grad.to(ctx.dtype).redistribute(placements=replicated).to(grad.dtype), None
+
+
+def reduce_gradient_in(dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
+    return ReduceGradient.apply(weight, dtype)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dtype: torch.dtype | None = None) -> None:
+    """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks, in place.
+    `reduce_dtype` is the precision of the norm weights' gradient all-reduce (None: their dtype)."""
     outer = {}
     if model.tok_embeddings is not None:
         outer["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -57,6 +85,11 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool) -> None:
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
+    if reduce_dtype is not None:
+        norms = [block.attention_norm for block in model.layers.values()]
+        norms += [block.ffn_norm for block in model.layers.values()]
+        for norm in norms + ([model.norm] if model.norm is not None else []):
+            norm.weight_hook = partial(reduce_gradient_in, reduce_dtype)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -26,12 +26,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # Tensor parallelism sets this to a function the weight passes through, which reduces the
+        # weight's gradient over the TP ranks in the configured precision (trainer/parallel/tensor.py).
+        self.weight_hook = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32: the mean of squares loses precision in bfloat16.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        weight = self.weight if self.weight_hook is None else self.weight_hook(self.weight)
+        return normed.type_as(x) * weight
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -81,14 +85,29 @@ class CausalAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, T, H_kv, D) -> (B, T, H, D)."""
-        k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return out.transpose(1, 2)
+        return grouped_query_attention(q, k, v, is_causal=True)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                            attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """q (B, T, H, D), k and v (B, S, H_kv, D) -> (B, T, H, D); each K/V head serves H / H_kv
+    consecutive query heads (under TP each rank holds a slice of both, in the same ratio).
+
+    The kernel shares the K/V heads itself (enable_gqa), so autograd keeps K and V once rather
+    than H / H_kv copies of them. The exception: on CUDA a mask with enable_gqa falls back to the
+    math kernel, which builds the whole score matrix; there the copies are cheaper.
+    """
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and attn_mask is not None and q.device.type == "cuda":
+        k, v, grouped = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=grouped)
+    return out.transpose(1, 2)
 
 
 def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped-query attention: each K/V head serves heads / kv_heads consecutive query heads."""
-    return x.repeat_interleave(heads // x.shape[2], dim=2)
+    """x (B, H_kv, S, D) -> (B, heads, S, D): head j of the result is K/V head j // (heads / H_kv)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,127 @@
+"""Every collective of one training step, by op and dtype, over 2 gloo processes.
+
+With bfloat16 parameters and `mixed_precision_reduce = "float32"`, no gradient is summed in
+bfloat16: not FSDP's reduce-scatter, not TP's all-reduce of the (replicated) RMSNorm weights, not
+CP's reduce-scatter of the key/value gradients. All-gathers of bf16 weights and activations, and
+TP's reduce-scatters of bf16 activations (their sums are the forward's own output), are expected.
+Selective activation checkpointing (op) under CP keeps the key/value all-gathers' outputs, so a
+step runs as many all-gathers as without checkpointing, with the same gradients.
+
+The model is the tiny Llama (4 layers, 4 heads, 2 KV heads), built and parallelized by
+trainer.parallel.parallelize from a config, as the trainer does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.process_exit import exit_without_teardown
+
+WORLD = 2
+BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+SCENARIOS = {
+    "TP2 bf16": [*TP2, *BF16],
+    "CP2 bf16": [*CP2, *BF16],
+    "CP2": CP2,
+    "CP2 AC op": [*CP2, *AC_OP],
+}
+ALL_GATHERS = {"all_gather_into_tensor", "_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
+
+
+class LogCollectives(TorchDispatchMode):
+    """Counts (op, dtype) of every c10d op that runs: blocking calls and functional collectives."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func.__name__.split(".")[0] != "wait_tensor":
+            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            self.counts[(func.__name__.split(".")[0], str(tensors[0].dtype).removeprefix("torch."))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def one_step(overrides: list[str]) -> tuple[Counter, dict[str, torch.Tensor]]:
+    """(collectives of one forward + backward, full gradients) of the tiny model under `overrides`."""
+    from trainer.config.manager import load_config, with_default_config
+    from trainer.models.llama3 import Transformer, get_flavor
+    from trainer.parallel import parallelize
+    from trainer.parallel.context import shard_sequence
+    from trainer.parallel.dims import ParallelDims
+
+    config = load_config(with_default_config(["--model.flavor", "tiny", "--training.seq_len", "32", *overrides]))
+    dims = ParallelDims.from_config(config.parallelism, WORLD)
+    mesh = dims.build_mesh("cpu")
+    args = get_flavor("tiny")
+    args.max_seq_len = 32
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize(model, dims, mesh, config, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, device="cpu")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    if dims.cp > 1:
+        tokens = shard_sequence(tokens, mesh["cp"].get_local_rank(), dims.cp)
+    with LogCollectives() as log:
+        model(tokens).float().logsumexp(-1).mean().backward()
+    grads = {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
+    return log.counts, grads
+
+
+def run_rank(rank: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    for name, overrides in SCENARIOS.items():
+        counts, grads = one_step(overrides)
+        if rank == 0:
+            results[name] = (counts, grads)
+    dist.destroy_process_group()
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """scenario name -> (collective counts, gradients) of rank 0."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        init_file = tmp_path_factory.mktemp("reduction-dtypes") / "init"
+        mp.spawn(run_rank, args=(str(init_file), results), nprocs=WORLD, join=True)
+        return dict(results)
+
+
+def reductions(counts: Counter) -> dict[tuple[str, str], int]:
+    return {key: n for key, n in counts.items() if "reduce" in key[0]}
+
+
+def test_tp_reduces_the_norm_weight_gradients_in_float32(steps):
+    counts, _ = steps["TP2 bf16"]
+    # One all-reduce per RMSNorm weight: 2 per block x 4 blocks + the final norm, all in float32.
+    assert reductions(counts) == {("all_reduce", "float32"): 9,
+                                  # bf16 activations: wo/w2 outputs in forward (8), gradients of the
+                                  # sequence all-gathers before attention/FFN/output (9), embedding (1).
+                                  ("reduce_scatter_tensor", "bfloat16"): 18}
+
+
+def test_cp_reduce_scatters_key_value_gradients_in_float32(steps):
+    counts, _ = steps["CP2 bf16"]
+    # dK and dV of 4 layers (8) and FSDP's 5 units (4 blocks + the root), every one in float32.
+    assert reductions(counts) == {("_reduce_scatter_base_", "float32"): 13}
+
+
+def test_selective_ac_keeps_the_cp_key_value_gathers(steps):
+    (plain, plain_grads), (ac, ac_grads) = steps["CP2"], steps["CP2 AC op"]
+    gathers = {name: sum(n for (op, _), n in counts.items() if op in ALL_GATHERS)
+               for name, counts in (("plain", plain), ("ac", ac))}
+    # FSDP: 5 units in forward + 4 re-gathered in backward (the last block stays); CP: K and V of 4 layers.
+    assert gathers == {"plain": 17, "ac": 17}
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,68 @@
+"""comm.train_timeout_seconds reaches the mesh's subgroups, not only the default process group.
+
+The test runs this file under torchrun with 4 gloo ranks and the trainer's mesh (dp_shard=2 x tp=2).
+After env.set_collective_timeout(2), rank 1 stays away for 6 s while rank 0 waits for it in a
+tensor-parallel all-reduce and rank 3 in a data-parallel (flattened mesh) all-reduce: both must
+give up after about 2 s, not wait for rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_TIMEOUT_S = 2
+LATE_RANK, LATE_BY_S = 1, 6
+# rank -> the mesh dimension whose collective it waits in (each group holds LATE_RANK)
+WAITERS = {0: "tp", 3: "dp"}
+
+
+def run_rank(out_dir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer import env
+    from trainer.parallel.dims import ParallelDims
+
+    rank, world = env.init_distributed(torch.device("cpu"), timeout_s=60)
+    meshes = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=world).build_mesh("cpu")
+    env.set_collective_timeout(TRAIN_TIMEOUT_S)
+    if rank == LATE_RANK:
+        time.sleep(LATE_BY_S)
+    elif rank in WAITERS:
+        group = meshes[WAITERS[rank]].get_group()
+        assert LATE_RANK in dist.get_process_group_ranks(group)
+        start, error = time.perf_counter(), None
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except RuntimeError as e:
+            error = str(e)
+        result = {"elapsed_s": time.perf_counter() - start, "error": error}
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a group that timed out cannot be torn down cleanly
+
+
+def test_subgroup_collective_times_out_at_train_timeout(tmp_path, measured):
+    started = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__,
+         str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank, dim in WAITERS.items():
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["error"] is not None and "timed out" in result["error"].lower(), (dim, result)
+        # gave up at the 2 s train timeout: not at once, and well before the late rank's 6 s
+        assert TRAIN_TIMEOUT_S - 0.1 <= result["elapsed_s"] < 4.5, (dim, result)
+        measured(f"train timeout {TRAIN_TIMEOUT_S} s, peer {LATE_BY_S} s late: the {dim} all-reduce gave up after "
+                 f"{result['elapsed_s']:.2f} s")
+    assert time.perf_counter() - started < 60
+
+
+if __name__ == "__main__":
+    run_rank(Path(sys.argv[1]))
