@@ -416,6 +416,11 @@ class CheckpointManager:
         if self.async_saver is not None:
             self.async_saver.wait()
 
+    def background_groups(self) -> tuple:
+        """The process groups of background saves. They wait for every rank's file writes, which
+        a slow disk can stretch past the training timeout: they keep the init timeout."""
+        return (self.async_saver.group,) if self.async_saver is not None else ()
+
     def _publish_async(self, step: int, partial: Path) -> None:
         """Rank 0, on the writer's thread, once DCP wrote .metadata (after every rank's data)."""
         self._rename_into_place(step, partial)

@@ -45,20 +45,20 @@ def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: i
     return dist.get_rank(), dist.get_world_size()
 
 
-def set_collective_timeout(timeout_s: int) -> None:
+def set_collective_timeout(timeout_s: int, keep: tuple = ()) -> None:
     """Tighten the timeout of every process group of this rank once the slow first collectives
-    (init, compile) are behind us.
+    (init, compile) are behind us; the groups in `keep` keep theirs.
 
-    Training collectives run on the mesh's subgroups (and the checkpoint's gloo group), not only on
-    the default group, and each group carries its own timeout from its creation, so each is set.
-    The barrier first lets every peer leave its slow first collectives under the long init timeout.
-    Call it on every rank, after all groups exist: a group created later keeps the init timeout.
+    Training collectives run on the mesh's subgroups, not only on the default group, and each
+    group carries its own timeout from its creation, so each is set. The barrier first lets every
+    peer leave its slow first collectives under the long init timeout. Call it on every rank,
+    after all groups exist: a group created later keeps the init timeout.
     """
     dist.barrier()
     timeout = timedelta(seconds=timeout_s)
     c10d = dist.distributed_c10d
     for group in list(c10d._world.pg_map):  # the groups this rank belongs to, the default one included
-        if group is not c10d.GroupMember.NON_GROUP_MEMBER:
+        if group is not c10d.GroupMember.NON_GROUP_MEMBER and group not in keep:
             c10d._set_pg_timeout(timeout, group)
 
 

@@ -267,7 +267,7 @@ class Trainer:
                 self._check_finite(*unchecked)
                 unchecked = None
             if step == first_step:  # also after a resume, which starts past step 1
-                env.set_collective_timeout(cfg.comm.train_timeout_seconds)
+                env.set_collective_timeout(cfg.comm.train_timeout_seconds, keep=self.checkpointer.background_groups())
             if step % cfg.training.gc_freq == 0:
                 gc.collect(1)
             if logging_step:

@@ -339,7 +339,8 @@ class Comm:
 
     train_timeout_seconds: int = 100
     """Timeout for collectives once the first step has run, on every process group (mesh
-    subgroups included); checkpoint saves after that step run under it too."""
+    subgroups included); synchronous checkpoint saves after that step run under it too,
+    asynchronous ones keep init_timeout_seconds."""
 
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""
