@@ -85,3 +85,17 @@ def test_overflows_skip_steps_and_the_scale_resumes(tmp_path):
     for step in range(5, 9):
         assert {k: again[step][k] for k in ("loss", "grad_norm", "loss_scale", "skipped_steps", "step_skipped")} == \
                {k: records[step][k] for k in ("loss", "grad_norm", "loss_scale", "skipped_steps", "step_skipped")}
+
+
+def test_tensor_parallel_float16_trains_through_overflows(tmp_path):
+    """TP2 with loss parallelism in float16: the vocabulary-sharded loss is scaled like any other."""
+    result = launch(2, [*TINY_JOB, "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size",
+                        "8", "--training.mixed_precision_param", "float16", "--training.loss_scale_initial",
+                        str(2 ** 24), "--training.loss_scale_growth_interval", "2",
+                        "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    records = training_records(tmp_path)
+    skipped = [s for s in range(1, 9) if records[s]["step_skipped"]]
+    print(f"TP2 float16: skipped steps {skipped}, loss scale at step 8 {records[8]['loss_scale']:g}")
+    assert skipped[:2] == [1, 2] and len(skipped) < 8
+    assert records[8]["loss"] < records[1]["loss"]
