@@ -95,8 +95,22 @@ class OptimizerState(Stateful):
     def state_dict(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
+    # Set by the learning-rate schedule after loading (CheckpointManager._continue_schedule).
+    SCHEDULED = ("params", "lr", "initial_lr")
+
     def load_state_dict(self, state: dict) -> None:
+        """Load the moments and step counts; the settings (weight decay, betas, eps) stay this
+        run's: the checkpoint restores them per parameter, which would mix groups when
+        optimizer.weight_decay_exclude changed, and a changed value in the config should apply."""
+        configured = [{k: v for k, v in group.items() if k not in self.SCHEDULED} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
+        changed = set()
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            changed |= {key for key, value in settings.items() if group.get(key) != value}
+            group.update(settings)
+        if changed:
+            logger.warning("optimizer settings %s differ from the checkpoint's: this run's configuration applies",
+                           ", ".join(sorted(changed)))
 
 
 class SchedulerState(Stateful):
@@ -373,9 +387,8 @@ class CheckpointManager:
         configured for: model_only/ (the weights in export_dtype) and hf/."""
         started = time.perf_counter()
         self._save(step, last)
-        mode = "disabled" if last else self.cfg.async_mode
-        logger.info("checkpoint step-%d: training paused %.3f s to save (async_mode %s)",
-                    step, time.perf_counter() - started, mode)
+        how = "the last save, synchronous" if last else f"async_mode {self.cfg.async_mode}"
+        logger.info("checkpoint step-%d: training paused %.3f s to save (%s)", step, time.perf_counter() - started, how)
 
     def _save(self, step: int, last: bool) -> None:
         self.wait()  # the save before: its files, and the staging buffers it may reuse

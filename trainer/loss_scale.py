@@ -46,8 +46,8 @@ class DynamicLossScaler:
         if self.scale <= self.minimum:
             raise LossScaleError(
                 f"step {step}: the gradients are not finite at the smallest loss scale "
-                f"(training.loss_scale_min = {self.minimum:g}); the loss has diverged (lower optimizer.lr, "
-                "check the data, or enable training.max_norm clipping)")
+                f"(training.loss_scale_min = {self.minimum:g}); the loss has diverged, or values exceed float16's "
+                "range at any scale (lower optimizer.lr, check the data, or train in bfloat16)")
         self.scale = max(self.scale / 2.0, self.minimum)
         self.steps_since_overflow = 0
         self.skipped_steps += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config.manager import to_dict
 
+logger = logging.getLogger(__name__)
+
 
 def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
     """AdamW or Adam from the [optimizer] section, over (name, parameter) pairs."""
@@ -17,7 +20,44 @@ def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
     kwargs["foreach"] = cfg.implementation == "foreach"
     kwargs["fused"] = cfg.implementation == "fused"
     optimizer_class = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    return optimizer_class(param_groups(named_parameters, cfg.weight_decay_exclude), **kwargs)
+    named = list(named_parameters)
+    optimizer = optimizer_class(param_groups(named, cfg.weight_decay_exclude), **kwargs)
+    initialize_state(optimizer)
+    if cfg.weight_decay_exclude:
+        excluded = [n for n, _ in named if parameter_kind(n) in cfg.weight_decay_exclude]
+        logger.info("weight decay %g on %d parameters, none on %d (%s)%s", cfg.weight_decay, len(named) - len(excluded),
+                    len(excluded), ", ".join(cfg.weight_decay_exclude),
+                    "; optimizer.weight_decay is 0, so the exclusion changes nothing" if cfg.weight_decay == 0 else "")
+    return optimizer
+
+
+@torch.no_grad()
+def initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state now, as its first step would (zero moments, step 0).
+
+    Saving an optimizer that has no state yet makes torch's distributed state_dict create it by
+    running a step with zero gradients at learning rate 0: the moments stay zero and the weights
+    do not move, but every parameter's step count becomes 1, which changes the bias correction of
+    all later steps. That happens when a checkpoint is saved before the first optimizer step (a
+    float16 run whose first steps overflow). The same step here, with the counts set back to 0,
+    leaves the state exactly as the first real step would find it."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or not params:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
 
 
 # The kinds of parameter optimizer.weight_decay_exclude can name (the type of that key lists them too).

@@ -102,8 +102,15 @@ def reductions(counts: Counter) -> dict[tuple[str, str], int]:
     return {key: n for key, n in counts.items() if "reduce" in key[0]}
 
 
+def show(name: str, counts: Counter) -> None:
+    """The figures of docs/parallelisms.md and docs/performance.md (pytest -s prints them)."""
+    collectives = sorted((key, n) for key, n in counts.items() if key[0] != "_wrap_tensor_autograd")  # not one
+    print(f"{name}: " + ", ".join(f"{op} {dtype} x{n}" for (op, dtype), n in collectives))
+
+
 def test_tp_reduces_the_norm_weight_gradients_in_float32(steps):
     counts, _ = steps["TP2 bf16"]
+    show("TP2 bf16", counts)
     # One all-reduce per RMSNorm weight: 2 per block x 4 blocks + the final norm, all in float32.
     assert reductions(counts) == {("all_reduce", "float32"): 9,
                                   # bf16 activations: wo/w2 outputs in forward (8), gradients of the
@@ -113,12 +120,15 @@ def test_tp_reduces_the_norm_weight_gradients_in_float32(steps):
 
 def test_cp_reduce_scatters_key_value_gradients_in_float32(steps):
     counts, _ = steps["CP2 bf16"]
+    show("CP2 bf16", counts)
     # dK and dV of 4 layers (8) and FSDP's 5 units (4 blocks + the root), every one in float32.
     assert reductions(counts) == {("_reduce_scatter_base_", "float32"): 13}
 
 
 def test_selective_ac_keeps_the_cp_key_value_gathers(steps):
     (plain, plain_grads), (ac, ac_grads) = steps["CP2"], steps["CP2 AC op"]
+    show("CP2", plain)
+    show("CP2 AC op", ac)
     gathers = {name: sum(n for (op, _), n in counts.items() if op in ALL_GATHERS)
                for name, counts in (("plain", plain), ("ac", ac))}
     # FSDP: 5 units in forward + 4 re-gathered in backward (the last block stays); CP: K and V of 4 layers.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -148,3 +149,29 @@ def test_plain_gradients_are_refused_when_ranks_share_a_stage():
     a.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="plain-tensor gradient"):
         clip_grad_norm([a], max_norm=1.0, reduce=NormReduction(group=None, ranks_per_stage=2))
+
+
+def test_state_created_up_front_trains_like_the_lazy_state_and_survives_a_save():
+    """build_optimizer creates Adam's state as the first step would; saving it before any step
+    (torch's distributed state_dict otherwise runs a step to create it) leaves the step count at 0."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from trainer.config.manager import load_config
+
+    cfg = load_config(["--optimizer.weight_decay", "0.1"]).optimizer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    lazy_model = copy.deepcopy(model)
+    eager = build_optimizer(model.named_parameters(), cfg)
+    lazy = torch.optim.AdamW(lazy_model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, foreach=cfg.implementation == "foreach")
+    assert all(float(s["step"]) == 0 for s in eager.state.values()) and len(eager.state) == 4
+    get_optimizer_state_dict(model, eager)  # a save before the first step
+    assert all(float(s["step"]) == 0 for s in eager.state.values())
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        for m, o in ((model, eager), (lazy_model, lazy)):
+            for p, g in zip(m.parameters(), grads):
+                p.grad = g.clone()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), lazy_model.parameters()))

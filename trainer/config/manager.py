@@ -281,6 +281,8 @@ def validate(config: JobConfig) -> None:
          f"got {c.training.loss_scale_min}")
     need(c.training.loss_scale_growth_interval >= 1,
          f"training.loss_scale_growth_interval: must be >= 1, got {c.training.loss_scale_growth_interval}")
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        need(getattr(c.comm, key) >= 1, f"comm.{key}: must be >= 1 (seconds), got {getattr(c.comm, key)}")
     need(c.training.gc_freq >= 1, f"training.gc_freq: must be >= 1, got {c.training.gc_freq}")
     need(c.optimizer.lr >= 0, f"optimizer.lr: must be >= 0, got {c.optimizer.lr}")
     for key in ("beta1", "beta2"):
