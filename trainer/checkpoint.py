@@ -25,14 +25,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint_layout import (
     CHECKPOINT_RECORD,
@@ -46,8 +38,9 @@ from trainer.checkpoint_layout import (
     partial_path,
     read_checkpoint_record,
 )
-from trainer.config.manager import to_dict
 from trainer.async_checkpoint import AsyncSaver
+from trainer.checkpoint_items import ModelState, OptimizerState, SchedulerState, optimizer_state_is_nested
+from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, read_model_state, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
@@ -65,84 +58,6 @@ class CheckpointError(ValueError):
 
 class TrainingComplete(Exception):
     """The checkpoint folder already holds the final checkpoint of this run."""
-
-
-class ModelState(Stateful):
-    """The model's (sharded) state dict under its original parameter names, optionally cast."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        self.model, self.dtype = model, dtype
-
-    def state_dict(self) -> dict:
-        state = get_model_state_dict(self.model)
-        return {k: v.to(self.dtype) for k, v in state.items()} if self.dtype else state
-
-    def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
-
-
-class OptimizerState(Stateful):
-    """The optimizer's state under parameter names, its hyperparameters too ("flattened": one key
-    per parameter, e.g. param_groups.<name>.lr). The nested form keys hyperparameters by group
-    index and lists each group's parameter names in one value, which differs between pipeline
-    stages; DCP keeps one rank's copy of a key, so a stage resumed with another stage's list
-    lost its hyperparameters. Checkpoints of earlier versions are nested: they load as such."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, flattened: bool = True):
-        self.model, self.optimizer = model, optimizer
-        self.options = StateDictOptions(flatten_optimizer_state_dict=flattened)
-
-    def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
-
-    # Set by the learning-rate schedule after loading (CheckpointManager._continue_schedule).
-    SCHEDULED = ("params", "lr", "initial_lr")
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load the moments and step counts; the settings (weight decay, betas, eps) stay this
-        run's: the checkpoint restores them per parameter, which would mix groups when
-        optimizer.weight_decay_exclude changed, and a changed value in the config should apply."""
-        configured = [{k: v for k, v in group.items() if k not in self.SCHEDULED} for group in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
-        changed = set()
-        for group, settings in zip(self.optimizer.param_groups, configured):
-            changed |= {key for key, value in settings.items() if group.get(key) != value}
-            group.update(settings)
-        if changed:
-            logger.warning("optimizer settings %s differ from the checkpoint's: this run's configuration applies",
-                           ", ".join(sorted(changed)))
-
-
-class SchedulerState(Stateful):
-    """The LR scheduler's state. Its per-group lists (base_lrs, _last_lr) are saved once for all
-    ranks, but pipeline stages may hold different numbers of parameter groups (a stage without
-    any parameter of optimizer.weight_decay_exclude has one); every group follows the same
-    schedule from the same peak, so the lists are resized to this rank's groups."""
-
-    PER_GROUP = ("base_lrs", "_last_lr")
-
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
-
-    def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        groups = len(self.scheduler.optimizer.param_groups)
-        state = dict(state)
-        for key in self.PER_GROUP:
-            values = state.get(key)
-            if values is not None and len(values) != groups:
-                if len(set(values)) != 1:
-                    raise CheckpointError(f"lr_scheduler.{key}: the checkpoint's parameter groups have different "
-                                          f"learning rates {values}; this run has {groups} group(s)")
-                state[key] = [values[0]] * groups
-        self.scheduler.load_state_dict(state)
-
-
-def optimizer_state_is_nested(keys) -> bool:
-    """Whether a checkpoint's optimizer state has the nested form of earlier versions."""
-    return any(key.startswith("optimizer.param_groups.0.") for key in keys)
 
 
 # ---------------------------------------------------------------------------------------------
