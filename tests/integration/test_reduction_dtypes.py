@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.collectives import CountCollectives
 from trainer.process_exit import exit_without_teardown
 
 WORLD = 2
@@ -35,20 +35,6 @@ SCENARIOS = {
     "CP2 AC op": [*CP2, *AC_OP],
 }
 ALL_GATHERS = {"all_gather_into_tensor", "_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
-
-
-class LogCollectives(TorchDispatchMode):
-    """Counts (op, dtype) of every c10d op that runs: blocking calls and functional collectives."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional") and func.__name__.split(".")[0] != "wait_tensor":
-            tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-            self.counts[(func.__name__.split(".")[0], str(tensors[0].dtype).removeprefix("torch."))] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def one_step(overrides: list[str]) -> tuple[Counter, dict[str, torch.Tensor]]:
@@ -72,7 +58,7 @@ def one_step(overrides: list[str]) -> tuple[Counter, dict[str, torch.Tensor]]:
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     if dims.cp > 1:
         tokens = shard_sequence(tokens, mesh["cp"].get_local_rank(), dims.cp)
-    with LogCollectives() as log:
+    with CountCollectives() as log:
         model(tokens).float().logsumexp(-1).mean().backward()
     grads = {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
     return log.counts, grads

@@ -7,25 +7,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.collectives import CountCollectives
 from trainer.config.manager import load_config, with_default_config
 from trainer.preflight import plan_run
 from trainer.train import Trainer
-
-
-class CountCollectives(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def gradients_and_collectives(trainer: Trainer, batch) -> tuple[torch.Tensor, dict]:
@@ -33,7 +21,7 @@ def gradients_and_collectives(trainer: Trainer, batch) -> tuple[torch.Tensor, di
     with CountCollectives() as log:
         trainer.runner.forward_backward(batch)
     grads = torch.cat([p.grad.to_local().flatten() for p in trainer.model.parameters()])
-    return grads, dict(log.counts)
+    return grads, log.by_op()
 
 
 def main() -> None:
