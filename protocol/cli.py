@@ -2,12 +2,14 @@
 
     protocol plan PLAN.toml [--format table|json|shell|slurm] [--out DIR]
     protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm] [--rerun-stale] [--compare]
-    protocol compare PLAN.toml [--out DIR]
-    protocol compare --control DIR [--control DIR ...] --test [NAME=]DIR [...] [--mode exact|statistical] ...
+    protocol compare PLAN.toml [--only NAME,...] [--out DIR]
+    protocol compare [PLAN.toml] --control DIR [--noise DIR ...] --test [NAME=]DIR [...] [--mode ...] ...
+    protocol compare --unpaired --control DIR --control DIR --control DIR --test [NAME=]DIR ...
 
-Exit codes: 0 success (compare: every set passes), 1 a run failed or a set failed, 2 a user error
-(bad plan, missing folder, unknown name, a folder that cannot be written, stale runs without
---rerun-stale), 130 interrupted (Ctrl-C).
+Exit codes: 0 success (compare: every set passes and every positive control fails), 1 a run failed
+or a set failed, 2 a user error (bad plan, missing folder, unknown name, a folder that cannot be
+written, stale runs without --rerun-stale, runs that cannot be paired), 3 inconclusive (a positive
+control passed: the plan could not have caught a bug of that size), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
-from protocol.tolerance import MODES, Tolerance
+from protocol.tolerance import MODES, Tolerance, tolerance_keys
 
 log = logging.getLogger("protocol")
 
@@ -74,21 +76,37 @@ def parser() -> argparse.ArgumentParser:
                      help="compare and write the report when the runs are done (failed runs are FAILED rows)")
     run.set_defaults(handler=cmd_run)
 
-    compare = commands.add_parser("compare", help="compare the loss curves with the control and give a verdict")
-    compare.add_argument("plan", type=Path, nargs="?", help="plan TOML whose runs to compare")
+    compare = commands.add_parser("compare", help="compare the curves with the control and give a verdict")
+    compare.add_argument("plan", type=Path, nargs="?", help="plan TOML whose runs to compare (with --control/--test: "
+                         "whose tolerances to use)")
+    compare.add_argument("--only", default="", help="comma-separated set names: compare these (and the control family)")
     compare.add_argument("--control", type=Path, action="append", default=[],
-                         help="control run folder, metrics.jsonl or TensorBoard folder (repeat for seed repeats)")
+                         help="control run folder, metrics.jsonl or TensorBoard folder (--unpaired: repeat it for "
+                              "each seed repeat)")
+    compare.add_argument("--noise", type=Path, action="append", default=[],
+                         help="a noise control of --control (same data and weights, perturbed); repeat for each")
     compare.add_argument("--test", action="append", default=[], metavar="[NAME=]PATH", help="a test set's curves")
+    compare.add_argument("--unpaired", action="store_true",
+                         help="the runs did not train on the same data (e.g. another trainer's seed repeats): judge "
+                              "against the spread of the --control repeats")
     compare.add_argument("--out", type=Path, help="report folder (default: the plan's output folder, or ./report)")
     compare.add_argument("--loss-tag", help="TensorBoard tag of the loss (default: this trainer's or torchtitan's)")
     compare.add_argument("--grad-norm-tag", help="TensorBoard tag of the gradient norm")
-    for item in fields(Tolerance):
-        flag = "--" + item.name.replace("_", "-")
-        kwargs = {"choices": MODES} if item.name == "mode" else {"type": type(item.default)}
-        compare.add_argument(flag, dest=f"tolerance_{item.name}", help=f"tolerance.{item.name} (default "
-                             f"{item.default!r}, or the plan's)", **kwargs)
+    for name, kind in tolerance_keys().items():
+        default = getattr(Tolerance(), name)
+        kwargs = {"choices": MODES} if name == "mode" else {"type": comma_list if kind is list else kind}
+        compare.add_argument("--" + name.replace("_", "-"), dest=f"tolerance_{name}", help=f"tolerance.{name} (default "
+                             f"{','.join(default) if kind is list else repr(default)}, or the plan's)", **kwargs)
     compare.set_defaults(handler=cmd_compare)
     return top
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def names(text: str) -> list[str] | None:
+    return [name.strip() for name in text.split(",") if name.strip()] or None
 
 
 def load(path: Path):
@@ -139,7 +157,7 @@ def cmd_run(args) -> int:
                          "scripts with `protocol plan PLAN --format slurm --out DIR`")
     plan = load(args.plan)
     launches = plan.launches()
-    only = [name.strip() for name in args.only.split(",") if name.strip()] or None
+    only = names(args.only)
     output_folder(plan.output, f"{args.plan}: plan.output")
     if args.launcher == "slurm":
         results = run_slurm(plan, launches, plan.output / SLURM_DIR, only=only, rerun_stale=args.rerun_stale)
@@ -147,33 +165,37 @@ def cmd_run(args) -> int:
         results = run_local(plan, launches, only=only, on_progress=log.info, rerun_stale=args.rerun_stale)
     status = 1 if any(not r.ok for r in results) else 0
     if args.compare:
-        status = max(status, compare_plan(plan, out=None, overrides={}, results=results))
+        verdict_status = compare_plan(plan, out=None, overrides={}, results=results, only=only)
+        status = verdict_status if verdict_status != 0 else status
     return status
 
 
 def cmd_compare(args) -> int:
-    from protocol.plan_report import folder_layouts
-
-    overrides = {item.name: getattr(args, f"tolerance_{item.name}") for item in fields(Tolerance)
-                 if getattr(args, f"tolerance_{item.name}") is not None}
+    overrides = {name: getattr(args, f"tolerance_{name}") for name in tolerance_keys()
+                 if getattr(args, f"tolerance_{name}") is not None}
     tags = {"loss_tag": args.loss_tag, "grad_norm_tag": args.grad_norm_tag}
-    if args.plan is not None:
-        if args.control or args.test:
-            raise UsageError("give either a plan or --control/--test folders, not both")
-        return compare_plan(load(args.plan), args.out, overrides, **tags)
+    plan = load(args.plan) if args.plan is not None else None
+    if not args.control and not args.test and not args.noise:
+        if plan is None:
+            raise UsageError("compare needs a plan, or --control PATH and at least one --test [NAME=]PATH")
+        if args.unpaired:
+            raise UsageError("--unpaired compares folders given with --control/--test; a plan's runs are paired")
+        return compare_plan(plan, args.out, overrides, only=names(args.only), **tags)
+    if args.only:
+        raise UsageError("--only chooses among a plan's sets; with --control/--test give just the folders to compare")
     if not args.control or not args.test:
-        raise UsageError("compare needs a plan, or --control PATH and at least one --test [NAME=]PATH")
-    tolerance = replace(Tolerance(), **overrides)
+        raise UsageError("give --control PATH and at least one --test [NAME=]PATH")
+    from protocol.adhoc import compare_folders
+
+    base = plan.tolerance if plan is not None else Tolerance()
+    tolerance = replace(base, **overrides)
     problems = tolerance.problems()
     if problems:
         raise UsageError("; ".join(problems))
-    controls = [read(path, None, **tags) for path in args.control]
-    test_paths = [split_test(spec) for spec in args.test]
-    tests = [read(path, name, **tags) for path, name in test_paths]
-    paths = {curve.name: path for curve, path in zip(controls, args.control)}
-    paths.update({curve.name: path for curve, (path, _) in zip(tests, test_paths)})
-    layouts = folder_layouts(paths, controls[0].name)
-    return compare_and_report(controls, tests, tolerance, args.out or Path("report"), "--out", layouts)
+    result = compare_folders(args.control, args.noise, [split_test(spec) for spec in args.test], tolerance,
+                             unpaired=args.unpaired, reader=lambda path, name: read(path, name, **tags))
+    return report(result.comparison, result.family, result.tests, args.out or Path("report"), "--out", result.layouts,
+                  result.runs)
 
 
 def split_test(spec: str) -> tuple[Path, str | None]:
@@ -187,67 +209,62 @@ def read(path: Path, name: str | None, loss_tag=None, grad_norm_tag=None):
     return read_curve(path, name=name, loss_tag=loss_tag, grad_norm_tag=grad_norm_tag)
 
 
-def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None, results=()) -> int:
+def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_norm_tag=None, results=(),
+                 only=None) -> int:
     """The plan's runs compared; the report goes to `out`, by default the plan's output folder.
 
     `results` are those of `protocol run`: a run that failed or was skipped there is a FAILED or
     NOT RUN row, as is a run that has no metrics.jsonl. Every row is described from its run's
-    own record.
+    own record. `only` limits the sets compared (the control family is always read).
     """
     from protocol.compare import compare, nothing_to_compare
-    from protocol.plan_report import gather
+    from protocol.plan_report import gather, numerics_warnings
 
     tolerance = replace(plan.tolerance, **overrides)
     problems = tolerance.problems()
     if problems:
         raise UsageError("; ".join(problems))
-    found = gather(plan, results, lambda path, name: read(path, name, loss_tag, grad_norm_tag))
+    found = gather(plan, results, lambda path, name: read(path, name, loss_tag, grad_norm_tag), only=only)
     where = "--out" if out else f"{plan.path}: plan.output"
-    needed = 2 if tolerance.mode == "statistical" else 1
-    if len(found.controls) < needed:
+    needed = tolerance.noise_controls + 1 if tolerance.mode == "statistical" else 1
+    family_complete = len(found.controls) >= (3 if tolerance.mode == "statistical" else 1)
+    if not family_complete:
         note = found.control_note(needed)
         comparison = nothing_to_compare(plan.control.name, tolerance, found.not_compared, note)
-        return report(comparison, [], [], out or plan.output, where, found)
-    comparison = compare(found.controls, found.tests, tolerance, found.not_compared)
-    return report(comparison, found.controls, found.tests, out or plan.output, where, found)
+        return report(comparison, [], [], out or plan.output, where, found.layouts(), found.runs, found.notes)
+    warnings = numerics_warnings(found.runs) if tolerance.mode == "exact" else []
+    comparison = compare(found.controls, found.tests, tolerance, expect=found.expect,
+                         not_compared=found.not_compared, warnings=warnings)
+    return report(comparison, found.controls, found.tests, out or plan.output, where, found.layouts(), found.runs,
+                  found.notes)
 
 
-def report(comparison, controls, tests, out: Path, out_name: str, found) -> int:
-    """Write the report of a plan's comparison, print the table and the verdict."""
-    from protocol.report import format_table, write_report
-
-    layouts = {run.name: run.layout for run in found.runs}
-    paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts,
-                         runs=found.runs, notes=found.notes)
-    status = verdict(comparison, layouts, paths, format_table)
-    if found.notes:  # the verdict is about what ran, which is not what the plan says now
-        print(f"note: {len(found.notes)} run(s) differ from the plan as written now; the rows describe what they "
-              "ran (`protocol run PLAN --rerun-stale` runs them again):")
-        for name, differences in found.notes.items():
-            print(f"  {name}: {'; '.join(differences)}")
-    return status
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 
-def compare_and_report(controls, tests, tolerance: Tolerance, out: Path, out_name: str, layouts: dict) -> int:
-    """Judge, write the report into `out` (named `out_name` in errors), print the table and the verdict."""
-    from protocol.compare import compare
-    from protocol.report import format_table, write_report
+def report(comparison, family, tests, out: Path, out_name: str, layouts: dict, runs=None, notes=None) -> int:
+    """Write the report into `out` (named `out_name` in errors), print the table, the files and
+    the verdict; the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE)."""
+    from protocol.report import format_table, status_line, write_report
 
-    comparison = compare(controls, tests, tolerance)
-    paths = write_report(comparison, controls, tests, output_folder(out, out_name), layouts=layouts)
-    return verdict(comparison, layouts, paths, format_table)
-
-
-def verdict(comparison, layouts: dict, paths: dict, format_table) -> int:
-    """Print the table, the files written and the verdict; the exit code (0 only when all pass)."""
+    paths = write_report(comparison, family, tests, output_folder(out, out_name), layouts=layouts, runs=runs,
+                         notes=notes)
+    for warning in comparison.warnings:
+        print(f"warning: {warning}")
     if comparison.note:
         print(f"FAIL: {comparison.note}")
     print(format_table(comparison, layouts))
     for path in paths.values():
         print(f"wrote {path}")
-    failing = [r.name for r in comparison.results if not r.verdict] + [m.name for m in comparison.not_compared]
-    print("PASS: every test set trains like the control" if comparison.passed else "FAIL: " + ", ".join(failing))
-    return 0 if comparison.passed else 1
+    if notes:  # the verdict is about what ran, which is not what the plan says now
+        differing = {name: found for name, found in notes.items() if found}
+        if differing:
+            print(f"note: {len(differing)} run(s) differ from the plan as written now; the rows describe what they "
+                  "ran (`protocol run PLAN --rerun-stale` runs them again):")
+            for name, found in differing.items():
+                print(f"  {name}: {'; '.join(found)}")
+    print(status_line(comparison))
+    return EXIT_CODES[comparison.status]
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
-"""Statistics of test-set loss curves against the control, and the verdict.
+"""Test-set curves against the control: the per-set numbers and the plan's verdict.
 
-Two ways of judging (see `protocol.tolerance.Tolerance`):
+* ``exact``: runs from one seed checkpoint in deterministic fp32 should agree step by step, so
+  every common step's |loss difference| must stay within ``loss_atol`` and the relative
+  grad-norm difference within ``grad_norm_rtol`` (when > 0), and the test must log every
+  control step.
+* ``statistical``: every judged observable of a set is paired step by step with the control
+  family (the control and its noise controls, on identical data) and judged by the rule of
+  protocol.decision: equivalence of the final-window mean within a margin, and no drift.
 
-* ``exact``: runs from one seed checkpoint in deterministic mode should agree step by step, so
-  every common step's |loss difference| must stay within ``loss_atol`` (and the relative grad-norm
-  difference within ``grad_norm_rtol`` when that is set), and the test must log every control step.
-* ``statistical``: runs that differ by noise cannot agree step by step. The control is repeated
-  with different seeds; the spread of their final-window mean losses measures the noise. A test
-  passes when its final-window mean lies within a band of the control's (an equivalence test: a
-  large noise band cannot hide a difference the floor would catch, and a small difference is
-  not a failure just because it is detectable), and the difference shows no trend that would carry
-  it out of the band over the run.
-
-Only numpy is used, so the verdict can be computed wherever the metrics files are.
+Sets may be positive controls (``expect = "fail"``, e.g. a learning rate 5% off): they must fail.
+One that passes shows that the plan could not have caught a bug of that size, and the plan is
+INCONCLUSIVE rather than PASS. A set that fails where it should pass, or a run that failed,
+makes it FAIL.
 """
 
 from __future__ import annotations
@@ -24,97 +23,69 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.curves import Curve
+from protocol.decision import ObservableVerdict, judge, minimum_detectable_effect, margin_for, noise_sd
+from protocol.statistics import window_size
 from protocol.tolerance import Tolerance
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Alignment:
-    """A test curve and its reference on the steps both logged."""
-
-    steps: np.ndarray
-    test_loss: np.ndarray
-    control_loss: np.ndarray
-    test_grad_norm: np.ndarray | None
-    control_grad_norm: np.ndarray | None
-    missing_in_test: list[int]
-    """Control steps the test did not log."""
-    missing_in_control: list[int]
-    """Test steps the control did not log (ignored by the statistics)."""
-
-    @property
-    def diff(self) -> np.ndarray:
-        """test - control per common step."""
-        return self.test_loss - self.control_loss
-
-
-@dataclass
-class Trend:
-    """Least-squares line through the loss difference over steps."""
-
-    slope: float
-    """Change of the difference per training step."""
-    stderr: float
-    z: float
-    """slope / stderr; 0 for a zero slope, +-inf for a nonzero slope fitted without residual."""
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+DESIGNS = ("exact", "paired", "unpaired")
+# Points of the run (fractions of its steps) at which the noise controls' paired difference is
+# reported, to show how rounding noise grows with steps.
+GROWTH_POINTS = (0.01, 0.1, 0.25, 0.5, 1.0)
 
 
 @dataclass
 class SetResult:
-    """Statistics and verdict of one test set."""
+    """Numbers and verdict of one test set. The loss figures compare it with the reference: the
+    control (exact mode) or the control family's mean (statistical)."""
 
     name: str
+    expect: str
+    """"pass", or "fail" for a positive control."""
     steps_compared: int
     missing_in_test: list[int]
     missing_in_control: list[int]
-    # the test curve on the common steps
     initial_loss: float
     final_loss: float
-    min_loss: float
-    mean_loss: float
-    # the control (exact: the first control run; statistical: the mean of the repeats) on the same steps
     control_initial_loss: float
     control_final_loss: float
-    control_min_loss: float
-    control_mean_loss: float
-    # loss difference, test - control
     max_abs_diff: float
     max_abs_diff_step: int | None
     mean_abs_diff: float
     final_diff: float
-    threshold: float
-    """|diff| limit used for first_diverging_step: loss_atol (exact) or the band (statistical)."""
-    first_diverging_step: int | None
-    # gradient norm, |test - control| / |control|
+    final_window_diff: float
     grad_norm_max_rel_diff: float | None
-    grad_norm_max_rel_diff_step: int | None
     grad_norm_first_rel_diff: float | None
     """At the first common step (step 1 for a full run): the earliest sign of a wrong gradient."""
-    # final window
-    window_steps: int
-    window_first_step: int | None
-    test_window_mean: float
-    control_window_mean: float
-    final_window_diff: float
-    # trend of the difference
-    trend_slope: float
-    trend_stderr: float
-    trend_z: float
-    trend_drift: float
-    """|slope| x (last - first common step): how far the trend moves the difference over the run."""
-    # statistical mode only
-    control_window_means: list[float] | None = None
-    """Final-window mean loss of each control repeat."""
-    noise_spread: float | None = None
-    """Sample standard deviation of control_window_means."""
-    band: float | None = None
-    verdict: bool = False
+    lr_max_rel_diff: float | None
+    """Largest relative learning-rate difference: the schedule, which a layout must not change."""
+    first_diverging_step: int | None
+    """exact: first step beyond loss_atol; statistical: first step a failing observable leaves the
+    noise envelope for good. None for a passing set."""
+    observables: list[ObservableVerdict] = field(default_factory=list)
+    """statistical: one verdict per judged observable."""
+    failed: bool = True
     reason: str = ""
     steps: list[int] = field(default_factory=list, repr=False)
-    """Common steps, for plots and machine readers."""
     loss_diff: list[float] = field(default_factory=list, repr=False)
-    """test - control at each of `steps`."""
+    """test - reference loss at each of `steps`."""
+    grad_norm_diff: list[float] = field(default_factory=list, repr=False)
+    """test / reference grad norm - 1 at each of `steps` (empty without grad norms)."""
+
+    @property
+    def verdict(self) -> bool:
+        """True when the set passed its judgement (a positive control that passes is True too)."""
+        return not self.failed
+
+    @property
+    def outcome(self) -> str:
+        """PASS, FAIL, 'FAIL (expected)' for a positive control that failed, 'PASS (expected to
+        fail)' for one that did not."""
+        if self.expect == "fail":
+            return "FAIL (expected)" if self.failed else "PASS (expected to fail)"
+        return FAIL if self.failed else PASS
 
 
 @dataclass
@@ -128,158 +99,139 @@ class NotCompared:
 
 
 @dataclass
+class NoiseSummary:
+    """What the control family says about rounding noise, per judged observable."""
+
+    observable: str
+    noise_sd: float
+    """Standard deviation of a correct set's final-window difference."""
+    margin: float
+    mde: float
+    """Minimum detectable final-window offset (see protocol.decision)."""
+    member_diffs: dict[str, float]
+    """Each family member's final-window mean minus the family's."""
+    growth: list[tuple[int, float]]
+    """(step, RMS over noise controls of their paired difference from the control, averaged over
+    the steps around it): how the rounding noise grows."""
+
+
+@dataclass
 class Comparison:
     """All test sets against one control."""
 
     control: str
     mode: str
+    design: str
+    """"exact", "paired" (statistical, every run on the same data) or "unpaired"."""
     tolerance: Tolerance
     results: list[SetResult]
-    passed: bool
+    status: str
+    """PASS, FAIL or INCONCLUSIVE."""
     controls: list[str] = field(default_factory=list)
-    """Names of the control runs (several in statistical mode: the seed repeats)."""
+    """The control family: the control, then its noise controls (or, unpaired, its repeats)."""
+    noise: list[NoiseSummary] = field(default_factory=list)
     not_compared: list[NotCompared] = field(default_factory=list)
-    """Runs of the plan without a curve; any of them makes the comparison fail."""
     note: str = ""
     """Why nothing was compared, when that is so (no control to compare against)."""
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
 
 
 # ---------------------------------------------------------------- entry point
-def compare(
-    control: Curve | list[Curve],
-    tests: dict[str, Curve] | list[Curve],
-    tolerance: Tolerance,
-    not_compared: list[NotCompared] | None = None,
-) -> Comparison:
-    """Compare each test curve with the control and judge it by `tolerance.mode`.
-
-    A list of control curves holds the seed repeats of the control; exact mode uses the first.
-    A dict of tests names each set by its key. `not_compared` lists the plan's runs without a
-    curve (failed, not run): they are reported and fail the comparison. Raises ValueError for
-    unusable input (bad tolerance, no test set at all, statistical mode with fewer than two
-    control curves, duplicate set names).
-    """
+def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Tolerance, *, design: str | None = None,
+            expect: dict[str, str] | None = None, not_compared: list[NotCompared] | None = None,
+            warnings: list[str] | None = None) -> Comparison:
+    """Judge every test curve against the control family (the control first; in exact mode only
+    the control is used). `expect` maps a set name to "fail" for positive controls; `not_compared`
+    lists the plan's runs without a curve (they fail the comparison). Raises ValueError for
+    unusable input (bad tolerance, no test set, too small a family, duplicate names)."""
     problems = tolerance.problems()
     if problems:
         raise ValueError("; ".join(problems))
-    controls = [control] if isinstance(control, Curve) else list(control)
-    if not controls:
+    family = [family] if isinstance(family, Curve) else list(family)
+    if not family:
         raise ValueError("no control curve given")
+    design = design or ("exact" if tolerance.mode == "exact" else "paired")
     not_compared = list(not_compared or [])
-    test_curves = _named_tests(tests, allow_none=bool(not_compared))
+    expect = expect or {}
+    check_names(tests, allow_none=bool(not_compared))
     if tolerance.mode == "exact":
-        if len(controls) > 1:
-            logger.info("exact mode compares with the first control run %r; %d other(s) ignored",
-                        controls[0].name, len(controls) - 1)
-        results = [judge_exact(controls[0], t, tolerance) for t in test_curves]
-        label = controls[0].name
+        results = [judge_exact(family[0], test, tolerance, expect.get(test.name, "pass")) for test in tests]
+        noise = []
     else:
-        if len(controls) < 2:
-            raise ValueError(f"statistical mode needs >= 2 control runs (seed repeats) to measure the noise, "
-                             f"got {len(controls)}")
-        if len(controls) < tolerance.control_repeats:
-            logger.warning("statistical mode: %d control runs, fewer than tolerance.control_repeats = %d",
-                           len(controls), tolerance.control_repeats)
-        results = [judge_statistical(controls, t, tolerance) for t in test_curves]
-        label = mean_curve(controls).name
-    return Comparison(control=label, mode=tolerance.mode, tolerance=tolerance, results=results,
-                      passed=all(r.verdict for r in results) and not not_compared,
-                      controls=[c.name for c in controls], not_compared=not_compared)
+        if len(family) < 3:
+            raise ValueError(f"statistical mode needs the control and at least 2 noise controls (or, unpaired, 3 "
+                             f"control repeats) to measure the noise; got {len(family)} control run(s)")
+        check_family_differs(family)
+        results = [judge_statistical(family, test, tolerance, expect.get(test.name, "pass")) for test in tests]
+        noise = noise_summaries(family, tolerance)
+    return Comparison(control=family[0].name, mode=tolerance.mode, design=design, tolerance=tolerance,
+                      results=results, status=plan_status(results, not_compared), controls=[c.name for c in family],
+                      noise=noise, not_compared=not_compared, warnings=list(warnings or []))
+
+
+def plan_status(results: list[SetResult], not_compared: list[NotCompared]) -> str:
+    """FAIL when a set that should pass fails or a run has no curve; else INCONCLUSIVE when a
+    positive control passed; else PASS."""
+    if not_compared or any(r.failed and r.expect == "pass" for r in results):
+        return FAIL
+    if any(not r.failed and r.expect == "fail" for r in results):
+        return INCONCLUSIVE
+    return PASS
 
 
 def nothing_to_compare(control: str, tolerance: Tolerance, not_compared: list[NotCompared], note: str) -> Comparison:
-    """The comparison of a plan whose control has no curve: every set is reported, none judged."""
-    return Comparison(control=control, mode=tolerance.mode, tolerance=tolerance, results=[], passed=False,
-                      not_compared=not_compared, note=note)
+    """The comparison of a plan whose control family has no curve: every set is reported, none judged."""
+    design = "exact" if tolerance.mode == "exact" else "paired"
+    return Comparison(control=control, mode=tolerance.mode, design=design, tolerance=tolerance, results=[],
+                      status=FAIL, not_compared=not_compared, note=note)
 
 
-def _named_tests(tests: dict[str, Curve] | list[Curve], allow_none: bool = False) -> list[Curve]:
-    if isinstance(tests, dict):
-        curves = [Curve(name=key, steps=c.steps, loss=c.loss, grad_norm=c.grad_norm, source=c.source)
-                  for key, c in tests.items()]
-    else:
-        curves = list(tests)
-    if not curves and not allow_none:
+def check_names(tests: list[Curve], allow_none: bool = False) -> None:
+    if not tests and not allow_none:
         raise ValueError("no test set given")
-    names = [c.name for c in curves]
+    names = [c.name for c in tests]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"test sets must have distinct names; repeated: {', '.join(duplicates)}")
-    return curves
 
 
-# ---------------------------------------------------------------- building blocks
-def align(control: Curve, test: Curve) -> Alignment:
-    """Both curves on the steps they share, and the steps only one of them logged."""
-    control_at = {s: i for i, s in enumerate(control.steps)}
-    test_at = {s: i for i, s in enumerate(test.steps)}
-    common = sorted(control_at.keys() & test_at.keys())
-    ci = [control_at[s] for s in common]
-    ti = [test_at[s] for s in common]
-    both_grad = control.grad_norm is not None and test.grad_norm is not None
-    return Alignment(
-        steps=np.asarray(common, dtype=np.int64),
-        test_loss=np.asarray(test.loss, dtype=np.float64)[ti],
-        control_loss=np.asarray(control.loss, dtype=np.float64)[ci],
-        test_grad_norm=np.asarray(test.grad_norm, dtype=np.float64)[ti] if both_grad else None,
-        control_grad_norm=np.asarray(control.grad_norm, dtype=np.float64)[ci] if both_grad else None,
-        missing_in_test=sorted(control_at.keys() - test_at.keys()),
-        missing_in_control=sorted(test_at.keys() - control_at.keys()),
-    )
+def check_family_differs(family: list[Curve]) -> None:
+    """Noise controls identical to the control measure no noise: every margin would be 0."""
+    first = family[0]
+    if all(c.steps == first.steps and c.loss == first.loss for c in family[1:]):
+        raise ValueError(f"the noise controls ({', '.join(c.name for c in family[1:])}) are bitwise identical to the "
+                         f"control {first.name!r}, so they measure no noise: give them a perturbation "
+                         "(debug.init_perturbation) or use exact mode for deterministic runs")
 
 
-def mean_curve(controls: list[Curve]) -> Curve:
-    """The per-step mean of the control repeats on the steps all of them logged."""
-    common = sorted(set.intersection(*(set(c.steps) for c in controls)))
-    if not common:
-        raise ValueError("the control runs share no logged step: " + ", ".join(c.name for c in controls))
-    loss = np.mean([_values_at(c.steps, c.loss, common) for c in controls], axis=0)
-    grad = None
-    if all(c.grad_norm is not None for c in controls):
-        grad = np.mean([_values_at(c.steps, c.grad_norm, common) for c in controls], axis=0).tolist()
-    name = f"mean({', '.join(c.name for c in controls)})"
-    return Curve(name=name, steps=common, loss=loss.tolist(), grad_norm=grad,
-                 source="; ".join(c.source for c in controls))
+# ---------------------------------------------------------------- alignment
+def common_steps(curves: list[Curve]) -> list[int]:
+    steps = set(curves[0].steps)
+    for curve in curves[1:]:
+        steps &= set(curve.steps)
+    return sorted(steps)
 
 
-def _values_at(steps: list[int], values: list[float], wanted: list[int]) -> np.ndarray:
-    at = {s: i for i, s in enumerate(steps)}
-    return np.asarray([values[at[s]] for s in wanted], dtype=np.float64)
+def values_at(curve: Curve, key: str, steps: list[int]) -> np.ndarray:
+    """`key`'s values at `steps` (NaN where the curve lacks the series)."""
+    series = curve.series(key)
+    if series is None:
+        return np.full(len(steps), math.nan)
+    at = {s: i for i, s in enumerate(curve.steps)}
+    return np.asarray([series[at[s]] for s in steps], dtype=np.float64)
 
 
-def window_size(n_steps: int, fraction: float) -> int:
-    """Steps in the final window: the fewest that cover `fraction` of n_steps, at least 1.
-
-    The small epsilon keeps float products such as 0.1 x 30 = 3.0000000000000004 from rounding up.
-    """
-    if n_steps == 0:
-        return 0
-    return min(n_steps, max(1, math.ceil(fraction * n_steps - 1e-9)))
-
-
-def trend(steps: np.ndarray, diff: np.ndarray) -> Trend:
-    """Ordinary least squares of diff on step, with the slope's standard error.
-
-    Fewer than 3 points leave no degree of freedom for the error: the slope is reported with
-    stderr NaN and z 0, so the trend neither passes nor fails a set on its own.
-    """
-    x = np.asarray(steps, dtype=np.float64)
-    y = np.asarray(diff, dtype=np.float64)
-    n = len(x)
-    if n < 2:
-        return Trend(slope=0.0, stderr=math.nan, z=0.0)
-    dx = x - x.mean()
-    sxx = float(dx @ dx)
-    slope = float(dx @ (y - y.mean())) / sxx
-    if n < 3:
-        return Trend(slope=slope, stderr=math.nan, z=0.0)
-    residual = y - y.mean() - slope * dx
-    stderr = math.sqrt(float(residual @ residual) / (n - 2) / sxx)
-    if stderr == 0.0:
-        z = 0.0 if slope == 0.0 else math.copysign(math.inf, slope)
-    else:
-        z = slope / stderr
-    return Trend(slope=slope, stderr=stderr, z=z)
+def transformed(curve: Curve, observable: str, steps: list[int]) -> np.ndarray:
+    """The values the rule compares: the loss as it is, the gradient norm as its log."""
+    values = values_at(curve, observable, steps)
+    if observable == "grad_norm":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(values)
+    return values
 
 
 def relative_diff(test: np.ndarray, control: np.ndarray) -> np.ndarray:
@@ -291,13 +243,7 @@ def relative_diff(test: np.ndarray, control: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(test) | np.isnan(control), np.nan, rel)
 
 
-def _first_beyond(steps: np.ndarray, values: np.ndarray, limit: float) -> int | None:
-    """First step whose value is not within limit (NaN counts as beyond: a diverged run)."""
-    bad = ~(values <= limit)
-    return int(steps[np.argmax(bad)]) if bad.any() else None
-
-
-def _argmax_step(steps: np.ndarray, values: np.ndarray) -> tuple[float, int | None]:
+def _largest(steps: list[int], values: np.ndarray) -> tuple[float, int | None]:
     """Largest value and its step; NaN wins, since it means a diverged run."""
     if len(values) == 0:
         return math.nan, None
@@ -306,125 +252,178 @@ def _argmax_step(steps: np.ndarray, values: np.ndarray) -> tuple[float, int | No
     return float(values[i]), int(steps[i])
 
 
-# ---------------------------------------------------------------- statistics
-def _statistics(al: Alignment, name: str, fraction: float, threshold: float) -> SetResult:
-    """Everything both modes report; verdict and reason are filled in by the caller."""
-    steps, diff = al.steps, al.diff
-    n = len(steps)
-    absdiff = np.abs(diff)
-    nan = math.nan
-    max_abs, max_step = _argmax_step(steps, absdiff)
-    k = window_size(n, fraction)
-    grad_max = grad_max_step = grad_first = None
-    if al.test_grad_norm is not None and n:
-        rel = relative_diff(al.test_grad_norm, al.control_grad_norm)
-        grad_max, grad_max_step = _argmax_step(steps, rel)
-        grad_first = float(rel[0])
-    tr = trend(steps, diff)
-    span = float(steps[-1] - steps[0]) if n else 0.0
+def _max_or_none(values: np.ndarray) -> float | None:
+    finite = values[~np.isnan(values)]
+    return float(finite.max()) if len(finite) else None
 
-    def stat(values: np.ndarray, fn) -> float:
-        return float(fn(values)) if n else nan
+
+# ---------------------------------------------------------------- the numbers every set reports
+def summarize(test: Curve, reference: Curve, control_steps: list[int], expect: str, tol: Tolerance) -> SetResult:
+    """Loss, grad-norm and learning-rate figures of a test against a reference curve on their
+    common steps; the verdict fields are filled in by the caller."""
+    steps = common_steps([test, reference])
+    test_loss, ref_loss = values_at(test, "loss", steps), values_at(reference, "loss", steps)
+    diff = test_loss - ref_loss
+    n = len(steps)
+    k = window_size(n, tol.final_window)
+    max_abs, max_step = _largest(steps, np.abs(diff))
+    grad_rel = relative_diff(values_at(test, "grad_norm", steps), values_at(reference, "grad_norm", steps))
+    lr_rel = relative_diff(values_at(test, "lr", steps), values_at(reference, "lr", steps))
+    have_grad = test.grad_norm is not None and reference.grad_norm is not None
+
+    def at(values: np.ndarray, i: int) -> float:
+        return float(values[i]) if n else math.nan
 
     return SetResult(
-        name=name,
-        steps_compared=n,
-        missing_in_test=al.missing_in_test,
-        missing_in_control=al.missing_in_control,
-        initial_loss=stat(al.test_loss, lambda v: v[0]),
-        final_loss=stat(al.test_loss, lambda v: v[-1]),
-        min_loss=stat(al.test_loss, np.min),
-        mean_loss=stat(al.test_loss, np.mean),
-        control_initial_loss=stat(al.control_loss, lambda v: v[0]),
-        control_final_loss=stat(al.control_loss, lambda v: v[-1]),
-        control_min_loss=stat(al.control_loss, np.min),
-        control_mean_loss=stat(al.control_loss, np.mean),
-        max_abs_diff=max_abs,
-        max_abs_diff_step=max_step,
-        mean_abs_diff=stat(absdiff, np.mean),
-        final_diff=stat(diff, lambda v: v[-1]),
-        threshold=threshold,
-        first_diverging_step=_first_beyond(steps, absdiff, threshold),
-        grad_norm_max_rel_diff=grad_max,
-        grad_norm_max_rel_diff_step=grad_max_step,
-        grad_norm_first_rel_diff=grad_first,
-        window_steps=k,
-        window_first_step=int(steps[-k]) if k else None,
-        test_window_mean=stat(al.test_loss[n - k:], np.mean),
-        control_window_mean=stat(al.control_loss[n - k:], np.mean),
-        final_window_diff=stat(diff[n - k:], np.mean),
-        trend_slope=tr.slope,
-        trend_stderr=tr.stderr,
-        trend_z=tr.z,
-        trend_drift=abs(tr.slope) * span,
-        steps=[int(s) for s in steps],
-        loss_diff=[float(d) for d in diff],
+        name=test.name, expect=expect, steps_compared=n,
+        missing_in_test=sorted(set(control_steps) - set(test.steps)),
+        missing_in_control=sorted(set(test.steps) - set(control_steps)),
+        initial_loss=at(test_loss, 0), final_loss=at(test_loss, -1),
+        control_initial_loss=at(ref_loss, 0), control_final_loss=at(ref_loss, -1),
+        max_abs_diff=max_abs, max_abs_diff_step=max_step,
+        mean_abs_diff=float(np.mean(np.abs(diff))) if n else math.nan, final_diff=at(diff, -1),
+        final_window_diff=float(np.mean(diff[n - k:])) if n else math.nan,
+        grad_norm_max_rel_diff=_max_or_none(grad_rel) if have_grad else None,
+        grad_norm_first_rel_diff=float(grad_rel[0]) if have_grad and n else None,
+        lr_max_rel_diff=_max_or_none(lr_rel),
+        first_diverging_step=None,
+        steps=list(steps), loss_diff=[float(x) for x in diff],
+        grad_norm_diff=[float(x) for x in (values_at(test, "grad_norm", steps) / values_at(reference, "grad_norm", steps)
+                                            - 1)] if have_grad else [],
     )
 
 
-# ---------------------------------------------------------------- verdicts
-def judge_exact(control: Curve, test: Curve, tol: Tolerance) -> SetResult:
+# ---------------------------------------------------------------- exact mode
+def judge_exact(control: Curve, test: Curve, tol: Tolerance, expect: str = "pass") -> SetResult:
     """Every common step within loss_atol (and grad_norm_rtol when set), every control step logged."""
-    al = align(control, test)
-    result = _statistics(al, test.name, tol.final_window, tol.loss_atol)
-    result.verdict, result.reason = _exact_reason(al, result, tol)
+    result = summarize(test, control, control.steps, expect, tol)
+    diff = np.asarray(result.loss_diff)
+    beyond = ~(np.abs(diff) <= tol.loss_atol)
+    first = int(result.steps[int(np.argmax(beyond))]) if beyond.any() else None
+    result.failed, result.reason = exact_reason(result, first, diff, tol)
+    result.first_diverging_step = first if result.failed else None
     return result
 
 
-def _exact_reason(al: Alignment, r: SetResult, tol: Tolerance) -> tuple[bool, str]:
+def exact_reason(r: SetResult, first: int | None, diff: np.ndarray, tol: Tolerance) -> tuple[bool, str]:
+    """(failed, why)."""
     if r.steps_compared == 0:
-        return False, "no step in common with the control"
-    if r.first_diverging_step is not None:
-        step = r.first_diverging_step
-        d = float(al.diff[list(r.steps).index(step)])
-        return False, f"step {step}: loss diff {d:+.3e} exceeds loss_atol {tol.loss_atol:.3e}"
+        return True, "no step in common with the control"
+    if first is not None:
+        d = float(diff[r.steps.index(first)])
+        return True, f"step {first}: loss diff {d:+.3e} exceeds loss_atol {tol.loss_atol:.3e}"
     if tol.grad_norm_rtol > 0:
-        if al.test_grad_norm is None:
-            return False, "grad_norm_rtol is set but the test or the control logged no grad norm"
-        rel = relative_diff(al.test_grad_norm, al.control_grad_norm)
-        step = _first_beyond(al.steps, rel, tol.grad_norm_rtol)
-        if step is not None:
-            value = float(rel[list(r.steps).index(step)])
-            return False, (f"step {step}: grad-norm relative diff {value:.3e} exceeds grad_norm_rtol "
-                           f"{tol.grad_norm_rtol:.3e}")
+        if not r.grad_norm_diff:
+            return True, "grad_norm_rtol is set but the test or the control logged no grad norm"
+        rel = np.abs(np.asarray(r.grad_norm_diff))
+        beyond = ~(rel <= tol.grad_norm_rtol)
+        if beyond.any():
+            i = int(np.argmax(beyond))
+            return True, (f"step {r.steps[i]}: grad-norm relative diff {rel[i]:.3e} exceeds grad_norm_rtol "
+                          f"{tol.grad_norm_rtol:.3e}")
     if r.missing_in_test:
-        return False, (f"the test did not log {len(r.missing_in_test)} control step(s), first "
-                       f"{r.missing_in_test[0]}")
-    return True, (f"max |loss diff| {r.max_abs_diff:.3e} <= loss_atol {tol.loss_atol:.3e} over "
-                  f"{r.steps_compared} steps")
+        return True, f"the test did not log {len(r.missing_in_test)} control step(s), first {r.missing_in_test[0]}"
+    grad = f", grad norm within {tol.grad_norm_rtol:.0e}" if tol.grad_norm_rtol > 0 else ""
+    return False, f"max |loss diff| {r.max_abs_diff:.3e} <= loss_atol {tol.loss_atol:.3e} over {r.steps_compared} steps{grad}"
 
 
-def judge_statistical(controls: list[Curve], test: Curve, tol: Tolerance) -> SetResult:
-    """Final-window mean within the noise band of the control's, and no significant drift."""
-    reference = mean_curve(controls)
-    al = align(reference, test)
-    n = len(al.steps)
-    k = window_size(n, tol.final_window)
-    window = [int(s) for s in al.steps[n - k:]]
-    means = [float(np.mean(_values_at(c.steps, c.loss, window))) for c in controls] if k else []
-    spread = float(np.std(means, ddof=1)) if len(means) >= 2 else math.nan
-    control_mean = float(np.mean(means)) if means else math.nan
-    band = max(tol.relative_floor * abs(control_mean), tol.noise_multiplier * spread)
-    result = _statistics(al, test.name, tol.final_window, band)
-    result.control_window_means = means
-    result.noise_spread = spread
-    result.band = band
-    result.verdict, result.reason = _statistical_reason(al, result, reference, tol)
+# ---------------------------------------------------------------- statistical mode
+def family_mean(family: list[Curve]) -> Curve:
+    """The per-step mean of the family on the steps all of them logged (loss and grad norm)."""
+    steps = common_steps(family)
+    if not steps:
+        raise ValueError("the control runs share no logged step: " + ", ".join(c.name for c in family))
+    loss = np.mean([values_at(c, "loss", steps) for c in family], axis=0)
+    grad = None
+    if all(c.grad_norm is not None for c in family):
+        grad = np.exp(np.mean([np.log(values_at(c, "grad_norm", steps)) for c in family], axis=0)).tolist()
+    extra = {key: np.mean([values_at(c, key, steps) for c in family], axis=0).tolist()
+             for key in ("lr",) if all(c.series(key) is not None for c in family)}
+    return Curve(name=f"mean({', '.join(c.name for c in family)})", steps=steps, loss=loss.tolist(), grad_norm=grad,
+                 source="; ".join(c.source for c in family), extra=extra)
+
+
+def judge_statistical(family: list[Curve], test: Curve, tol: Tolerance, expect: str = "pass") -> SetResult:
+    """Each judged observable by protocol.decision.judge, on the steps every run logged."""
+    reference = family_mean(family)
+    result = summarize(test, reference, family[0].steps, expect, tol)
+    if result.steps_compared == 0:
+        result.reason = "no step in common with the control"
+        return result
+    if result.steps[-1] < reference.steps[-1]:  # judged on an earlier, easier window otherwise
+        result.reason = f"the test stops at step {result.steps[-1]}, before the control's last step {reference.steps[-1]}"
+        return result
+    steps = common_steps([*family, test])
+    reasons = []
+    for observable in tol.observables:
+        verdict, problem = judge_observable(family, test, observable, steps, tol)
+        if problem:
+            reasons.append(f"{observable}: {problem}")
+            continue
+        result.observables.append(verdict)
+        if not verdict.passed:
+            reasons.append(f"{observable}: {verdict.reason}")
+    result.failed = bool(reasons)
+    located = [v.first_outside_noise for v in result.observables if not v.passed and v.first_outside_noise]
+    result.first_diverging_step = min(located) if located else None
+    result.reason = "; ".join(reasons) if reasons else "; ".join(f"{v.observable}: {v.reason}" for v in result.observables)
     return result
 
 
-def _statistical_reason(al: Alignment, r: SetResult, reference: Curve, tol: Tolerance) -> tuple[bool, str]:
-    if r.steps_compared == 0:
-        return False, "no step in common with the control"
-    if r.steps[-1] < reference.steps[-1]:
-        # A run that stopped early would otherwise be judged on an earlier, easier window.
-        return False, f"the test stops at step {r.steps[-1]}, before the control's last step {reference.steps[-1]}"
-    offset = r.test_window_mean - r.control_window_mean
-    window = f"final-window ({r.window_steps} steps from {r.window_first_step})"
-    if not abs(offset) <= r.band:
-        return False, f"{window} mean diff {offset:+.3e} is outside the band +-{r.band:.3e}"
-    significant = not abs(r.trend_z) <= tol.trend_z
-    if significant and not r.trend_drift <= r.band:
-        return False, (f"the diff drifts: slope {r.trend_slope:+.3e}/step (z {r.trend_z:.2f} > {tol.trend_z}) "
-                       f"moves it {r.trend_drift:.3e} over the run, more than the band {r.band:.3e}")
-    return True, f"{window} mean diff {offset:+.3e} within the band +-{r.band:.3e}; no significant drift"
+def judge_observable(family: list[Curve], test: Curve, observable: str, steps: list[int],
+                     tol: Tolerance) -> tuple[ObservableVerdict | None, str | None]:
+    """(verdict, None), or (None, why it cannot be judged): not logged, or not finite in the test
+    where the family is (a diverged run)."""
+    if any(c.series(observable) is None for c in (*family, test)):
+        missing = [c.name for c in (*family, test) if c.series(observable) is None]
+        return None, f"not logged by {', '.join(missing)}"
+    rows = np.array([transformed(c, observable, steps) for c in family])
+    values = transformed(test, observable, steps)
+    family_finite = np.isfinite(rows).all(axis=0)
+    broken = family_finite & ~np.isfinite(values)
+    if broken.any():
+        return None, f"not finite at step {steps[int(np.argmax(broken))]} (the family's is)"
+    keep = family_finite  # float16 steps skipped for an overflow log no norm
+    if keep.sum() < 3:
+        return None, "fewer than 3 steps where every run logged a finite value"
+    return judge(np.asarray(steps)[keep], rows[:, keep], values[keep], observable, tol), None
+
+
+def noise_summaries(family: list[Curve], tol: Tolerance) -> list[NoiseSummary]:
+    """Noise SD, margin, detectable effect and growth of each judged observable, from the family."""
+    steps = common_steps(family)
+    n = len(steps)
+    k = window_size(n, tol.final_window)
+    members = len(family)
+    summaries = []
+    for observable in tol.observables:
+        if any(c.series(observable) is None for c in family):
+            continue
+        rows = np.array([transformed(c, observable, steps) for c in family])
+        keep = np.isfinite(rows).all(axis=0)
+        rows = rows[:, keep]
+        kept_steps = [s for s, ok in zip(steps, keep) if ok]
+        if rows.shape[1] < 3:
+            continue
+        means = rows[:, -k:].mean(axis=1)
+        sigma = noise_sd(means)
+        margin, _ = margin_for(observable, sigma, tol)
+        summaries.append(NoiseSummary(
+            observable=observable, noise_sd=sigma, margin=margin,
+            mde=minimum_detectable_effect(margin, sigma, members - 1, tol),
+            member_diffs={c.name: float(m - means.mean()) for c, m in zip(family, means)},
+            growth=noise_growth(kept_steps, rows)))
+    return summaries
+
+
+def noise_growth(steps: list[int], rows: np.ndarray, half_width: int = 5) -> list[tuple[int, float]]:
+    """RMS over the noise controls (rows 1..) of their difference from the control (row 0), over
+    the steps within half_width of each growth point."""
+    n = len(steps)
+    paired = rows[1:] - rows[0]
+    points = sorted({min(n - 1, max(0, math.ceil(f * n) - 1)) for f in GROWTH_POINTS})
+    growth = []
+    for i in points:
+        window = paired[:, max(0, i - half_width):i + half_width + 1]
+        growth.append((int(steps[i]), float(np.sqrt(np.mean(window ** 2)))))
+    return growth

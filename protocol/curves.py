@@ -1,7 +1,8 @@
 """Loss curves read from a run's metrics.jsonl or from TensorBoard event files.
 
 A `Curve` is what the comparison needs from a run: logged steps, loss and (when known) gradient
-norm per step. `read_curve` accepts
+norm per step, and the other per-step figures the report shows (learning rate, step time,
+tokens/s, peak memory) when the source has them. `read_curve` accepts
 
 * a dump folder holding ``metrics.jsonl`` (what this trainer writes),
 * a ``metrics.jsonl`` file itself,
@@ -17,7 +18,8 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -31,6 +33,8 @@ EVENTS_GLOB = "events.out.tfevents.*"
 DEFAULT_LOSS_TAGS = ("loss_metrics/global_avg_loss", "loss", "train/loss")
 DEFAULT_GRAD_NORM_TAGS = ("grad_norm", "loss_metrics/grad_norm", "train/grad_norm")
 
+# Other per-step figures: name in Curve.extra -> TensorBoard tags tried (this trainer's, torchtitan's).
+EXTRA_TAGS = {"lr": ("lr", "lr_metrics/lr"), "tokens_per_s": ("throughput/tps", "throughput(tps)")}
 # A TensorBoard tag given for a metrics.jsonl run means the jsonl key the trainer writes next to it.
 _JSONL_KEY_OF_TAG = {"loss_metrics/global_avg_loss": "loss"}
 
@@ -51,14 +55,31 @@ class Curve:
     grad_norm: list[float] | None
     source: str
     """Where it was read from (file or folder), for messages and reports."""
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    """Other figures per step, NaN where a step lacks them: "lr", "step_time_s", "tokens_per_s",
+    "peak_memory_gib" (whichever the source logged)."""
 
     def __post_init__(self) -> None:
         if len(self.loss) != len(self.steps):
             raise ValueError(f"curve {self.name!r}: {len(self.steps)} steps but {len(self.loss)} loss values")
         if self.grad_norm is not None and len(self.grad_norm) != len(self.steps):
             raise ValueError(f"curve {self.name!r}: {len(self.steps)} steps but {len(self.grad_norm)} grad norms")
+        for key, values in self.extra.items():
+            if len(values) != len(self.steps):
+                raise ValueError(f"curve {self.name!r}: {len(self.steps)} steps but {len(values)} values of {key}")
         if any(b <= a for a, b in zip(self.steps, self.steps[1:])):
             raise ValueError(f"curve {self.name!r}: steps must be strictly increasing")
+
+    def series(self, key: str) -> list[float] | None:
+        """The per-step values of "loss", "grad_norm" or a key of `extra` (None when not logged)."""
+        if key == "loss":
+            return self.loss
+        if key == "grad_norm":
+            return self.grad_norm
+        return self.extra.get(key)
+
+    def renamed(self, name: str) -> "Curve":
+        return dataclasses.replace(self, name=name)
 
 
 def read_curve(
@@ -107,16 +128,32 @@ def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str 
                              f"{', '.join(sorted({k for _, r in records for k in r}))}")
     loss: dict[int, float] = {}
     grad: dict[int, float] = {}
+    extra: dict[str, dict[int, float]] = {}
     for lineno, record in selected:
-        step = _field(record, "step", path, lineno)
-        loss[int(step)] = float(_field(record, loss_key, path, lineno))
+        step = int(_field(record, "step", path, lineno))
+        loss[step] = float(_field(record, loss_key, path, lineno))
         if grad_key in record and record[grad_key] is not None:
-            grad[int(step)] = float(record[grad_key])
+            grad[step] = float(record[grad_key])
+        for key, value in _extra_figures(record).items():
+            extra.setdefault(key, {})[step] = value
     if not loss:
         raise CurveError(f"{path}: no training steps logged")
     if grad_norm_tag is not None and not grad:
         raise CurveError(f"{path}: no record has the key {grad_key!r}")
-    return _build(name, loss, grad, str(path))
+    return _build(name, loss, grad, str(path), extra)
+
+
+def _extra_figures(record: dict) -> dict[str, float]:
+    """The report's other figures of one metrics.jsonl record (trainer/metrics.py): learning
+    rate, step time, tokens/s, and the peak memory (CUDA reserved, else the process's RSS)."""
+    found = {key: float(record[key]) for key in ("lr", "step_time_s", "tokens_per_s")
+             if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}
+    memory = record.get("memory")
+    if isinstance(memory, dict):
+        peak = memory.get("max_reserved_gib", memory.get("peak_rss_gib"))
+        if isinstance(peak, (int, float)):
+            found["peak_memory_gib"] = float(peak)
+    return found
 
 
 def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
@@ -166,7 +203,9 @@ def _read_events(
         raise CurveError(f"{root}: grad-norm tag {grad_norm_tag!r} not found; tags found: {', '.join(available)}")
     logger.debug("%s: loss from tag %r, grad norm from %r", root, loss_name, grad_name)
     grad = _last_wins(scalars[grad_name]) if grad_name else {}
-    return _build(name, _last_wins(scalars[loss_name]), grad, str(root))
+    extra = {key: _last_wins(scalars[tag]) for key, tag in
+             ((key, _pick_tag(scalars, None, tags)) for key, tags in EXTRA_TAGS.items()) if tag}
+    return _build(name, _last_wins(scalars[loss_name]), grad, str(root), extra)
 
 
 def _one_rank(files: list[Path]) -> list[Path]:
@@ -223,10 +262,15 @@ def _last_wins(events: list[tuple[float, int, float]]) -> dict[int, float]:
 
 
 # ---------------------------------------------------------------- common
-def _build(name: str, loss: dict[int, float], grad: dict[int, float], source: str) -> Curve:
-    """Sorted steps; grad norm None when absent, NaN at steps that lack it when partly present."""
+def _build(name: str, loss: dict[int, float], grad: dict[int, float], source: str,
+           extra: dict[str, dict[int, float]] | None = None) -> Curve:
+    """Sorted steps; grad norm None when absent, NaN at steps that lack it when partly present
+    (a float16 step skipped for an overflow logs no norm)."""
     steps = sorted(loss)
     grad_norm = [grad.get(s, math.nan) for s in steps] if grad else None
-    if grad and len(grad.keys() & loss.keys()) < len(steps):
-        logger.warning("%s: %d logged steps have no grad norm", source, len(steps) - len(grad.keys() & loss.keys()))
-    return Curve(name=name, steps=steps, loss=[loss[s] for s in steps], grad_norm=grad_norm, source=source)
+    missing = len(steps) - len(grad.keys() & loss.keys())
+    if grad and missing:
+        logger.info("%s: %d logged steps have no grad norm", source, missing)
+    others = {key: [values.get(s, math.nan) for s in steps] for key, values in (extra or {}).items() if values}
+    return Curve(name=name, steps=steps, loss=[loss[s] for s in steps], grad_norm=grad_norm, source=source,
+                 extra=others)

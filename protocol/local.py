@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -87,6 +88,9 @@ def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: P
     """Start the launcher, wait, report the step reached now and then; (exit code, seconds, offset
     of this attempt's output in the log)."""
     env = dict(os.environ)
+    # The interpreter running the protocol has the project and torch installed: the launcher uses
+    # it unless the user chose one (without this it would look for an activated or ./.venv).
+    env.setdefault("PYTHON", sys.executable)
     if launch.role != "seed":
         env["NGPU"] = str(launch.nproc)
     log = launch.output / LOG_NAME

@@ -25,7 +25,7 @@ Plan file format
     overrides = { "model.flavor" = "tiny", "debug.deterministic" = true }
 
     [tolerance]            # protocol.tolerance.Tolerance: how a set is judged
-    mode = "exact"
+    mode = "exact"         # or "statistical" (noise controls, protocol.decision)
 
     [control]              # optional: 1D FSDP over dp_degree ranks by default
     name = "1D FSDP"
@@ -42,6 +42,12 @@ Plan file format
     kind = "technique"
     overrides = { "compile.enable" = true }
 
+    [[sets]]               # a positive control: a bug of known size the plan must catch
+    name = "lr x1.05"
+    kind = "technique"
+    expect = "fail"
+    overrides = { "optimizer.lr" = 3.15e-3 }
+
     [slurm.seed]           # optional: #SBATCH options of the seed job, and of the training jobs
     mem = "64G"
 
@@ -54,9 +60,11 @@ Overrides are trainer options written as dotted keys (`"section.key" = value`, o
 
 Expansion
 ---------
-`Plan.launches()` gives, in order: the seed checkpoint (one process), the control (repeated
-`tolerance.control_repeats` times with seeds seed, seed+1, ... in statistical mode, named
-`control`, `control-seed1`, ...), then the sets in file order, each once with `seed`. Every run's
+`Plan.launches()` gives, in order: the seed checkpoint (one process), the control, in
+statistical mode its `tolerance.noise_controls` noise controls (named `<control>-noise1`, ...:
+the control's launch with `--debug.init_perturbation <tolerance.perturbation>` and
+`--debug.init_perturbation_seed k`), then the sets in file order. Every run has the same
+`debug.seed`, so every run trains on the same data from the same initial weights. Every run's
 dump folder is `<output>/<slug of its name>` (lower case, runs of other characters as `-`).
 """
 
@@ -99,6 +107,7 @@ class RunSpec:
     pp: int = 1
     pp_schedule: str | None = None
     local_batch_size: int | None = None
+    expect: str = "pass"  # "fail": a positive control
 
     @property
     def label(self) -> str:
@@ -117,7 +126,7 @@ class Launch:
     """
 
     name: str
-    role: str  # "seed", "control" or "test"
+    role: str  # "seed", "control", "noise" (a noise control) or "test"
     kind: str  # "seed", "control", "parallelism" or "technique"
     nproc: int
     nodes: int
@@ -129,6 +138,7 @@ class Launch:
     seed_checkpoint: Path | None = None
     depends_on: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)
+    expect: str = "pass"
 
     @property
     def slug(self) -> str:
@@ -215,21 +225,21 @@ class Plan:
         return self.slurm.get("seed" if launch.role == "seed" else "train", SlurmJob())
 
     def control_names(self) -> list[str]:
-        return control_names(self.control.name, self.tolerance, self.seed)
+        return control_names(self.control.name, self.tolerance)
 
     def launches(self) -> list[Launch]:
-        """Seed checkpoint (when enabled), control (and repeats), then the sets in file order."""
+        """Seed checkpoint (when enabled), the control and its noise controls, then the sets in file order."""
         launches = [seed_launch(self)] if self.seed_checkpoint else []
         for i, name in enumerate(self.control_names()):
-            launches.append(run_launch(self, self.control, name, "control", self.seed + i))
-        launches += [run_launch(self, spec, spec.name, "test", self.seed) for spec in self.sets]
+            launches.append(run_launch(self, self.control, name, "noise" if i else "control", noise_seed=i))
+        launches += [run_launch(self, spec, spec.name, "test") for spec in self.sets]
         return launches
 
 
-def control_names(name: str, tolerance: Tolerance, seed: int) -> list[str]:
-    """The control, then its statistical repeats (`<name>-seed<seed>`)."""
-    repeats = tolerance.control_repeats if tolerance.mode == "statistical" else 1
-    return [name] + [f"{name}-seed{seed + i}" for i in range(1, max(repeats, 1))]
+def control_names(name: str, tolerance: Tolerance) -> list[str]:
+    """The control, then (statistical mode) its noise controls `<name>-noise<k>`."""
+    noise = tolerance.noise_controls if tolerance.mode == "statistical" else 0
+    return [name] + [f"{name}-noise{k}" for k in range(1, noise + 1)]
 
 
 def slugify(name: str) -> str:
@@ -276,35 +286,39 @@ def layout_args(degrees: dict[str, Any], spec: RunSpec) -> list[str]:
     return args
 
 
-def run_args(plan: Plan, spec: RunSpec, output: Path, seed: int, with_seed: bool = True) -> list[str]:
-    """The options of a control or test run; `with_seed=False` leaves out loading the seed
-    checkpoint (which does not exist yet when the plan is validated)."""
+def run_args(plan: Plan, spec: RunSpec, output: Path, noise_seed: int = 0, with_seed: bool = True) -> list[str]:
+    """The options of a control, noise control (noise_seed > 0) or test run; `with_seed=False`
+    leaves out loading the seed checkpoint (which does not exist yet when the plan is validated)."""
     degrees = resolved_degrees(plan, spec)
     local = spec.local_batch_size or plan.local_batch_size
     global_batch = plan.global_batch_size if plan.batch == "global" else -1
-    args = common_args(plan, output, seed)
+    args = common_args(plan, output, plan.seed)
     args += ["--training.steps", str(plan.steps)]
     if plan.warmup_steps is not None:
         args += ["--lr_scheduler.warmup_steps", str(plan.warmup_steps)]
     args += ["--training.local_batch_size", str(local), "--training.global_batch_size", str(global_batch)]
     args += layout_args(degrees, spec)
     args += override_args(spec.overrides)
+    if noise_seed:
+        args += ["--debug.init_perturbation", str(plan.tolerance.perturbation),
+                 "--debug.init_perturbation_seed", str(noise_seed)]
     if with_seed and plan.seed_checkpoint_path is not None:
         args += ["--checkpoint.initial_load_path", str(plan.seed_checkpoint_path), "--checkpoint.load_only"]
     return args
 
 
-def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, seed: int) -> Launch:
+def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, noise_seed: int = 0) -> Launch:
     degrees = resolved_degrees(plan, spec)
     nproc = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"] * degrees["cp"] * degrees["pp"]
     per_node = min(nproc, plan.gpus_per_node)
     nodes = -(-nproc // plan.gpus_per_node)
     output = plan.output / slugify(name)
-    kind = "control" if role == "control" else spec.kind
+    kind = "control" if role in ("control", "noise") else spec.kind
     return Launch(name=name, role=role, kind=kind, nproc=nproc, nodes=nodes, procs_per_node=per_node,
-                  degrees=degrees, args=tuple(run_args(plan, spec, output, seed)), output=output, seed=seed,
-                  seed_checkpoint=plan.seed_checkpoint_path,
-                  depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides))
+                  degrees=degrees, args=tuple(run_args(plan, spec, output, noise_seed)), output=output,
+                  seed=plan.seed, seed_checkpoint=plan.seed_checkpoint_path,
+                  depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides),
+                  expect=spec.expect)
 
 
 def describe_degrees(degrees: dict) -> str:

@@ -91,8 +91,8 @@ def spec_problems(plan: Plan, spec: RunSpec, clean: bool) -> list[str]:
     if rules:  # with broken degrees the trainer's checks would only repeat the rule
         return rules
     role = "control" if spec is plan.control else "test"
-    launch = run_launch(plan, spec, spec.name, role, plan.seed)
-    argv = run_args(plan, spec, launch.output, plan.seed, with_seed=False)
+    launch = run_launch(plan, spec, spec.name, role)
+    argv = run_args(plan, spec, launch.output, with_seed=False)
     return node_problems(plan, launch.nproc, spec.label) + trainer_problems(argv, launch.nproc, spec.label)
 
 

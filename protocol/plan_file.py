@@ -27,11 +27,11 @@ from typing import Any
 
 from protocol.plan import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
 from protocol.plan_checks import name_problems, run_names, spec_problems, trainer_problems
-from protocol.schema import (BATCH_MODES, CONTROL_KEYS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
+from protocol.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
                              SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
                              SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
                              check_minimum, closest, flatten, read_table)
-from protocol.tolerance import Tolerance
+from protocol.tolerance import REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -101,7 +101,7 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
     sets = read_sets(data.get("sets"), seed_checkpoint, problems)
     slurm = read_slurm(data.get("slurm", {}), problems)
 
-    controls = control_names(control.name or "control", tolerance, values.get("seed", 0))
+    controls = control_names(control.name or "control", tolerance)
     labels = [(read.name, f"{read.where} ({read.name!r})") for read in sets if read.name is not None]
     problems += name_problems(run_names(seed_checkpoint, controls, labels))
 
@@ -165,10 +165,16 @@ def read_plan_table(data: Any, problems: list[str]) -> dict[str, Any]:
 
 
 def read_tolerance(data: Any, problems: list[str]) -> Tolerance:
-    fields_ = {f.name: f for f in dataclasses.fields(Tolerance)}
-    schema = {name: Key(type(f.default), "") for name, f in fields_.items()}
-    values = read_table(data if data is not None else {}, schema, "tolerance", problems)
+    schema = {name: Key(kind, "") for name, kind in tolerance_keys().items()}
+    data = dict(data) if isinstance(data, dict) else ({} if data is None else data)
+    if isinstance(data, dict):
+        for key in [k for k in data if k in REPLACED]:
+            problems.append(f"tolerance.{key}: no longer a key; use {REPLACED[key]} (docs/converging.md)")
+            del data[key]
+    values = read_table(data, schema, "tolerance", problems)
     values = {k: float(v) if schema[k].kind is float else v for k, v in values.items()}
+    if "observables" in values:
+        values["observables"] = tuple(values["observables"])
     tolerance = Tolerance(**values)
     problems += tolerance.problems()
     return tolerance
@@ -191,6 +197,7 @@ def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bo
     before = len(problems)
     values = read_table(data, schema, where, problems)
     check_choice(values, "kind", SET_KINDS, where, problems)
+    check_choice(values, "expect", EXPECTATIONS, where, problems)
     read_degrees(values, where, problems)
     overrides = check_overrides(values.pop("overrides", {}), f"{where}.overrides", False, seed_checkpoint, problems)
     kind = values.pop("kind", None if "kind" in schema else "control")

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from protocol.compare import NotCompared
 from protocol.curves import Curve
-from protocol.launch import RunResult
+from protocol.launch import RunResult, select
 from protocol.plan import Launch, Plan
 from protocol.records import RunInfo, read_record, run_info
 from protocol.reuse import STALE, assess
 
 METRICS_FILE = "metrics.jsonl"
+FAMILY_ROLES = ("control", "noise")
 Reader = Callable[[Path, str], Curve]
 
 
@@ -28,11 +29,17 @@ class Found:
     """The curves of a plan's runs, the runs without one, and every run as recorded."""
 
     controls: list[Curve] = field(default_factory=list)
+    """The control family with a curve: the control, then its noise controls."""
     tests: list[Curve] = field(default_factory=list)
     not_compared: list[NotCompared] = field(default_factory=list)
     runs: list[RunInfo] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
     control_names: list[str] = field(default_factory=list)
+    expect: dict[str, str] = field(default_factory=dict)
+    """Set name -> "fail" for positive controls."""
+
+    def layouts(self) -> dict[str, str]:
+        return {run.name: run.layout for run in self.runs}
 
     def control_note(self, needed: int) -> str:
         """Why there is nothing to compare against: which control runs are missing and why."""
@@ -40,29 +47,44 @@ class Found:
                             if m.name in self.control_names)
         if needed == 1:
             return f"nothing to compare against: the control run {missing}"
-        return (f"nothing to compare against: statistical mode needs {needed} control runs, {len(self.controls)} "
-                f"completed ({missing})")
+        return (f"nothing to compare against: statistical mode needs the control and at least {needed - 1} noise "
+                f"controls, {len(self.controls)} completed ({missing})")
 
 
-def gather(plan: Plan, results: Sequence[RunResult], reader: Reader) -> Found:
-    """Curves and records of every training run of the plan, in launch order."""
+def gather(plan: Plan, results: Sequence[RunResult], reader: Reader, only: Sequence[str] | None = None) -> Found:
+    """Curves and records of every training run of the plan, in launch order; with `only`, of the
+    control family and the named sets (names or folder slugs) only."""
     outcome = {result.name: result for result in results}
     launches = plan.launches()
     training = [launch for launch in launches if launch.role != "seed"]
+    if only:
+        chosen = select(training, only)
+        training = [launch for launch in training if launch.role != "test" or launch in chosen]
     records = {launch.name: read_record(launch.output) for launch in training}
     control = records[training[0].name]
-    found = Found(control_names=[launch.name for launch in training if launch.role == "control"])
+    found = Found(control_names=[launch.name for launch in training if launch.role in FAMILY_ROLES],
+                  expect={launch.name: launch.expect for launch in training if launch.role == "test"})
     found.runs = [run_info(launch.name, launch.output, records[launch.name], control) for launch in training]
     found.notes = stale_notes(plan, launches, records)
     for launch in training:
         missing = why_missing(launch, outcome.get(launch.name), records[launch.name])
         if missing:
             found.not_compared.append(NotCompared(launch.name, *missing))
-        elif launch.role == "control":
+        elif launch.role in FAMILY_ROLES:
             found.controls.append(reader(launch.output, launch.name))
         else:
             found.tests.append(reader(launch.output, launch.name))
     return found
+
+
+def numerics_warnings(runs: Sequence[RunInfo]) -> list[str]:
+    """Exact mode compares step by step, which only deterministic fp32 runs can pass: say so
+    for every run that is not one."""
+    odd = [f"{run.name} ({run.numerics})" for run in runs if run.numerics and run.numerics != "float32, deterministic"]
+    if not odd:
+        return []
+    return [f"exact mode expects deterministic float32 runs, but {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} "
+            "not: their steps can differ by rounding alone; use mode = \"statistical\" for such runs"]
 
 
 def why_missing(launch: Launch, result: RunResult | None, record: dict | None) -> tuple[str, str] | None:
@@ -84,11 +106,3 @@ def stale_notes(plan: Plan, launches: list[Launch], records: dict[str, dict | No
     return {name: list(decision.differences) for name, decision in decisions.items()
             if decision.action == STALE and records.get(name) is not None}
 
-
-def folder_layouts(paths: dict[str, Path], control: str) -> dict[str, str]:
-    """For `protocol compare --control DIR --test NAME=DIR`: each run's layout from its record,
-    when its folder has one (another trainer's folders have none)."""
-    records = {name: read_record(path if path.is_dir() else path.parent) for name, path in paths.items()}
-    control_record = records.get(control)
-    return {name: run_info(name, path, records[name], control_record).layout
-            for name, path in paths.items() if records[name] is not None}

@@ -35,10 +35,26 @@ class RunInfo:
     torch: str | None = None
     world_size: int | None = None
     recorded: bool = True
+    command: str | None = None
+    """The command that started it: the protocol's launch (its folder's marker), else the trainer's options."""
+    python: str | None = None
+    device: str | None = None
+    """Device type and name, e.g. 'cuda (NVIDIA H100 80GB HBM3)' or 'cpu (AMD EPYC)'."""
+    cuda: str | None = None
+    nccl: str | None = None
+    start: str | None = None
+    """What its first start loaded: 'seed checkpoint 3f2a1c9d (path)', or 'initialized'."""
+    config_changes: tuple[str, ...] = ()
+    """Every option in which its configuration differs from the control's ('key old -> new')."""
+    numerics: str | None = None
+    """'float32, deterministic' or what else it computed in (exact mode wants those)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"folder": self.folder, "layout": self.layout, "steps": self.steps, "status": self.status,
-                "code": self.code, "torch": self.torch, "world_size": self.world_size, "recorded": self.recorded}
+                "code": self.code, "torch": self.torch, "world_size": self.world_size, "recorded": self.recorded,
+                "command": self.command, "python": self.python, "device": self.device, "cuda": self.cuda,
+                "nccl": self.nccl, "start": self.start, "config_changes": list(self.config_changes),
+                "numerics": self.numerics}
 
 
 def read_record(folder: Path) -> dict | None:
@@ -114,9 +130,66 @@ def run_info(name: str, folder: Path, record: dict | None, control: dict | None)
     """The report's description of a run from its record (and the control's, for its options)."""
     if record is None:
         return RunInfo(name, str(folder), "not recorded (no run_meta.json)", recorded=False)
+    changes = config_changes(control.get("config"), record.get("config"), {"job.dump_folder"}) \
+        if control is not None and control is not record else []
     return RunInfo(name, str(folder), layout(record, control), steps=record.get("last_step"),
                    status=record.get("status"), code=code_label(record.get("code")), torch=record.get("torch"),
-                   world_size=record.get("world_size"))
+                   world_size=record.get("world_size"), command=run_command(folder, record),
+                   python=record.get("python"), device=device_label(record), cuda=record.get("cuda"),
+                   nccl=record.get("nccl"), start=start_label(first_start(record)),
+                   config_changes=tuple(f"{key} {show(old)} -> {show(new)}" for key, old, new in changes),
+                   numerics=numerics(record))
+
+
+def first_start(record: dict) -> dict:
+    """The record of the run's first start (a resumed run keeps earlier starts in history)."""
+    history = record.get("history") or []
+    return history[0] if history else record
+
+
+def run_command(folder: Path, record: dict) -> str | None:
+    """The launch the protocol wrote into the folder's marker, else `trainer.train` with the
+    options the trainer recorded."""
+    try:
+        marker = json.loads((Path(folder) / ".protocol-run").read_text())
+        if isinstance(marker, dict) and marker.get("command"):
+            return str(marker["command"])
+    except (OSError, ValueError):
+        pass
+    argv = record.get("argv")
+    if isinstance(argv, list):
+        import shlex
+
+        return "python -m trainer.train " + shlex.join(str(a) for a in argv)
+    return None
+
+
+def device_label(record: dict) -> str | None:
+    device, name = record.get("device"), record.get("device_name")
+    if device is None:
+        return None
+    return f"{str(device).split(':')[0]} ({name})" if name else str(device)
+
+
+def start_label(record: dict) -> str | None:
+    start = record.get("start") or {}
+    if not start:
+        return None
+    if start.get("kind") == "init":
+        return "initialized (no checkpoint)"
+    fingerprint = str(start.get("fingerprint") or "")[:8] or "no fingerprint"
+    return f"{start.get('kind')} {fingerprint} ({start.get('path')}, step {start.get('step')})"
+
+
+def numerics(record: dict) -> str | None:
+    config = flat(record.get("config"))
+    if not config:
+        return None
+    dtype = config.get("training.mixed_precision_param")
+    if dtype == "auto":
+        dtype = "bfloat16" if str(record.get("device", "")).startswith("cuda") else "float32"
+    deterministic = "deterministic" if config.get("debug.deterministic") else "not deterministic"
+    return f"{dtype}, {deterministic}"
 
 
 def code_summary(runs: list[RunInfo]) -> str | None:

@@ -11,6 +11,7 @@ runs it made. The plan's [slurm] tables add #SBATCH options per kind of job.
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def job_body(plan: Plan, launch: Launch) -> list[str]:
         'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
         'if [ -z "${PYTHON:-}" ]; then',
         '  if [ -n "${VIRTUAL_ENV:-}" ]; then PYTHON=python',
+        f"  elif [ -x {shlex.quote(sys.executable)} ]; then PYTHON={shlex.quote(sys.executable)}  # what wrote this script",
         '  elif [ -x .venv/bin/python ]; then PYTHON="$PWD/.venv/bin/python"',
         "  else PYTHON=python3; fi",
         "fi",

@@ -15,6 +15,7 @@ from typing import Any
 
 BATCH_MODES = ("local", "global")
 SET_KINDS = ("parallelism", "technique")
+EXPECTATIONS = ("pass", "fail")
 SLURM_KINDS = ("seed", "train")
 
 
@@ -75,6 +76,9 @@ SET_KEYS: dict[str, Key] = {
     "dp_shard": Key(int, "FSDP shard degree; default dp_degree / dp_replicate. With batch = 'local' it must keep "
                          "dp_replicate x dp_shard = dp_degree."),
     "local_batch_size": Key(int, "Local batch of this set; with batch = 'local' it must equal the plan's."),
+    "expect": Key(str, "'pass' (default) or 'fail': a positive control, a set with a bug of known size (e.g. "
+                       "optimizer.lr 5% off) that the plan must catch; if it passes, the plan is INCONCLUSIVE.",
+                  default="pass"),
 }
 # The keys of a set or the control that decide its layout and batch.
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "pp_schedule", "local_batch_size")

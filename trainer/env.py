@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import socket
 from datetime import timedelta
 
@@ -20,6 +21,28 @@ def pick_device(force_cpu: bool = False) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def software_and_device(device: torch.device) -> dict:
+    """What a run's record says about where it ran: the device's name, and on CUDA the CUDA and
+    NCCL versions torch was built with (None elsewhere)."""
+    if device.type == "cuda":
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        return {"device_name": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
+                "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
+    return {"device_name": cpu_name(), "cuda": None, "nccl": None}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform knows of it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def backend_for(device: torch.device) -> str:

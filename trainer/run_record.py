@@ -25,6 +25,9 @@ Record fields (format 2), written by the rank that logs:
     tensorboard   the run's TensorBoard folder relative to the dump folder (null when disabled)
     world_size, degrees, global_batch_size, accumulation_steps, device, torch, python,
     num_params, data, validation_data
+    device_name   the GPU's name (CUDA) or the CPU's
+    cuda, nccl    the versions torch was built with (null off CUDA)
+    argv          the trainer's own command-line options (the launcher passes them through)
     history       earlier records of this run, oldest first (each without its own history)
 
 Torch-free: the protocol reads records with `read_record`.

@@ -43,6 +43,7 @@ from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
 from trainer.parallel.fsdp import resolve_param_dtype
+from trainer.perturbation import perturb_weights
 from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
 from trainer.process_exit import report_error, run_process
 from trainer.step import StepRunner
@@ -92,6 +93,10 @@ class Trainer:
             train_state=self.state, rank=self.rank,
         )
         self.checkpointer.resume()
+        if config.debug.init_perturbation and self.state.step == 0:  # never on resume: those weights were trained
+            perturb_weights(self.model, config.debug.init_perturbation,
+                            resolve_param_dtype(config.training.mixed_precision_param, self.device),
+                            config.debug.init_perturbation_seed)
 
         # The run's record (run_meta.json) first: it decides what metrics.jsonl keeps of earlier starts.
         stamp = self._tensorboard_stamp()
@@ -163,6 +168,8 @@ class Trainer:
             "global_batch_size": self.plan.global_batch_size,
             "accumulation_steps": self.plan.accumulation_steps,
             "device": str(self.device),
+            **env.software_and_device(self.device),
+            "argv": sys.argv[1:],
             "torch": torch.__version__,
             "python": platform.python_version(),
             "num_params": count_params_on_meta(model_args),

@@ -57,8 +57,11 @@ def test_compare_folders_passes_within_tolerance_and_fails_outside(tmp_path, cap
 
 @pytest.mark.parametrize("argv, message", [
     (["compare"], "needs a plan, or --control PATH"),
-    (["compare", "--control", "x"], "needs a plan, or --control PATH"),
-    (["compare", str(SMOKE), "--control", "x", "--test", "y"], "not both"),
+    (["compare", "--control", "x"], "give --control PATH and at least one --test"),
+    (["compare", str(SMOKE), "--only", "x", "--control", "c", "--test", "t"], "--only chooses among a plan's sets"),
+    (["compare", "--control", "c", "--noise", "n", "--test", "t", "--mode", "exact"], "exact mode compares every step"),
+    (["compare", "--control", "c", "--noise", "n", "--test", "t", "--mode", "statistical"], "at least 2 --noise"),
+    (["compare", "--unpaired", "--control", "c", "--test", "t", "--mode", "statistical"], "at least 3 --control"),
     (["compare", "--control", "c", "--test", "t", "--loss-atol", "-1"], "tolerance.loss_atol: must be > 0"),
 ])
 def test_compare_usage_errors(argv, message, capsys):
@@ -151,18 +154,18 @@ def test_run_compare_reports_a_failed_set_as_a_failed_row(small_plan, fake_launc
     data = report_json(plan)
     assert data["passed"] is False
     assert data["not_compared"] == [{"name": "FSDP+TP2", "verdict": "FAILED", "reason": "exit 2"}]
-    assert [(r["name"], r["verdict"]) for r in data["results"]] == [("lr x2", True)]
+    assert [(r["name"], r["outcome"]) for r in data["results"]] == [("lr x2", "PASS")]
     rows = [line for line in (plan.output / "report.md").read_text().splitlines() if line.startswith("| ")]
     assert rows[1:] == ["| lr x2 | dp_shard 2 | 4.97 | 4.91 | 0 | 0 | 0 | PASS |",
                         "| FSDP+TP2 | not recorded (no run_meta.json) | - | - | - | - | - | FAILED |"] + rows[3:]
     assert "- **FSDP+TP2**: FAILED: exit 2" in (plan.output / "report.md").read_text()
-    assert "**Overall: FAIL** (1/2 sets pass)" in (plan.output / "report.md").read_text()
+    assert "**Overall: FAIL** (1/2 sets as expected)" in (plan.output / "report.md").read_text()
 
 
 def test_a_failed_control_leaves_nothing_to_compare_against(small_plan, fake_launcher, monkeypatch, capsys):
     plan = small_plan()
     plan.output.mkdir(parents=True)
-    (plan.output / "loss_curves.png").write_bytes(b"an earlier report's plot")
+    (plan.output / "loss.png").write_bytes(b"an earlier report's plot")
     monkeypatch.setenv("FAKE_FAIL", "control")
     assert main(["run", str(plan.path), "--compare"]) == 1
     out = capsys.readouterr().out
@@ -170,7 +173,7 @@ def test_a_failed_control_leaves_nothing_to_compare_against(small_plan, fake_lau
     data = report_json(plan)
     assert data["results"] == [] and data["passed"] is False
     assert [(m["name"], m["verdict"]) for m in data["not_compared"]] == [("control", "FAILED")]
-    assert not (plan.output / "loss_curves.png").exists() and not (plan.output / "loss_diffs.png").exists()
+    assert not (plan.output / "loss.png").exists() and not (plan.output / "grad_norm.png").exists()
     assert "Control: control: nothing to compare against" in (plan.output / "report.md").read_text()
 
 

@@ -65,9 +65,12 @@ def problems(tmp_path: Path, text: str | None = None, **parts) -> str:
     return str(info.value)
 
 
-def arg(launch, key: str) -> str:
+def arg(launch, key: str) -> str | None:
+    """The value of option `key` in a launch (the last one given), None when it has none."""
     args = list(launch.args)
-    return args[args.index(key) + 1]
+    if key not in args:
+        return None
+    return args[len(args) - 1 - args[::-1].index(key) + 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,19 +130,20 @@ def test_cpu_smoke_commands_are_exact():
 def test_converging_llama3_8b_validates_at_128_gpus():
     plan = load_plan(PLANS / "converging_llama3_8b.toml")
     launches = plan.launches()
-    assert plan.tolerance.mode == "statistical" and plan.tolerance.control_repeats == 3
+    assert plan.tolerance.mode == "statistical" and plan.tolerance.noise_controls == 4
     assert [(l.name, l.role, l.seed, l.nproc, l.nodes, l.procs_per_node) for l in launches] == [
         ("seed", "seed", 0, 1, 1, 1),
         ("1D FSDP", "control", 0, 16, 2, 8),
-        ("1D FSDP-seed1", "control", 1, 16, 2, 8),
-        ("1D FSDP-seed2", "control", 2, 16, 2, 8),
+        *[(f"1D FSDP-noise{k}", "noise", 0, 16, 2, 8) for k in range(1, 5)],
         ("3D FSDP+TP2+PP2", "test", 0, 64, 8, 8),
         ("4D FSDP+TP2+CP2+PP2", "test", 0, 128, 16, 8),
         ("2D FSDP+CP8", "test", 0, 128, 16, 8),
+        ("lr x1.05", "test", 0, 16, 2, 8),
     ]
-    assert launches[5].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 2, "cp": 2, "pp": 2,
+    assert launches[-1].expect == "fail" and arg(launches[-1], "--optimizer.lr") == "0.000315"
+    assert launches[7].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 2, "cp": 2, "pp": 2,
                                    "pp_schedule": "Interleaved1F1B"}
-    assert launches[6].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 1, "cp": 8, "pp": 1}
+    assert launches[8].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 1, "cp": 8, "pp": 1}
     for launch in launches[1:]:
         assert arg(launch, "--job.config_file") == "llama3_8b.toml"
         assert (arg(launch, "--training.steps"), arg(launch, "--lr_scheduler.warmup_steps")) == ("3000", "600")
@@ -163,21 +167,37 @@ def test_multi_node_command_uses_a_rendezvous_and_the_seed_has_no_ngpu():
 # Expansion
 
 
-def test_statistical_mode_repeats_the_control_with_successive_seeds(tmp_path):
-    plan = load(tmp_path, plan_extra="seed = 7", tolerance='mode = "statistical"\ncontrol_repeats = 3')
+def test_statistical_mode_adds_noise_controls_on_the_same_data(tmp_path):
+    plan = load(tmp_path, plan_extra="seed = 7", tolerance='mode = "statistical"\nnoise_controls = 2\nperturbation = 0.5')
     launches = plan.launches()
     assert [(l.name, l.role, l.seed) for l in launches] == [
-        ("seed", "seed", 7), ("control", "control", 7), ("control-seed8", "control", 8),
-        ("control-seed9", "control", 9), ("FSDP+TP2", "test", 7)]
-    assert [arg(l, "--debug.seed") for l in launches] == ["7", "7", "8", "9", "7"]
-    assert launches[2].output == plan.output / "control-seed8"
+        ("seed", "seed", 7), ("control", "control", 7), ("control-noise1", "noise", 7),
+        ("control-noise2", "noise", 7), ("FSDP+TP2", "test", 7)]
+    # Paired: every run has the plan's seed (the same data, the same weights) ...
+    assert [arg(l, "--debug.seed") for l in launches] == ["7"] * 5
+    # ... and the noise controls differ only by a perturbation of their initial weights.
+    assert [arg(l, "--debug.init_perturbation") for l in launches] == [None, None, "0.5", "0.5", None]
+    assert [arg(l, "--debug.init_perturbation_seed") for l in launches] == [None, None, "1", "2", None]
+    noise, control = list(launches[2].args), list(launches[1].args)
+    renamed = [a.replace(str(plan.output / "control"), str(plan.output / "control-noise1")) for a in control]
+    assert noise == renamed[:-3] + ["--debug.init_perturbation", "0.5", "--debug.init_perturbation_seed", "1"] + \
+        renamed[-3:]
+    assert launches[2].output == plan.output / "control-noise1"
     # Every run starts from the one seed checkpoint, made with the plan's seed.
     assert {arg(l, "--checkpoint.initial_load_path") for l in launches[1:]} == {str(plan.seed_checkpoint_path)}
 
 
 def test_exact_mode_runs_the_control_once(tmp_path):
-    plan = load(tmp_path, tolerance='mode = "exact"\ncontrol_repeats = 5')
+    plan = load(tmp_path, tolerance='mode = "exact"\nnoise_controls = 5')
     assert [l.name for l in plan.launches()] == ["seed", "control", "FSDP+TP2"]
+
+
+def test_a_positive_control_is_a_set_that_expects_to_fail(tmp_path):
+    plan = load(tmp_path, sets=TP_SET + '[[sets]]\nname = "lr x1.05"\nkind = "technique"\nexpect = "fail"\n'
+                                        'overrides = { "optimizer.lr" = 3.15e-3 }\n')
+    assert [(l.name, l.expect) for l in plan.launches()[2:]] == [("FSDP+TP2", "pass"), ("lr x1.05", "fail")]
+    message = problems(tmp_path, sets=TP_SET.replace('kind = "parallelism"', 'kind = "parallelism"\nexpect = "fial"'))
+    assert "sets[0].expect: 'fial' is not one of 'pass', 'fail'; did you mean 'fail'?" in message
 
 
 def test_without_seed_checkpoint_no_seed_run_and_nothing_to_load(tmp_path):
@@ -307,10 +327,10 @@ def test_duplicate_set_names(tmp_path):
         in message
 
 
-def test_a_set_named_like_a_control_repeat(tmp_path):
+def test_a_set_named_like_a_noise_control(tmp_path):
     message = problems(tmp_path, tolerance='mode = "statistical"',
-                       sets=TP_SET.replace("FSDP+TP2", "control-seed1"))
-    assert "name 'control-seed1' gives the output folder 'control-seed1', as control ('control-seed1') does" in message
+                       sets=TP_SET.replace("FSDP+TP2", "control-noise1"))
+    assert "name 'control-noise1' gives the output folder 'control-noise1', as control ('control-noise1') does" in message
 
 
 def test_tolerance_problems(tmp_path):
@@ -318,8 +338,16 @@ def test_tolerance_problems(tmp_path):
     assert "tolerance.mode: 'exakt' is not one of exact, statistical" in message
     assert "tolerance.loss_atl: unknown key; did you mean 'loss_atol'?" in message
     assert "tolerance.final_window: a fraction in (0, 1], got 2.0" in message
-    assert "statistical mode needs >= 2 control runs" in problems(
-        tmp_path, tolerance='mode = "statistical"\ncontrol_repeats = 1')
+    message = problems(tmp_path, tolerance='mode = "statistical"\nnoise_controls = 1\nobservables = ["loss", "lr"]\n'
+                                           'alpha = 1.5')
+    assert "tolerance.noise_controls: the noise is measured by the spread of the control and its noise controls; " \
+           "give at least 2, got 1" in message
+    assert "tolerance.observables: ['loss', 'lr']: choose one or more of 'loss', 'grad_norm'" in message
+    assert "tolerance.alpha: a probability in (0, 1), got 1.5" in message
+    # A plan written for the earlier seed-repeat design is told what replaced its keys.
+    message = problems(tmp_path, tolerance='mode = "statistical"\ncontrol_repeats = 3\nnoise_multiplier = 2.0')
+    assert "tolerance.control_repeats: no longer a key; use noise_controls" in message
+    assert "tolerance.noise_multiplier: no longer a key; use margin_sigmas" in message
 
 
 def test_missing_base_config(tmp_path):

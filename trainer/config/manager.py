@@ -297,6 +297,8 @@ def validate(config: JobConfig) -> None:
         0.0 <= c.lr_scheduler.min_lr_factor <= 1.0,
         f"lr_scheduler.min_lr_factor: must be in [0, 1], got {c.lr_scheduler.min_lr_factor}",
     )
+    need(0 <= c.debug.init_perturbation <= 64, "debug.init_perturbation: must be in [0, 64] rounding errors of the "
+         f"compute dtype (1 is the protocol's noise controls; 0 is off), got {c.debug.init_perturbation}")
     need(c.metrics.log_freq >= 1, f"metrics.log_freq: must be >= 1, got {c.metrics.log_freq}")
     need(c.metrics.peak_flops >= 0, f"metrics.peak_flops: must be >= 0, got {c.metrics.peak_flops}")
     need(c.checkpoint.interval >= 1, f"checkpoint.interval: must be >= 1, got {c.checkpoint.interval}")

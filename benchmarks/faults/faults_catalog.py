@@ -1,0 +1,93 @@
+"""Real parallelism bugs, written as patches of the trainer (see sitecustomize.py for how they
+are switched on). Each is a mistake a parallel implementation can plausibly make, and each one
+leaves a run that trains and logs normally: only the convergence protocol can tell.
+
+* tp_norm_grad_unreduced: under tensor (sequence) parallelism each TP rank sees its own tokens,
+  so the gradient of a replicated RMSNorm weight is a partial sum; this bug skips its all-reduce
+  and every TP rank updates its copy with its own partial gradient (the copies drift apart).
+* cp_rope_unshifted: under context parallelism each rank rotates its queries and keys as if its
+  chunk started at position 0 (the mask still uses the true positions), so relative positions
+  between chunks are wrong.
+* cp_kv_grad_unreduced: under context parallelism each rank gathers every rank's keys and values
+  for its queries; in backward the gradients of those keys and values must be summed back to the
+  rank that owns them. This bug keeps only each rank's own contribution, so the key and value
+  projections miss the gradient from queries on other ranks.
+* norm_counts_replicas: the global gradient norm counts a TP-replicated gradient once per TP rank
+  instead of once, so the logged norm (and clipping, when it is active) is wrong while the
+  gradients themselves are right.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def tp_norm_grad_unreduced() -> None:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from trainer.parallel import tensor
+
+    def backward(ctx, grad):
+        if all(p.is_replicate() for p in grad.placements):
+            return grad, None
+        replicated = [Replicate()] * grad.device_mesh.ndim
+        return DTensor.from_local(grad.to_local(), grad.device_mesh, replicated, run_check=False), None
+
+    tensor.ReduceGradient.backward = staticmethod(backward)
+
+
+def cp_rope_unshifted() -> None:
+    import torch
+
+    from trainer.models.llama3.model import grouped_query_attention
+    from trainer.parallel import context
+
+    def positions(self, local_len, device):
+        return torch.arange(local_len, device=device)
+
+    def attend(self, q, k, v):
+        local_len, degree = q.shape[1], self.degree
+        k = context.GatherSequence.apply(k, self.group, self.reduce_dtype)
+        v = context.GatherSequence.apply(v, self.group, self.reduce_dtype)
+        true_queries = context.load_balanced_positions(self.rank, degree, local_len * degree, q.device)
+        true_keys = torch.cat([context.load_balanced_positions(r, degree, local_len * degree, q.device)
+                               for r in range(degree)])
+        return grouped_query_attention(q, k, v, attn_mask=true_queries[:, None] >= true_keys[None, :])
+
+    context.ContextParallelAttention.positions = positions
+    context.ContextParallelAttention.__call__ = attend
+
+
+def cp_kv_grad_unreduced() -> None:
+    from trainer.parallel import context
+
+    def backward(ctx, grad):
+        world, rank = context.dist.get_world_size(ctx.group), context.dist.get_rank(ctx.group)
+        return grad.unflatten(1, (world, -1)).select(1, rank).contiguous(), None, None
+
+    context.GatherSequence.backward = staticmethod(backward)
+
+
+def norm_counts_replicas() -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from trainer import optim
+
+    def local_squared_norm(grads, ranks_per_stage):
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if not local:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum()
+
+    optim.local_squared_norm = local_squared_norm
+
+
+FAULTS = {f.__name__: f for f in (tp_norm_grad_unreduced, cp_rope_unshifted, cp_kv_grad_unreduced,
+                                   norm_counts_replicas)}
+
+
+def inject(name: str) -> None:
+    if name not in FAULTS:
+        sys.exit(f"PROTOCOL_FAULT={name!r}: unknown fault; known: {', '.join(FAULTS)}")
+    FAULTS[name]()

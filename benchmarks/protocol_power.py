@@ -1,0 +1,280 @@
+"""The statistical verdict's measured power: correct layouts must pass, injected bugs must fail.
+
+    python benchmarks/protocol_power.py [--repeats 5] [--steps 300] [--noise-controls 4]
+                                        [--cases NAME,...] [--out DIR] [--json FILE] [--quick]
+
+Each repeat is one whole experiment with its own seed (its own data and seed checkpoint): the
+control, its noise controls, and one test set per case, all in bfloat16 on the tiny Llama, run
+by the protocol's own local runner and judged by the protocol's own comparison (the shipped
+statistical defaults). Cases:
+
+  correct layouts      TP 2, PP 2 (Interleaved1F1B), CP 2, FSDP 2 x TP 2 x PP 2
+  configuration faults optimizer.lr 5% high, optimizer.weight_decay 2% high
+  parallelism bugs     injected by benchmarks/faults (the shipped trainer cannot enable them):
+                       TP norm-weight gradients not all-reduced, CP key/value gradients not
+                       reduce-scattered, the global grad norm counting TP replicas once per rank,
+                       CP RoPE applied at chunk-local positions
+
+It prints, per case, the verdicts over the repeats and the mean final-window difference of each
+observable in units of the noise (the spread a correct set has); then the false-fail rate (correct
+layouts that failed), the false-pass rate (faults that passed), the minimum detectable effect;
+how the noise controls' paired difference grows with steps; and the same rates re-judged under
+other settings (fewer noise controls, other margins, another window) from the same runs, which is
+how the shipped defaults were chosen. --quick is the small version the test suite runs (1 repeat,
+100 steps, DP 1, 3 noise controls, one correct layout and one bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from common import REPO, machine, table  # noqa: I001 (sets sys.path)
+
+from protocol.compare import compare
+from protocol.curves import read_curve
+from protocol.local import run_local
+from protocol.plan_file import load_plan
+from protocol.plan_report import gather
+from protocol.tolerance import Tolerance
+
+FAULT_LAUNCHER = [sys.executable, str(REPO / "benchmarks" / "faults" / "launch.py")]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    group: str  # "correct", "config fault" or "bug"
+    table: str  # the [[sets]] body, TOML
+    fault: str | None = None  # benchmarks/faults/faults_catalog.py
+
+    @property
+    def must_fail(self) -> bool:
+        return self.group != "correct"
+
+
+INTERLEAVED = 'pp = 2\npp_schedule = "Interleaved1F1B"'
+CASES = [
+    Case("TP2", "correct", 'kind = "parallelism"\ntp = 2'),
+    Case("PP2 Interleaved1F1B", "correct", f'kind = "parallelism"\n{INTERLEAVED}'),
+    Case("CP2", "correct", 'kind = "parallelism"\ncp = 2'),
+    Case("3D TP2 PP2", "correct", f'kind = "parallelism"\ntp = 2\n{INTERLEAVED}'),
+    Case("lr x1.05", "config fault", 'kind = "technique"\noverrides = {{ "optimizer.lr" = {lr_105} }}'),
+    Case("weight decay x1.02", "config fault", 'kind = "technique"\noverrides = {{ "optimizer.weight_decay" = {wd_102} }}'),
+    Case("TP2 norm grad not reduced", "bug", 'kind = "parallelism"\ntp = 2', "tp_norm_grad_unreduced"),
+    Case("CP2 K/V grad not reduced", "bug", 'kind = "parallelism"\ncp = 2', "cp_kv_grad_unreduced"),
+    Case("TP2 norm counts replicas", "bug", 'kind = "parallelism"\ntp = 2', "norm_counts_replicas"),
+    Case("CP2 RoPE unshifted", "bug", 'kind = "parallelism"\ncp = 2', "cp_rope_unshifted"),
+]
+QUICK_CASES = ("TP2", "TP2 norm grad not reduced")
+LR, WEIGHT_DECAY = 3e-3, 0.1
+
+PLAN = """
+[plan]
+name = "power-{seed}"
+config = "debug_model.toml"
+output = "{output}"
+steps = {steps}
+warmup_steps = {warmup}
+local_batch_size = {local_batch}
+dp_degree = {dp}
+seed = {seed}
+gpus_per_node = 8
+
+[plan.overrides]
+"model.flavor" = "tiny"
+"training.seq_len" = 64
+"training.mixed_precision_param" = "bfloat16"
+"optimizer.lr" = {lr}
+"optimizer.weight_decay" = {wd}
+"metrics.log_freq" = 1
+"metrics.enable_tensorboard" = false
+"debug.deterministic" = true
+
+[tolerance]
+mode = "statistical"
+noise_controls = {noise_controls}
+"""
+
+
+def plan_text(cases: list[Case], seed: int, output: Path, args) -> str:
+    text = PLAN.format(seed=seed, output=output, steps=args.steps, warmup=max(1, args.steps // 15),
+                       local_batch=args.local_batch, dp=args.dp, lr=LR, wd=WEIGHT_DECAY,
+                       noise_controls=args.noise_controls)
+    for case in cases:
+        body = case.table.format(lr_105=LR * 1.05, wd_102=WEIGHT_DECAY * 1.02)
+        expect = 'expect = "fail"\n' if case.must_fail else ""
+        text += f'\n[[sets]]\nname = "{case.name}"\n{expect}{body}\n'
+    return text
+
+
+def run_repeat(seed: int, cases: list[Case], args) -> dict:
+    """One experiment: write its plan, run it, judge it; its curves stay under <out>/seed-<seed>."""
+    folder = Path(args.out).resolve() / f"seed-{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_path = folder / "plan.toml"
+    plan_path.write_text(plan_text(cases, seed, folder / "runs", args))
+    plan = load_plan(plan_path)
+    launches = plan.launches()
+    faults = {str(launch.output): case.fault for launch in launches for case in cases
+              if launch.name == case.name and case.fault}
+    os.environ["PROTOCOL_FAULTS"] = json.dumps(faults)
+    started = time.monotonic()
+    results = run_local(plan, launches, launcher=FAULT_LAUNCHER, rerun_stale=True,
+                        on_progress=lambda line: print(f"  seed {seed}: {line}", file=sys.stderr, flush=True))
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        raise SystemExit(f"seed {seed}: runs failed: {', '.join(failed)}; see their protocol.log under {folder}")
+    found = gather(plan, results, lambda path, name: read_curve(path, name=name))
+    return {"seed": seed, "family": found.controls, "tests": found.tests, "expect": found.expect,
+            "seconds": time.monotonic() - started}
+
+
+def judge(repeat: dict, tolerance: Tolerance, members: int | None = None):
+    family = repeat["family"][:members] if members else repeat["family"]
+    return compare(family, repeat["tests"], tolerance, expect=repeat["expect"])
+
+
+def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> tuple[list[list], dict]:
+    """One row per case (verdicts over the repeats, mean |D| / noise SD per observable), and the rates."""
+    verdicts = {case.name: [] for case in cases}
+    ratios = {(case.name, o): [] for case in cases for o in tolerance.observables}
+    mde = {o: [] for o in tolerance.observables}
+    for repeat in repeats:
+        comparison = judge(repeat, tolerance)
+        for noise in comparison.noise:
+            mde[noise.observable].append(noise.mde)
+        for result in comparison.results:
+            verdicts[result.name].append(result.failed)
+            for o in result.observables:
+                ratios[(result.name, o.observable)].append(o.diff / o.noise_sd if o.noise_sd else math.inf)
+    rows = []
+    for case in cases:
+        fails = sum(verdicts[case.name])
+        n = len(verdicts[case.name])
+        wrong = fails if not case.must_fail else n - fails
+        rows.append([case.name, case.group, f"{n - fails} / {fails}", f"{wrong}/{n}",
+                     *[f"{mean(ratios[(case.name, o)]):+.1f}" for o in tolerance.observables]])
+    rates = rates_of(verdicts, cases)
+    rates["mde"] = {o: (mean(v), stdev(v)) for o, v in mde.items()}
+    return rows, rates
+
+
+def rates_of(verdicts: dict[str, list[bool]], cases: list[Case]) -> dict:
+    correct = [failed for case in cases if not case.must_fail for failed in verdicts[case.name]]
+    faulty = [not failed for case in cases if case.must_fail for failed in verdicts[case.name]]
+    return {"false_fail": (sum(correct), len(correct)), "false_pass": (sum(faulty), len(faulty))}
+
+
+def mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def stdev(values: list[float]) -> float:
+    if len(values) < 2:
+        return math.nan
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def growth_rows(repeats: list[dict], tolerance: Tolerance) -> tuple[list[str], list[list]]:
+    """RMS paired difference of the noise controls from the control at points of the run, averaged over repeats."""
+    per_observable: dict[str, list[list[tuple[int, float]]]] = {}
+    for repeat in repeats:
+        for noise in judge(repeat, tolerance).noise:
+            per_observable.setdefault(noise.observable, []).append(noise.growth)
+    header, rows = ["observable"], []
+    for observable, growths in per_observable.items():
+        steps = [step for step, _ in growths[0]]
+        header = ["observable", *[f"step {s}" for s in steps]]
+        rows.append([observable, *[f"{mean([g[i][1] for g in growths]):.2e}" for i in range(len(steps))]])
+    return header, rows
+
+
+def settings_rows(repeats: list[dict], cases: list[Case], base: Tolerance) -> list[list]:
+    """The rates re-judged under other settings, from the same runs."""
+    rows = []
+    most = len(repeats[0]["family"]) - 1
+    for members in sorted({2, 3, most} & set(range(2, most + 1))):
+        for sigmas in (3.0, 4.0, 5.0, 6.0):
+            for window in (0.1, 0.2):
+                tolerance = replace(base, margin_sigmas=sigmas, final_window=window)
+                verdicts = {case.name: [] for case in cases}
+                mde = []
+                for repeat in repeats:
+                    comparison = judge(repeat, tolerance, members + 1)
+                    mde += [n.mde / n.noise_sd for n in comparison.noise if n.observable == "loss"]
+                    for result in comparison.results:
+                        verdicts[result.name].append(result.failed)
+                rates = rates_of(verdicts, cases)
+                shipped = members == base.noise_controls and sigmas == base.margin_sigmas and window == base.final_window
+                rows.append([f"{members}{' (shipped)' if shipped else ''}", f"{sigmas:g}", f"{window:g}",
+                             "{}/{}".format(*rates["false_fail"]), "{}/{}".format(*rates["false_pass"]),
+                             f"{mean(mde):.2f}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--noise-controls", type=int, default=Tolerance().noise_controls)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--local-batch", type=int, default=4)
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--out", default="outputs/protocol_power", help="folder of the runs (reused when current)")
+    parser.add_argument("--json", help="write the figures as JSON here")
+    parser.add_argument("--quick", action="store_true", help="the test suite's version: 1 repeat, 100 steps, DP 1, "
+                                                             "3 noise controls, " + " and ".join(QUICK_CASES))
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.dp, args.noise_controls = 1, 100, 1, 3
+        args.local_batch = 8
+        args.cases = args.cases or ",".join(QUICK_CASES)
+    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in {c.name for c in CASES}]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(c.name for c in CASES)}")
+    cases = [c for c in CASES if not chosen or c.name in chosen]
+    tolerance = replace(Tolerance(mode="statistical"), noise_controls=args.noise_controls)
+
+    repeats = [run_repeat(seed, cases, args) for seed in range(args.repeats)]
+    rows, rates = case_rows(repeats, cases, tolerance)
+    print(f"Protocol power study: {machine()}; tiny Llama, bfloat16, seq_len 64, DP {args.dp} x local batch "
+          f"{args.local_batch}, {args.steps} steps, {args.repeats} repeat(s) (seeds 0-{args.repeats - 1}), "
+          f"{args.noise_controls} noise controls, {sum(r['seconds'] for r in repeats) / 60:.0f} min of runs")
+    print()
+    print(table(["case", "group", "PASS / FAIL", "wrong verdicts", *[f"{o} diff / noise SD" for o in
+                                                                       tolerance.observables]], rows, "llrr" + "r" *
+                len(tolerance.observables)))
+    print()
+    ff, pf = rates["false_fail"], rates["false_pass"]
+    print(f"false-fail rate (correct layouts that failed): {ff[0]}/{ff[1]}; false-pass rate (faults that passed): "
+          f"{pf[0]}/{pf[1]}")
+    print("minimum detectable final-window offset (mean over repeats, sd): "
+          + "; ".join(f"{o} {m:.2e} ({s:.1e})" for o, (m, s) in rates["mde"].items()))
+    header, growth = growth_rows(repeats, tolerance)
+    print()
+    print("noise controls' paired difference from the control (RMS around the step, mean over repeats):")
+    print(table(header, growth))
+    settings = settings_rows(repeats, cases, tolerance)
+    print()
+    print(table(["noise controls", "margin_sigmas", "final_window", "false fail", "false pass", "loss MDE / noise SD"],
+                settings, "lrrrrr"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "cases": {row[0]: row[1:] for row in rows}, "false_fail": ff, "false_pass": pf, "mde": rates["mde"],
+            "growth": growth, "settings": settings, "verdicts": [
+                {"seed": r["seed"], "results": [{"name": x.name, "outcome": x.outcome, "reason": x.reason}
+                                                for x in judge(r, tolerance).results]} for r in repeats]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

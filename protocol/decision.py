@@ -1,0 +1,193 @@
+"""The statistical decision rule: does a test set train like the control, observable by observable?
+
+Setting. The control C and its K noise controls N_1..N_K (the *control family*, K + 1 runs)
+train on identical data from identical weights; each noise control differs from C only by a
+rounding-level perturbation of its initial weights. A test set T trains on the same data from the
+same weights. For an observable y (the loss in nats; the log of the gradient norm, so that its
+differences are relative), r_t is the family's mean at step t and d_t = y_T(t) - r_t the paired
+difference. D is the mean of d_t over the final window (the last `final_window` of the steps).
+
+Noise. Were T one more member of the family, D would scatter like the family's own window means
+about their mean: with s their sample standard deviation (K degrees of freedom), D has standard
+deviation sigma = s sqrt(1 + 1/(K + 1)). The runs are the replicates, so sigma holds however
+strongly each curve is autocorrelated, and whatever part of the noise persists through a whole
+window (which no estimate from a single curve can see). The set's own autocorrelation-aware
+standard error (Newey-West, effective sample size; protocol.statistics) is reported beside it.
+
+1. Equivalence of the final-window mean (two one-sided tests, TOST), mu the expectation of D:
+       H0: |mu| >= margin   (the set is off by at least the margin)
+       H1: |mu| <  margin   (the set is equivalent to the control)
+   margin = margin_sigmas x sigma, unless the plan gives one. H0 is rejected, and the set is
+   equivalent, when D - t sigma > -margin and D + t sigma < margin, t the 1 - alpha quantile of
+   Student's t with K degrees of freedom; p is the larger of the two one-sided p-values. With a
+   derived margin the test is |D| / sigma < margin_sigmas - t, and D / sigma is Student-t with K
+   degrees of freedom for a correct set: the false-fail rate is P(|t_K| > margin_sigmas - t).
+
+2. Drift of the difference over the run:
+       H0: d_t has the trend of rounding noise   H1: it drifts
+   b is the least-squares slope of d_t on the step; the family members' own slopes (each one's
+   deviation from r_t) give its noise, SE_b = max(their spread x sqrt(1 + 1/(K + 1)), the
+   autocorrelation-aware standard error of b from T's own curve). The set drifts when H0 is
+   rejected (two-sided, level alpha)
+   AND |b| x (steps spanned) > margin: a trend that moves the difference by less than the margin
+   over the whole run cannot take the set out of equivalence, so it is reported, not judged.
+
+An observable passes when it is equivalent and does not drift; a set passes when every judged
+observable passes. Minimum detectable effect: the offset mu at which a set fails test 1 with
+probability `power`, from the noise alone: margin - t sigma + t_power sigma (t_power the `power`
+quantile of Student's t with K degrees of freedom).
+
+Without pairing (curves of runs on different data, e.g. another trainer's seed repeats), the
+family is the control repeats and the same rule runs on their spread, which then holds the data's
+noise too: far larger, so only far larger effects can be detected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.statistics import mean_with_stderr, ols_slope, t_quantile, t_upper_tail, trend_with_stderr, window_size
+from protocol.tolerance import Tolerance
+
+# The locator of the first diverging step: the difference must leave the family's per-step noise
+# envelope (ENVELOPE_SIGMAS x its spread, smoothed over +-SMOOTHING steps) and stay out for
+# STAY_OUT steps in a row, so that one noisy step is not taken for the start of a divergence.
+ENVELOPE_SIGMAS = 4.0
+SMOOTHING = 5
+STAY_OUT = 5
+
+
+@dataclass
+class ObservableVerdict:
+    """One observable of one set: the numbers of both tests and the verdict."""
+
+    observable: str
+    steps: int
+    """Steps compared (those where every run logged a finite value)."""
+    window_steps: int
+    window_first_step: int | None
+    diff: float
+    """D: final-window mean of the paired difference (nats for the loss, log ratio for the norm)."""
+    noise_sd: float
+    """sigma: the standard deviation of D for a correct set, from the control family."""
+    within_se: float
+    """D's autocorrelation-aware standard error from the set's own series (reported)."""
+    effective_n: float
+    """Independent points the window's differences are worth (autocorrelation)."""
+    dof: int
+    margin: float
+    margin_given: bool
+    """True when the plan set the margin; else it is margin_sigmas x noise_sd."""
+    tost_p: float
+    equivalent: bool
+    slope: float
+    slope_se: float
+    drift: float
+    """|slope| x steps spanned: how far the trend moves the difference over the run."""
+    drift_p: float
+    drifting: bool
+    mde: float
+    """The offset this test detects with the tolerance's power."""
+    first_outside_noise: int | None
+    """First step where the difference leaves the noise envelope and stays out (a locator)."""
+    passed: bool
+    reason: str
+
+
+def noise_sd(family_window_means: np.ndarray) -> float:
+    """sigma: standard deviation of a new member's window mean about the family's mean."""
+    members = len(family_window_means)
+    return float(np.std(family_window_means, ddof=1)) * math.sqrt(1 + 1 / members)
+
+
+def minimum_detectable_effect(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
+    """The offset at which the equivalence test fails with probability tol.power (D / sigma is
+    Student-t with dof degrees of freedom about the offset)."""
+    return margin - t_quantile(1 - tol.alpha, dof) * sigma + t_quantile(tol.power, dof) * sigma
+
+
+def margin_for(observable: str, sigma: float, tol: Tolerance) -> tuple[float, bool]:
+    given = tol.margin(observable)
+    return (given, True) if given > 0 else (tol.margin_sigmas * sigma, False)
+
+
+def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: str,
+          tol: Tolerance) -> ObservableVerdict:
+    """The rule above for one observable. `family` is (members, steps), the control first;
+    `test` is (steps,); both already transformed (log for the gradient norm) and finite."""
+    members, n = family.shape
+    dof = members - 1
+    reference = family.mean(axis=0)
+    d = test - reference
+    k = window_size(n, tol.final_window)
+    window = slice(n - k, n)
+    sigma = noise_sd(family[:, window].mean(axis=1))
+    own = mean_with_stderr(d[window])
+    margin, given = margin_for(observable, sigma, tol)
+    t_crit = t_quantile(1 - tol.alpha, dof)
+    tost_p = tost_p_value(own.mean, sigma, margin, dof)
+    equivalent = abs(own.mean) + t_crit * sigma < margin
+
+    trend = trend_with_stderr(steps, d)
+    member_slopes = np.array([ols_slope(steps, row - reference) for row in family])
+    slope_noise = math.sqrt(float(member_slopes @ member_slopes) / dof) * math.sqrt(1 + 1 / members)
+    slope_se = max(slope_noise, trend.stderr if math.isfinite(trend.stderr) else 0.0)
+    drift_p = 2 * t_upper_tail(abs(trend.slope) / slope_se, dof) if slope_se > 0 else (
+        0.0 if trend.slope else 1.0)
+    drifting = drift_p < tol.alpha and trend.drift > margin
+
+    passed = equivalent and not drifting
+    verdict = ObservableVerdict(
+        observable=observable, steps=n, window_steps=k, window_first_step=int(steps[n - k]) if k else None,
+        diff=own.mean, noise_sd=sigma, within_se=own.stderr, effective_n=own.effective_n, dof=dof,
+        margin=margin, margin_given=given, tost_p=tost_p, equivalent=equivalent, slope=trend.slope,
+        slope_se=slope_se, drift=trend.drift, drift_p=drift_p, drifting=drifting,
+        mde=minimum_detectable_effect(margin, sigma, dof, tol),
+        first_outside_noise=None if passed else first_outside_noise(steps, family, d),
+        passed=passed, reason="")
+    verdict.reason = explain(verdict, t_crit)
+    return verdict
+
+
+def tost_p_value(diff: float, se: float, margin: float, dof: int) -> float:
+    """The larger of the two one-sided p-values of H0: |mu| >= margin."""
+    if se == 0:
+        return 0.0 if abs(diff) < margin else 1.0
+    lower = t_upper_tail((diff + margin) / se, dof)  # H0: mu <= -margin
+    upper = t_upper_tail((margin - diff) / se, dof)  # H0: mu >= +margin
+    return max(lower, upper)
+
+
+def first_outside_noise(steps: np.ndarray, family: np.ndarray, d: np.ndarray) -> int | None:
+    """First step from which |d| exceeds ENVELOPE_SIGMAS x the family's smoothed per-step spread
+    for STAY_OUT steps in a row (or until the last step)."""
+    members = family.shape[0]
+    spread = family.std(axis=0, ddof=1) * math.sqrt(1 + 1 / members)
+    kernel = np.ones(2 * SMOOTHING + 1)
+    smoothed = np.sqrt(np.convolve(spread ** 2, kernel, "same") / np.convolve(np.ones_like(spread), kernel, "same"))
+    outside = np.abs(d) > ENVELOPE_SIGMAS * smoothed
+    n = len(d)
+    for i in range(n):
+        if outside[i:i + STAY_OUT].all():
+            return int(steps[i])
+    return None
+
+
+def explain(v: ObservableVerdict, t_crit: float) -> str:
+    """One sentence: what decided the verdict, with its numbers."""
+    unit = "" if v.observable == "loss" else " (log ratio)"
+    window = f"final-window ({v.window_steps} steps from {v.window_first_step}) mean diff {v.diff:+.2e}{unit}"
+    limit = v.margin - t_crit * v.noise_sd
+    if limit <= 0:
+        return (f"{window}: the margin {v.margin:.2e} is not wider than t x noise SD = {t_crit * v.noise_sd:.2e}, so "
+                "no set can pass; give more noise controls or a wider margin")
+    if not v.equivalent:
+        return (f"{window} is not shown within the margin +-{v.margin:.2e} (|diff| + t x noise SD = "
+                f"{abs(v.diff) + t_crit * v.noise_sd:.2e}; TOST p {v.tost_p:.2g})")
+    if v.drifting:
+        return (f"the diff drifts: slope {v.slope:+.2e}/step (p {v.drift_p:.2g}) moves it {v.drift:.2e} over the run, "
+                f"more than the margin {v.margin:.2e}")
+    return f"{window} within +-{v.margin:.2e} (TOST p {v.tost_p:.2g}); no drift (p {v.drift_p:.2g})"

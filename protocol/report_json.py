@@ -1,0 +1,83 @@
+"""report.json: every field of a `Comparison` (per-step differences and per-observable verdicts
+included) as strict JSON, and back.
+
+Non-finite numbers are written as the strings "nan", "inf", "-inf" so that strict JSON readers
+accept the file; `comparison_from_dict` turns them back into floats. The report's own additions
+(`layouts`, `runs`, `performance`) are left out of the round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+from protocol.compare import Comparison, NoiseSummary, NotCompared, SetResult
+from protocol.decision import ObservableVerdict
+from protocol.tolerance import Tolerance
+
+REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line")
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf"
+    if isinstance(value, dict):
+        return {k: encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    return value
+
+
+def comparison_to_dict(comparison: Comparison) -> dict:
+    """Every field of the comparison as strict-JSON-ready data, plus `passed` for readers that
+    only want the yes or no."""
+    data = encode(dataclasses.asdict(comparison))
+    data["passed"] = comparison.passed
+    for result, item in zip(comparison.results, data["results"]):
+        item["outcome"] = result.outcome
+    return data
+
+
+def _floats(value: Any) -> Any:
+    """"nan"/"inf" strings back to floats, inside lists too."""
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    return value
+
+
+def _build(cls, data: dict):
+    """A dataclass from its asdict() form; float fields (and lists of floats) decoded."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in names:
+            continue
+        values[key] = _floats(value) if "float" in str(hints[key]) else value
+    return cls(**values)
+
+
+def comparison_from_dict(data: dict) -> Comparison:
+    """The inverse of `comparison_to_dict` (e.g. for a report.json read back)."""
+    results = []
+    for item in data["results"]:
+        result = _build(SetResult, item)
+        result.observables = [_build(ObservableVerdict, o) for o in item.get("observables", [])]
+        results.append(result)
+    noise = []
+    for item in data.get("noise", []):
+        summary = _build(NoiseSummary, item)
+        summary.growth = [tuple(point) for point in summary.growth]
+        summary.member_diffs = {k: _floats(v) for k, v in summary.member_diffs.items()}
+        noise.append(summary)
+    tolerance = dict(data["tolerance"])
+    tolerance["observables"] = tuple(tolerance.get("observables", ()))
+    skip = ("results", "tolerance", "not_compared", "noise", "passed") + REPORT_EXTRAS
+    fields = {k: v for k, v in data.items() if k not in skip}
+    return Comparison(tolerance=Tolerance(**tolerance), results=results, noise=noise,
+                      not_compared=[NotCompared(**m) for m in data.get("not_compared", [])], **fields)
