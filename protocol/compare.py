@@ -16,7 +16,6 @@ makes it FAIL.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 
@@ -26,8 +25,6 @@ from protocol.curves import Curve
 from protocol.decision import ObservableVerdict, judge, minimum_detectable_effect, margin_for, noise_sd
 from protocol.statistics import window_size
 from protocol.tolerance import Tolerance
-
-logger = logging.getLogger(__name__)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 DESIGNS = ("exact", "paired", "unpaired")
@@ -300,21 +297,24 @@ def judge_exact(control: Curve, test: Curve, tol: Tolerance, expect: str = "pass
     diff = np.asarray(result.loss_diff)
     beyond = ~(np.abs(diff) <= tol.loss_atol)
     first = int(result.steps[int(np.argmax(beyond))]) if beyond.any() else None
-    result.failed, result.reason = exact_reason(result, first, diff, tol)
+    neither_has_norms = test.grad_norm is None and control.grad_norm is None
+    result.failed, result.reason = exact_reason(result, first, diff, tol, neither_has_norms)
     result.first_diverging_step = first if result.failed else None
     return result
 
 
-def exact_reason(r: SetResult, first: int | None, diff: np.ndarray, tol: Tolerance) -> tuple[bool, str]:
-    """(failed, why)."""
+def exact_reason(r: SetResult, first: int | None, diff: np.ndarray, tol: Tolerance,
+                 neither_has_norms: bool = False) -> tuple[bool, str]:
+    """(failed, why). Curves without any gradient norm (another trainer's) are judged on the loss
+    alone, and say so; a norm logged by one side only fails."""
     if r.steps_compared == 0:
         return True, "no step in common with the control"
     if first is not None:
         d = float(diff[r.steps.index(first)])
         return True, f"step {first}: loss diff {d:+.3e} exceeds loss_atol {tol.loss_atol:.3e}"
-    if tol.grad_norm_rtol > 0:
+    if tol.grad_norm_rtol > 0 and not neither_has_norms:
         if not r.grad_norm_diff:
-            return True, "grad_norm_rtol is set but the test or the control logged no grad norm"
+            return True, "grad_norm_rtol is set but only one of the test and the control logged a grad norm"
         rel = np.abs(np.asarray(r.grad_norm_diff))
         beyond = ~(rel <= tol.grad_norm_rtol)
         if beyond.any():
@@ -323,7 +323,8 @@ def exact_reason(r: SetResult, first: int | None, diff: np.ndarray, tol: Toleran
                           f"{tol.grad_norm_rtol:.3e}")
     if r.missing_in_test:
         return True, f"the test did not log {len(r.missing_in_test)} control step(s), first {r.missing_in_test[0]}"
-    grad = f", grad norm within {tol.grad_norm_rtol:.0e}" if tol.grad_norm_rtol > 0 else ""
+    grad = f", grad norm within {tol.grad_norm_rtol:.0e}" if tol.grad_norm_rtol > 0 and r.grad_norm_diff else ""
+    grad += "; no grad norm logged, so it was not judged" if neither_has_norms and tol.grad_norm_rtol > 0 else ""
     return False, f"max |loss diff| {r.max_abs_diff:.3e} <= loss_atol {tol.loss_atol:.3e} over {r.steps_compared} steps{grad}"
 
 

@@ -163,7 +163,7 @@ class Launch:
         return {"name": self.name, "role": self.role, "kind": self.kind, "nproc": self.nproc, "nodes": self.nodes,
                 "procs_per_node": self.procs_per_node, "degrees": dict(self.degrees), "seed": self.seed,
                 "output": str(self.output), "args": list(self.args), "depends_on": list(self.depends_on),
-                "command": self.command()}
+                "expect": self.expect, "command": self.command()}
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ PLAN_KEYS: dict[str, Key] = {
                       "dp_shard and local_batch_size; gradient accumulation makes up the rest).", default="local"),
     "seed_checkpoint": Key(bool, "Create one step-0 seed checkpoint first and start every run from it "
                                  "(identical initial weights in every layout). Default true.", default=True),
-    "seed": Key(int, "debug.seed of the runs (statistical repeats of the control add 1, 2, ...). Default 0.",
-                default=0),
+    "seed": Key(int, "debug.seed of every run: the same data and initial weights in every run (noise controls "
+                     "differ by a perturbation of their weights, not by their seed). Default 0.", default=0),
     "gpus_per_node": Key(int, "Processes (GPUs) per node: a run with more spans nproc / gpus_per_node whole "
                               "nodes. Default 8.", default=8),
     "overrides": Key(dict, "Trainer options common to every run, as dotted keys: { \"model.flavor\" = \"tiny\" }.",

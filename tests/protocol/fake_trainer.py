@@ -11,6 +11,8 @@ Environment (comma-separated run folder names):
   FAKE_NOISE   runs that fail with torchrun's report only (no error block), exit 1
   FAKE_KILL    runs that kill themselves with SIGKILL
   FAKE_SHORT   runs that exit 0 but log one step too few (their record stays "running")
+  FAKE_ROUNDING  when set, every run's loss and grad norm get their own small noise (seeded by the
+                 run's folder name), as bf16 runs that differ only in rounding would
 """
 
 from __future__ import annotations
@@ -58,11 +60,26 @@ def write_run(dump: Path, config: dict, ngpu: int, steps: int, status: str = "co
     record = begin(dump, {"config": config, "code": json.loads(os.environ["FAKE_CODE"]), "start": start,
                           "world_size": ngpu, "degrees": degrees, "torch": os.environ["FAKE_TORCH"]}, 0)
     lr = config["optimizer"]["lr"]
+    noise = rounding_noise(dump.name, steps)
     with open(dump / "metrics.jsonl", "w") as f:
         for step in range(1, steps + 1):
-            f.write(json.dumps({"step": step, "loss": 5.0 - step * lr * 10, "grad_norm": 1.0}) + "\n")
+            loss, norm = 5.0 - step * lr * 10 + noise[step - 1], 1.0 + noise[step - 1]
+            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "lr": lr}) + "\n")
         f.write(json.dumps({"kind": "validation", "step": 1000}) + "\n")
     finish(dump, record, status, steps)
+
+
+def rounding_noise(run: str, steps: int) -> list[float]:
+    """Zeros, or (FAKE_ROUNDING) a random walk of 1e-4 steps seeded by the run's name."""
+    if not os.environ.get("FAKE_ROUNDING"):
+        return [0.0] * steps
+    import random
+
+    generator, walk, total = random.Random(run), [], 0.0
+    for _ in range(steps):
+        total = 0.9 * total + generator.gauss(0.0, 1e-4)
+        walk.append(total)
+    return walk
 
 
 def main(args: list[str]) -> int:
@@ -70,7 +87,8 @@ def main(args: list[str]) -> int:
 
     dump = Path(arg(args, "--job.dump_folder"))
     with open(os.environ["FAKE_CALLS"], "a") as f:
-        f.write(json.dumps({"run": dump.name, "ngpu": os.environ.get("NGPU"), "cwd": os.getcwd()}) + "\n")
+        f.write(json.dumps({"run": dump.name, "ngpu": os.environ.get("NGPU"), "cwd": os.getcwd(),
+                            "python": os.environ.get("PYTHON")}) + "\n")
     print("starting", dump.name, flush=True)
     if named("FAKE_KILL", dump.name):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from protocol.cli import main
+from tests.protocol.conftest import calls
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "protocol" / "plans" / "cpu_smoke.toml"
@@ -238,3 +239,94 @@ def test_compare_of_folders_takes_each_layout_from_its_record(small_plan, fake_l
                  "--test", f"y={other}", "--out", str(out)]) == 1
     layouts = json.loads((out / "report.json").read_text())["layouts"]
     assert layouts == {"x": "dp_shard 2 + optimizer.lr=0.006", "y": ""}
+
+
+STATISTICAL_PLAN = """
+[plan]
+name = "stat"
+config = "debug_model.toml"
+output = "{output}"
+steps = 60
+local_batch_size = 4
+dp_degree = 2
+overrides = {{ "model.flavor" = "tiny", "training.seq_len" = 32, "optimizer.lr" = 3e-3 }}
+
+[tolerance]
+mode = "statistical"
+noise_controls = 3
+
+[[sets]]
+name = "FSDP+TP2"
+kind = "parallelism"
+tp = 2
+
+[[sets]]
+name = "lr x1.05"
+kind = "technique"
+expect = "fail"
+overrides = {{ "optimizer.lr" = {lr} }}
+"""
+
+
+@pytest.mark.parametrize("lr, status, last_line", [
+    (3.15e-3, 0, "PASS: every test set trains like the control; positive control lr x1.05 caught"),
+    (3e-3, 3, "INCONCLUSIVE: positive control lr x1.05 passed, so this plan could not have caught a bug of that "
+              "size (more noise controls, more steps, or a narrower margin)"),
+])
+def test_a_positive_control_that_passes_makes_the_plan_inconclusive(tmp_path, fake_launcher, monkeypatch, capsys,
+                                                                    lr, status, last_line):
+    """The lr x1.05 set must fail; when its option equals the control's it cannot, and the plan
+    says it could not have caught such a bug (exit 3) instead of PASS."""
+    monkeypatch.setenv("FAKE_ROUNDING", "1")
+    path = tmp_path / "stat.toml"
+    path.write_text(STATISTICAL_PLAN.format(output=tmp_path / "out", lr=lr))
+    assert main(["run", str(path), "--compare"]) == status
+    assert capsys.readouterr().out.splitlines()[-1] == last_line
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["status"] == ("PASS" if status == 0 else "INCONCLUSIVE") and data["design"] == "paired"
+    assert data["controls"] == ["control", "control-noise1", "control-noise2", "control-noise3"]
+    outcomes = {r["name"]: r["outcome"] for r in data["results"]}
+    assert outcomes == {"FSDP+TP2": "PASS", "lr x1.05": "FAIL (expected)" if status == 0 else "PASS (expected to fail)"}
+    # `protocol compare --only` judges the sets named (with the control family) and gives their verdict.
+    assert main(["compare", str(path), "--only", "FSDP+TP2", "--out", str(tmp_path / "only")]) == 0
+    only = json.loads((tmp_path / "only" / "report.json").read_text())
+    assert [r["name"] for r in only["results"]] == ["FSDP+TP2"] and only["status"] == "PASS"
+
+
+def test_protocol_run_starts_the_launcher_with_its_own_interpreter(small_plan, fake_launcher, monkeypatch):
+    """Without an activated virtualenv and without ./.venv the launcher would fall back to
+    python3, which may not have torch: the protocol hands it the interpreter it runs in."""
+    import sys
+
+    monkeypatch.delenv("PYTHON", raising=False)
+    monkeypatch.delenv("VIRTUAL_ENV", raising=False)
+    plan = small_plan()
+    assert main(["run", str(plan.path), "--only", "control"]) == 0
+    assert {call["python"] for call in calls(plan.path.parent)} == {sys.executable}
+
+
+def test_folders_compared_with_a_plans_tolerances_and_refused_when_not_paired(tmp_path, fake_launcher, monkeypatch,
+                                                                           capsys):
+    """`protocol compare PLAN --control/--noise/--test` judges folders with the plan's statistical
+    tolerances and the layouts from the runs' records; a run from another seed checkpoint (another
+    plan's) or of another length cannot be paired with the control and is refused, naming why."""
+    monkeypatch.setenv("FAKE_ROUNDING", "1")
+    path = tmp_path / "stat.toml"
+    for output in ("a", "b"):
+        path.write_text(STATISTICAL_PLAN.format(output=tmp_path / output, lr=3.15e-3))
+        assert main(["run", str(path)]) == 0
+    a = tmp_path / "a"
+    family = ["--control", str(a / "control"), "--noise", str(a / "control-noise1"), "--noise",
+              str(a / "control-noise2")]
+    capsys.readouterr()
+    assert main(["compare", str(path), *family, "--test", f"tp={a / 'fsdp-tp2'}", "--out", str(tmp_path / "r")]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["mode"] == "statistical" and report["layouts"]["tp"] == "dp_shard 2, tp 2"
+    assert main(["compare", str(path), *family, "--test", f"other={tmp_path / 'b' / 'fsdp-tp2'}"]) == 2
+    error = capsys.readouterr().err
+    assert "cannot be compared with the control 'control'" in error and "other: seed checkpoint " in error
+    path.write_text(STATISTICAL_PLAN.format(output=tmp_path / "c", lr=3.15e-3).replace("steps = 60", "steps = 50"))
+    assert main(["run", str(path), "--only", "FSDP+TP2"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(path), *family, "--test", f"short={tmp_path / 'c' / 'fsdp-tp2'}"]) == 2
+    assert "short: seed checkpoint" in (error := capsys.readouterr().err) and "steps 50, the control's 60" in error

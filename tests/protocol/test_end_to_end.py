@@ -50,7 +50,7 @@ def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
     results = {r["name"]: r for r in report["results"]}
     assert set(results) == set(APPLIED)
     for name, r in results.items():
-        assert r["verdict"] is True, (name, r["reason"])
+        assert r["outcome"] == "PASS", (name, r["reason"])
         assert r["steps_compared"] == 20 and r["first_diverging_step"] is None
         assert abs(r["loss_diff"][0]) <= 1e-5 and r["max_abs_diff"] <= 1e-4
         assert r["grad_norm_first_rel_diff"] <= 1e-5 and r["grad_norm_max_rel_diff"] <= 1e-5
@@ -61,7 +61,7 @@ def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
                  f"final loss {r['final_loss']:.5f}")
     markdown = (out / "report.md").read_text()
     assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 4
-    for png in ("loss_curves.png", "loss_diffs.png"):
+    for png in ("loss.png", "grad_norm.png", "lr.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Completed runs are not repeated; the comparison alone gives the same verdict.
@@ -112,7 +112,7 @@ def test_a_wrong_technique_fails_at_the_first_diverging_step(tmp_path):
     (wrong,) = report["results"]
     # Step 1's loss comes before any update, so it is equal; the larger step shows from step 2 on.
     assert abs(wrong["initial_loss"] - wrong["control_initial_loss"]) <= 1e-6
-    assert wrong["verdict"] is False and wrong["first_diverging_step"] == 2
+    assert wrong["outcome"] == "FAIL" and wrong["first_diverging_step"] == 2
     assert "step 2" in wrong["reason"]
     assert "step 2" in (tmp_path / "runs" / "report.md").read_text()
     assert report["layouts"]["lr x2"] == "dp_shard 2 + optimizer.lr=0.006"  # from the run's own record

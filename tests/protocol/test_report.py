@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from protocol.compare import compare
 from protocol.curves import Curve
-from protocol.report import comparison_from_dict, fmt_diff, fmt_loss, format_table, write_report
+from protocol.report import fmt_diff, fmt_loss, format_table, write_report
+from protocol.report_json import comparison_from_dict
 from protocol.tolerance import Tolerance
 
 STEPS = list(range(1, 31))
@@ -52,7 +54,7 @@ def test_number_formats_keep_small_diffs_readable():
 def test_write_report_exact(tmp_path, exact_case):
     comparison, controls, tests = exact_case
     paths = write_report(comparison, controls, tests, tmp_path / "out", layouts={"tp2": "dp 2 tp 2", "pp2": "pp 2"})
-    assert set(paths) == {"markdown", "json", "loss_curves", "loss_diffs"}
+    assert set(paths) == {"markdown", "json", "loss", "grad_norm"}  # no learning rate logged: no lr.png
     for path in paths.values():
         assert path.is_file() and path.parent == tmp_path / "out"
 
@@ -69,7 +71,8 @@ def test_write_report_exact(tmp_path, exact_case):
     # the failure line names the reason and the first diverging step
     failure = next(line for line in text.splitlines() if line.startswith("- **pp2**"))
     assert "step 7" in failure and failure.endswith(": 7)")
-    assert "**Overall: FAIL** (1/2 sets pass)" in text
+    assert "**Overall: FAIL** (1/2 sets as expected)" in text
+    assert text.splitlines()[2] == "**FAIL: pp2**"
 
 
 def test_report_json_round_trip(tmp_path, exact_case):
@@ -80,7 +83,8 @@ def test_report_json_round_trip(tmp_path, exact_case):
     assert data["tolerance"]["loss_atol"] == 1e-4
     assert data["layouts"] == {"tp2": "dp 2 tp 2", "pp2": ""}
     by_name = {r["name"]: r for r in data["results"]}
-    assert by_name["pp2"]["first_diverging_step"] == 7 and by_name["pp2"]["verdict"] is False
+    assert by_name["pp2"]["first_diverging_step"] == 7 and by_name["pp2"]["failed"] is True
+    assert by_name["pp2"]["outcome"] == "FAIL" and data["status"] == "FAIL" and data["status_line"] == "FAIL: pp2"
     assert by_name["tp2"]["max_abs_diff"] == pytest.approx(2.4e-7, rel=1e-6)
     assert by_name["tp2"]["steps"] == STEPS and len(by_name["tp2"]["loss_diff"]) == 30
     assert comparison_from_dict(data) == comparison
@@ -106,7 +110,7 @@ def test_report_json_is_strict_with_non_finite_numbers(tmp_path):
 def test_pngs_are_valid(tmp_path, exact_case):
     comparison, controls, tests = exact_case
     paths = write_report(comparison, controls, tests, tmp_path)
-    for key in ("loss_curves", "loss_diffs"):
+    for key in ("loss", "grad_norm"):
         data = paths[key].read_bytes()
         assert data[:8] == PNG_SIGNATURE
         assert len(data) > 10_000
@@ -114,20 +118,41 @@ def test_pngs_are_valid(tmp_path, exact_case):
         assert width >= 600 and height >= 400
 
 
+def noisy(rng, name, offset=0.0, norm_factor=1.0):
+    """A 300-step run: the common trajectory plus its own autocorrelated noise, lr and timings."""
+    steps = list(range(1, 301))
+    noise = np.cumsum(rng.normal(0, 1e-4, 300)) * 0.2 + rng.normal(0, 3e-4, 300)
+    loss = [5.0 * math.exp(-s / 80) + 2.0 + n + offset for s, n in zip(steps, noise)]
+    norm = [(0.5 + 0.001 * s) * norm_factor * (1 + n) for s, n in zip(steps, rng.normal(0, 1e-3, 300))]
+    extra = {"lr": [1e-3] * 300, "step_time_s": [0.05] * 300, "tokens_per_s": [4000.0] * 300,
+             "peak_memory_gib": [0.5] * 300}
+    return Curve(name=name, steps=steps, loss=loss, grad_norm=norm, source=f"<{name}>", extra=extra)
+
+
 def test_statistical_report(tmp_path):
-    controls = [curve(f"seed{i}", offset=o) for i, o in enumerate((-0.05, 0.0, 0.05))]
-    tests = {"inside": curve("a", offset=0.1), "outside": curve("b", offset=0.2)}
-    tol = Tolerance(mode="statistical", control_repeats=3)
-    comparison = compare(controls, tests, tol)
-    paths = write_report(comparison, controls, tests, tmp_path)
+    rng = np.random.default_rng(0)
+    family = [noisy(rng, "control")] + [noisy(rng, f"control-noise{k}") for k in range(1, 5)]
+    tests = [noisy(rng, "tp2"), noisy(rng, "norm bug", norm_factor=1.05), noisy(rng, "lr x1.05", offset=-0.01)]
+    comparison = compare(family, tests, Tolerance(mode="statistical"), expect={"lr x1.05": "fail"})
+    paths = write_report(comparison, family, tests, tmp_path, layouts={"tp2": "dp_shard 2, tp 2"})
     text = paths["markdown"].read_text(encoding="utf-8")
-    assert text.startswith("# Convergence report: statistical mode")
-    assert "repeats: seed0, seed1, seed2" in text and "noise_multiplier 3" in text
-    assert [(row[0], row[-1]) for row in table_rows(text)] == [("inside", "PASS"), ("outside", "FAIL")]
-    assert "| noise spread | band |" in text
-    assert "outside the band" in text
+    assert text.startswith("# Convergence report: statistical mode, paired\n\n**FAIL: norm bug**")
+    assert "noise controls: control-noise1, control-noise2, control-noise3, control-noise4" in text
+    rows = table_rows(text)
+    assert [(row[0], row[2], row[-1]) for row in rows] == [
+        ("tp2", "pass", "PASS"), ("norm bug", "pass", "FAIL"), ("lr x1.05", "fail", "FAIL (expected)")]
+    assert rows[1][4].endswith("outside") and not rows[1][3].endswith("outside")  # the norm, not the loss
+    # what the plan can detect, each observable with its noise, margin and detectable offset
+    detect = text[text.index("## What this plan can detect"):text.index("## Verdicts")]
+    noise = {n.observable: n for n in comparison.noise}
+    assert f"| loss | nats | {fmt_diff(noise['loss'].noise_sd)} | {fmt_diff(noise['loss'].margin)} | " \
+           f"{fmt_diff(noise['loss'].mde)} |" in detect
+    assert "TOST p" in text and "## Performance" in text and "| tp2 | 0.0500 | 4000 | 0.500 |" in text
+    assert "- **norm bug**: grad_norm: final-window" in text and "(first diverging step: " in text
+    assert "- **tp2**" not in text  # a passing set has no failure line and no first diverging step
     assert comparison_from_dict(json.loads(paths["json"].read_text())) == comparison
-    assert paths["loss_diffs"].read_bytes()[:8] == PNG_SIGNATURE
+    for key in ("loss", "grad_norm", "lr"):
+        assert paths[key].read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_format_table_for_the_console(exact_case):
@@ -149,13 +174,13 @@ def test_runs_without_a_curve_are_failed_rows_and_fail_the_report(tmp_path):
 
     control = curve("fsdp")
     missing = [NotCompared("cp2", "FAILED", "exit 2"), NotCompared("pp2", "NOT RUN", "needs seed")]
-    comparison = compare(control, [curve("tp2")], Tolerance(mode="exact"), missing)
+    comparison = compare(control, [curve("tp2")], Tolerance(mode="exact"), not_compared=missing)
     assert comparison.passed is False and comparison.results[0].verdict is True
     paths = write_report(comparison, [control], [curve("tp2")], tmp_path, layouts={"cp2": "dp_shard 2, cp 2"})
     text = paths["markdown"].read_text()
     assert table_rows(text)[1:] == [["cp2", "dp_shard 2, cp 2", "-", "-", "-", "-", "-", "FAILED"],
                                     ["pp2", "", "-", "-", "-", "-", "-", "NOT RUN"]]
-    assert "- **cp2**: FAILED: exit 2" in text and "**Overall: FAIL** (1/3 sets pass)" in text
+    assert "- **cp2**: FAILED: exit 2" in text and "**Overall: FAIL** (1/3 sets as expected)" in text
     data = json.loads(paths["json"].read_text())
     assert data["layouts"] == {"tp2": "", "cp2": "dp_shard 2, cp 2", "pp2": ""}
     assert comparison_from_dict(data) == comparison

@@ -143,6 +143,23 @@ def test_norm_accumulates_in_float64_whatever_the_gradient_dtype():
     assert norm.dtype == torch.float64 and norm.item() == 13.0
 
 
+def test_the_norm_does_not_depend_on_how_the_gradients_are_split():
+    """torch's float32 norm kernel on the CPU (torch 2.13) is off by 8.5e-5 relative over these 4M
+    elements, and differently for each split into shards, which made the gradient norms of layouts
+    differ by 3e-5 to 5e-5 while their losses agreed within 1e-6. Accumulated in float64, the norm
+    of one whole tensor and the norm over 2, 4 or 8 shards agree with the exact value to 1e-12."""
+    torch.manual_seed(0)
+    whole = torch.randn(2 ** 22) * 1e-3
+    exact = whole.double().square().sum().sqrt().item()
+    for shards in (1, 2, 4, 8):
+        params = []
+        for piece in whole.chunk(shards):
+            p = torch.nn.Parameter(torch.zeros_like(piece))
+            p.grad = piece.clone()
+            params.append(p)
+        assert abs(clip_grad_norm(params, max_norm=0.0).item() - exact) / exact < 1e-12, shards
+
+
 def test_plain_gradients_are_refused_when_ranks_share_a_stage():
     """A plain tensor does not say which ranks hold copies of it: counting it would be a guess."""
     a = torch.nn.Parameter(torch.zeros(2))

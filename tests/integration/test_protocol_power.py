@@ -1,0 +1,31 @@
+"""The power study in small (benchmarks/protocol_power.py --quick): real bfloat16 runs judged by
+the shipped statistical rule. A correct layout (TP 2) passes and a real parallelism bug injected
+into the same layout (TP norm-weight gradients not all-reduced) fails, on its gradient norm and
+its loss. The full study, and the rates it measured, are in docs/converging.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.launch import REPO, describe
+
+
+def test_a_correct_layout_passes_and_an_injected_bug_fails(tmp_path, measured):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "protocol_power.py"), "--quick", "--out",
+                             str(tmp_path / "runs"), "--json", str(tmp_path / "power.json")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, describe(result)
+    figures = json.loads((tmp_path / "power.json").read_text())
+    (experiment,) = figures["verdicts"]
+    outcomes = {r["name"]: r for r in experiment["results"]}
+    assert outcomes["TP2"]["outcome"] == "PASS", outcomes["TP2"]["reason"]
+    bug = outcomes["TP2 norm grad not reduced"]
+    assert bug["outcome"] == "FAIL (expected)"
+    assert "loss: final-window" in bug["reason"] and "grad_norm: final-window" in bug["reason"]
+    assert figures["false_fail"] == [0, 1] and figures["false_pass"] == [0, 1]
+    assert "| TP2 norm grad not reduced | bug" in result.stdout  # the printed table
+    measured("protocol power (quick): TP2 " + outcomes["TP2"]["reason"][:90])
