@@ -256,6 +256,27 @@ def settings_rows(repeats: list[dict], cases: list[Case], base: Tolerance) -> li
     return rows
 
 
+def design_rows(sets: int = 4, draws: int = 200_000) -> list[list]:
+    """What the rule's own statistics say, for choosing noise_controls and margin_sigmas: the
+    chance that a correct set fails one observable, either of two, and that a plan of `sets`
+    correct sets fails anywhere, with the detectable offset in noise SDs. A correct set's D / sigma
+    is Student-t with K degrees of freedom, its sigma shared by the plan's sets: simulated
+    (fixed seed) as a normal over sqrt(chi2_K / K)."""
+    import numpy as np
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for members in (2, 3, 4, 6, 8):
+        t_crit = stats.t.ppf(0.95, members)
+        for sigmas in (5.0, 6.0, 7.0):
+            scale = np.sqrt(rng.chisquare(members, (draws, 2)) / members)  # per observable, shared by the sets
+            fails = np.abs(rng.normal(size=(draws, sets, 2))) / scale[:, None, :] > sigmas - t_crit
+            rows.append([str(members), f"{sigmas:g}", f"{fails[:, 0, 0].mean():.1%}", f"{fails[:, 0].any(1).mean():.1%}",
+                         f"{fails.any((1, 2)).mean():.1%}", f"{sigmas - t_crit + stats.t.ppf(0.8, members):.2f}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, help="experiments, seeds 0.. (default 5)")
@@ -268,10 +289,17 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/protocol_power", help="folder of the runs (reused when current)")
     parser.add_argument("--json", help="write the figures as JSON here")
     parser.add_argument("--analyze", action="store_true", help="judge the runs already in --out, run nothing")
+    parser.add_argument("--design-table", action="store_true",
+                        help="print the false-fail rates and detectable offsets the rule implies for other noise "
+                             "controls and margins (no runs), and exit")
     parser.add_argument("--quick", action="store_true", help="the test suite's version (options given explicitly still "
                                                              "apply): 1 repeat, 100 steps, DP 1 x local batch 8, 3 "
                                                              "noise controls, " + " and ".join(QUICK_CASES))
     args = parser.parse_args()
+    if args.design_table:
+        print(table(["noise controls", "margin_sigmas", "one observable", "a set (2 observables)",
+                     "a plan of 4 sets", "detectable offset / noise SD"], design_rows()))
+        return
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) in (None, ""):

@@ -330,3 +330,14 @@ def test_folders_compared_with_a_plans_tolerances_and_refused_when_not_paired(tm
     capsys.readouterr()
     assert main(["compare", str(path), *family, "--test", f"short={tmp_path / 'c' / 'fsdp-tp2'}"]) == 2
     assert "short: seed checkpoint" in (error := capsys.readouterr().err) and "steps 50, the control's 60" in error
+
+
+def test_exact_mode_warns_about_runs_that_are_not_deterministic_fp32(small_plan, fake_launcher, capsys):
+    plan = small_plan(lr=3e-3)  # the small plan leaves debug.deterministic off
+    assert main(["run", str(plan.path), "--compare"]) == 0
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if line.startswith("warning: "))
+    assert warning.startswith("warning: exact mode expects deterministic float32 runs, but control (float32, not "
+                              "deterministic), FSDP+TP2 (float32, not deterministic)")
+    assert "Warning: exact mode expects deterministic float32 runs" in (plan.output / "report.md").read_text()
+    assert report_json(plan)["warnings"] == [warning.removeprefix("warning: ")]

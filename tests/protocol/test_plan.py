@@ -130,20 +130,20 @@ def test_cpu_smoke_commands_are_exact():
 def test_converging_llama3_8b_validates_at_128_gpus():
     plan = load_plan(PLANS / "converging_llama3_8b.toml")
     launches = plan.launches()
-    assert plan.tolerance.mode == "statistical" and plan.tolerance.noise_controls == 4
+    assert plan.tolerance.mode == "statistical" and plan.tolerance.noise_controls == 6
     assert [(l.name, l.role, l.seed, l.nproc, l.nodes, l.procs_per_node) for l in launches] == [
         ("seed", "seed", 0, 1, 1, 1),
         ("1D FSDP", "control", 0, 16, 2, 8),
-        *[(f"1D FSDP-noise{k}", "noise", 0, 16, 2, 8) for k in range(1, 5)],
+        *[(f"1D FSDP-noise{k}", "noise", 0, 16, 2, 8) for k in range(1, 7)],
         ("3D FSDP+TP2+PP2", "test", 0, 64, 8, 8),
         ("4D FSDP+TP2+CP2+PP2", "test", 0, 128, 16, 8),
         ("2D FSDP+CP8", "test", 0, 128, 16, 8),
         ("lr x1.05", "test", 0, 16, 2, 8),
     ]
     assert launches[-1].expect == "fail" and arg(launches[-1], "--optimizer.lr") == "0.000315"
-    assert launches[7].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 2, "cp": 2, "pp": 2,
+    assert launches[9].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 2, "cp": 2, "pp": 2,
                                    "pp_schedule": "Interleaved1F1B"}
-    assert launches[8].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 1, "cp": 8, "pp": 1}
+    assert launches[10].degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 1, "cp": 8, "pp": 1}
     for launch in launches[1:]:
         assert arg(launch, "--job.config_file") == "llama3_8b.toml"
         assert (arg(launch, "--training.steps"), arg(launch, "--lr_scheduler.warmup_steps")) == ("3000", "600")
