@@ -187,6 +187,8 @@ def cmd_compare(args) -> int:
         raise UsageError("give --control PATH and at least one --test [NAME=]PATH")
     from protocol.adhoc import compare_folders
 
+    if plan is None and "mode" not in overrides and (args.noise or args.unpaired):
+        overrides["mode"] = "statistical"  # noise controls and seed repeats are only for that
     base = plan.tolerance if plan is not None else Tolerance()
     tolerance = replace(base, **overrides)
     problems = tolerance.problems()

@@ -129,7 +129,9 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     margin, given = margin_for(observable, sigma, tol)
     t_crit = t_quantile(1 - tol.alpha, dof)
     tost_p = tost_p_value(own.mean, sigma, margin, dof)
-    equivalent = abs(own.mean) + t_crit * sigma < margin
+    # A family without any spread in this observable (a constant norm, say) leaves no margin:
+    # then only an identical set is equivalent.
+    equivalent = abs(own.mean) + t_crit * sigma < margin or (margin == 0 and own.mean == 0)
 
     trend = trend_with_stderr(steps, d)
     member_slopes = np.array([ols_slope(steps, row - reference) for row in family])
@@ -181,6 +183,9 @@ def explain(v: ObservableVerdict, t_crit: float) -> str:
     unit = "" if v.observable == "loss" else " (log ratio)"
     window = f"final-window ({v.window_steps} steps from {v.window_first_step}) mean diff {v.diff:+.2e}{unit}"
     limit = v.margin - t_crit * v.noise_sd
+    if v.margin == 0:
+        return (f"{window}: the control family's values are identical (no noise to judge by), "
+                + ("and the set's equal them" if v.equivalent else "and the set's differ from them"))
     if limit <= 0:
         return (f"{window}: the margin {v.margin:.2e} is not wider than t x noise SD = {t_crit * v.noise_sd:.2e}, so "
                 "no set can pass; give more noise controls or a wider margin")

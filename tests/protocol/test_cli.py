@@ -61,8 +61,8 @@ def test_compare_folders_passes_within_tolerance_and_fails_outside(tmp_path, cap
     (["compare", "--control", "x"], "give --control PATH and at least one --test"),
     (["compare", str(SMOKE), "--only", "x", "--control", "c", "--test", "t"], "--only chooses among a plan's sets"),
     (["compare", "--control", "c", "--noise", "n", "--test", "t", "--mode", "exact"], "exact mode compares every step"),
-    (["compare", "--control", "c", "--noise", "n", "--test", "t", "--mode", "statistical"], "at least 2 --noise"),
-    (["compare", "--unpaired", "--control", "c", "--test", "t", "--mode", "statistical"], "at least 3 --control"),
+    (["compare", "--control", "c", "--noise", "n", "--test", "t"], "at least 2 --noise"),
+    (["compare", "--unpaired", "--control", "c", "--test", "t"], "at least 3 --control"),
     (["compare", "--control", "c", "--test", "t", "--loss-atol", "-1"], "tolerance.loss_atol: must be > 0"),
 ])
 def test_compare_usage_errors(argv, message, capsys):
@@ -341,3 +341,25 @@ def test_exact_mode_warns_about_runs_that_are_not_deterministic_fp32(small_plan,
                               "deterministic), FSDP+TP2 (float32, not deterministic)")
     assert "Warning: exact mode expects deterministic float32 runs" in (plan.output / "report.md").read_text()
     assert report_json(plan)["warnings"] == [warning.removeprefix("warning: ")]
+
+
+def test_unpaired_curves_are_judged_against_the_spread_of_seed_repeats(tmp_path, capsys):
+    """Another trainer's seed repeats trained on other data: no pairing is possible, the report says
+    so, and the same rule judges the test against the repeats' spread."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, 201)
+
+    def repeat(name: str, offset: float = 0.0) -> Path:
+        loss = 2.5 + 3.0 * np.exp(-steps / 40) + rng.normal(0, 0.01) + rng.normal(0, 0.02, len(steps)) + offset
+        return write_run(tmp_path / name, [float(v) for v in loss])
+
+    controls = [arg for i in range(4) for arg in ("--control", str(repeat(f"seed{i}")))]
+    out = tmp_path / "report"
+    assert main(["compare", "--unpaired", *controls, "--test", f"other={repeat('other')}", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Convergence report: statistical mode, UNPAIRED") and "UNPAIRED: the control runs" in text
+    assert "control repeats: seed1, seed2, seed3" in text
+    assert main(["compare", "--unpaired", *controls, "--test", f"off={repeat('off', 0.2)}", "--out", str(out)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "FAIL: off"
