@@ -10,6 +10,7 @@ import pytest
 
 from protocol.plan import REPO_ROOT, override_args, slugify
 from protocol.plan_file import PlanError, load_plan
+from protocol.tolerance import Tolerance
 
 PLANS = REPO_ROOT / "protocol" / "plans"
 
@@ -125,6 +126,20 @@ def test_cpu_smoke_commands_are_exact():
         "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
         "--parallelism.context_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
         f"--checkpoint.initial_load_path {plan.seed_checkpoint_path} --checkpoint.load_only")
+
+
+def test_cpu_statistical_plan_is_bf16_with_noise_controls_and_a_positive_control():
+    plan = load_plan(PLANS / "cpu_statistical.toml")
+    launches = plan.launches()
+    assert [(l.name, l.role, l.nproc, l.expect) for l in launches] == [
+        ("seed", "seed", 1, "pass"), ("1D FSDP", "control", 2, "pass"),
+        *[(f"1D FSDP-noise{k}", "noise", 2, "pass") for k in range(1, 5)],
+        ("2D FSDP+TP2", "test", 4, "pass"), ("2D FSDP+PP2", "test", 4, "pass"), ("lr x1.05", "test", 2, "fail")]
+    assert plan.tolerance.mode == "statistical" and plan.tolerance == Tolerance(mode="statistical")  # the defaults
+    for launch in launches[1:]:
+        assert arg(launch, "--training.mixed_precision_param") == "bfloat16"
+        assert (arg(launch, "--training.steps"), arg(launch, "--debug.seed")) == ("300", "0")  # same data everywhere
+    assert arg(launches[-1], "--optimizer.lr") == "0.00315"
 
 
 def test_converging_llama3_8b_validates_at_128_gpus():
