@@ -258,10 +258,10 @@ def settings_rows(repeats: list[dict], cases: list[Case], base: Tolerance) -> li
 
 def design_rows(sets: int = 4, draws: int = 200_000) -> list[list]:
     """What the rule's own statistics say, for choosing noise_controls and margin_sigmas: the
-    chance that a correct set fails one observable, either of two, and that a plan of `sets`
-    correct sets fails anywhere, with the detectable offset in noise SDs. A correct set's D / sigma
-    is Student-t with K degrees of freedom, its sigma shared by the plan's sets: simulated
-    (fixed seed) as a normal over sqrt(chi2_K / K)."""
+    chance that a correct set fails one observable (exact), either of two, and that a plan of
+    `sets` correct sets fails anywhere, with the detectable offset in noise SDs. A correct set's
+    D / sigma is Student-t with K degrees of freedom, its sigma shared by the plan's sets:
+    simulated (fixed seed) as a normal over sqrt(chi2_K / K)."""
     import numpy as np
     from scipy import stats
 
@@ -272,7 +272,8 @@ def design_rows(sets: int = 4, draws: int = 200_000) -> list[list]:
         for sigmas in (5.0, 6.0, 7.0):
             scale = np.sqrt(rng.chisquare(members, (draws, 2)) / members)  # per observable, shared by the sets
             fails = np.abs(rng.normal(size=(draws, sets, 2))) / scale[:, None, :] > sigmas - t_crit
-            rows.append([str(members), f"{sigmas:g}", f"{fails[:, 0, 0].mean():.1%}", f"{fails[:, 0].any(1).mean():.1%}",
+            one = 2 * stats.t.sf(sigmas - t_crit, members)  # exact: P(|t_K| > margin_sigmas - t)
+            rows.append([str(members), f"{sigmas:g}", f"{one:.1%}", f"{fails[:, 0].any(1).mean():.1%}",
                          f"{fails.any((1, 2)).mean():.1%}", f"{sigmas - t_crit + stats.t.ppf(0.8, members):.2f}"])
     return rows
 
@@ -316,7 +317,8 @@ def main() -> None:
     rows, rates = case_rows(repeats, cases, tolerance)
     print(f"Protocol power study: {machine()}; tiny Llama, bfloat16, seq_len 64, DP {args.dp} x local batch "
           f"{args.local_batch}, {args.steps} steps, {args.repeats} repeat(s) (seeds {seeds[0]}-{seeds[-1]}), "
-          f"{args.noise_controls} noise controls, {sum(r['seconds'] for r in repeats) / 60:.0f} min of runs")
+          f"{args.noise_controls} noise controls, "
+          + ("judged from the runs in --out" if args.analyze else f"{sum(r['seconds'] for r in repeats) / 60:.0f} min of runs"))
     print()
     print(table(["case", "group", "PASS / FAIL", "wrong verdicts", *[f"{o} diff / noise SD" for o in
                                                                        tolerance.observables]], rows, "llrr" + "r" *
