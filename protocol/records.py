@@ -10,10 +10,12 @@ degrees themselves, the checkpoint it loaded).
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.folders import RUN_MARKER
 from protocol.plan import describe_degrees, option_value
 
 # Options that differ between the runs of one plan by construction, or are shown as degrees.
@@ -151,15 +153,13 @@ def run_command(folder: Path, record: dict) -> str | None:
     """The launch the protocol wrote into the folder's marker, else `trainer.train` with the
     options the trainer recorded."""
     try:
-        marker = json.loads((Path(folder) / ".protocol-run").read_text())
+        marker = json.loads((Path(folder) / RUN_MARKER).read_text())
         if isinstance(marker, dict) and marker.get("command"):
             return str(marker["command"])
     except (OSError, ValueError):
         pass
     argv = record.get("argv")
     if isinstance(argv, list):
-        import shlex
-
         return "python -m trainer.train " + shlex.join(str(a) for a in argv)
     return None
 
