@@ -150,7 +150,7 @@ def judge(repeat: dict, tolerance: Tolerance, members: int | None = None):
 
 
 def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> tuple[list[list], dict]:
-    """One row per case (verdicts over the repeats, mean |D| / noise SD per observable), and the rates."""
+    """One row per case (verdicts over the repeats, mean D / noise SD per observable), and the rates."""
     verdicts = {case.name: [] for case in cases}
     ratios = {(case.name, o): [] for case in cases for o in tolerance.observables}
     mde = {o: [] for o in tolerance.observables}
@@ -178,6 +178,15 @@ def rates_of(verdicts: dict[str, list[bool]], cases: list[Case]) -> dict:
     correct = [failed for case in cases if not case.must_fail for failed in verdicts[case.name]]
     faulty = [not failed for case in cases if case.must_fail for failed in verdicts[case.name]]
     return {"false_fail": (sum(correct), len(correct)), "false_pass": (sum(faulty), len(faulty))}
+
+
+def interval(hits: int, total: int) -> str:
+    """The 95% Clopper-Pearson interval of a rate measured as hits / total."""
+    from scipy import stats
+
+    low = stats.beta.ppf(0.025, hits, total - hits + 1) if hits else 0.0
+    high = stats.beta.ppf(0.975, hits + 1, total - hits) if hits < total else 1.0
+    return f"{hits}/{total} (95% interval {low:.0%}-{high:.0%})"
 
 
 def mean(values: list[float]) -> float:
@@ -249,17 +258,19 @@ def settings_rows(repeats: list[dict], cases: list[Case], base: Tolerance) -> li
                     for result in comparison.results:
                         verdicts[result.name].append(result.failed)
                 rates = rates_of(verdicts, cases)
-                shipped = members == base.noise_controls and sigmas == base.margin_sigmas and window == base.final_window
+                default = Tolerance()
+                shipped = (members, sigmas, window) == (default.noise_controls, default.margin_sigmas,
+                                                         default.final_window)
                 rows.append([f"{members}{' (shipped)' if shipped else ''}", f"{sigmas:g}", f"{window:g}",
                              "{}/{}".format(*rates["false_fail"]), "{}/{}".format(*rates["false_pass"]),
                              *[f"{mean(mde[o]):.2e}" for o in base.observables]])
     return rows
 
 
-def design_rows(sets: int = 4, draws: int = 200_000) -> list[list]:
+def design_rows(plan_sets: tuple[int, ...] = (3, 4), draws: int = 200_000) -> list[list]:
     """What the rule's own statistics say, for choosing noise_controls and margin_sigmas: the
     chance that a correct set fails one observable (exact), either of two, and that a plan of
-    `sets` correct sets fails anywhere, with the detectable offset in noise SDs. A correct set's
+    `plan_sets` correct sets fails anywhere, with the detectable offset in noise SDs. A correct set's
     D / sigma is Student-t with K degrees of freedom, its sigma shared by the plan's sets:
     simulated (fixed seed) as a normal over sqrt(chi2_K / K)."""
     import numpy as np
@@ -271,10 +282,11 @@ def design_rows(sets: int = 4, draws: int = 200_000) -> list[list]:
         t_crit = stats.t.ppf(0.95, members)
         for sigmas in (5.0, 6.0, 7.0):
             scale = np.sqrt(rng.chisquare(members, (draws, 2)) / members)  # per observable, shared by the sets
-            fails = np.abs(rng.normal(size=(draws, sets, 2))) / scale[:, None, :] > sigmas - t_crit
+            fails = np.abs(rng.normal(size=(draws, max(plan_sets), 2))) / scale[:, None, :] > sigmas - t_crit
             one = 2 * stats.t.sf(sigmas - t_crit, members)  # exact: P(|t_K| > margin_sigmas - t)
             rows.append([str(members), f"{sigmas:g}", f"{one:.1%}", f"{fails[:, 0].any(1).mean():.1%}",
-                         f"{fails.any((1, 2)).mean():.1%}", f"{sigmas - t_crit + stats.t.ppf(0.8, members):.2f}"])
+                         *[f"{fails[:, :n].any((1, 2)).mean():.1%}" for n in plan_sets],
+                         f"{sigmas - t_crit + stats.t.ppf(0.8, members):.2f}"])
     return rows
 
 
@@ -299,7 +311,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.design_table:
         print(table(["noise controls", "margin_sigmas", "one observable", "a set (2 observables)",
-                     "a plan of 4 sets", "detectable offset / noise SD"], design_rows()))
+                     "a plan of 3 sets", "a plan of 4 sets", "detectable offset / noise SD"], design_rows()))
         return
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
@@ -325,10 +337,10 @@ def main() -> None:
                 len(tolerance.observables)))
     print()
     ff, pf = rates["false_fail"], rates["false_pass"]
-    print(f"false-fail rate (correct layouts that failed): {ff[0]}/{ff[1]}; false-pass rate (faults that passed): "
-          f"{pf[0]}/{pf[1]}")
-    print("minimum detectable final-window offset (mean over repeats, sd): "
-          + "; ".join(f"{o} {m:.2e} ({s:.1e})" for o, (m, s) in rates["mde"].items()))
+    print(f"false-fail rate (correct layouts that failed): {interval(*ff)}; false-pass rate (faults that passed): "
+          f"{interval(*pf)}")
+    print("minimum detectable final-window offset (mean over repeats, and their sd): "
+          + "; ".join(f"{o} {m:.2e}" + (f" ({s:.1e})" if math.isfinite(s) else "") for o, (m, s) in rates["mde"].items()))
     header, growth = growth_rows(repeats, tolerance)
     print()
     print("noise controls' paired difference from the control (RMS around the step, mean over repeats):")

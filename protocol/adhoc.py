@@ -55,6 +55,10 @@ def compare_folders(controls: Sequence[Path], noise: Sequence[Path], tests: Sequ
         raise PairingError("these runs cannot be compared with the control " + repr(family[0].name) + ":\n  "
                            + "\n  ".join(problems))
     warnings = unchecked(records)
+    if tolerance.mode == "statistical" and not unpaired and len(noise) != tolerance.noise_controls:
+        warnings.append(f"{len(noise)} noise controls given where the tolerance asks for {tolerance.noise_controls}: "
+                        "the noise is measured from fewer or more runs than planned (the report's false-fail chance "
+                        "is that of the runs given)")
     if tolerance.mode == "exact":
         from protocol.plan_report import numerics_warnings
 

@@ -92,13 +92,21 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", type=Path, help="report folder (default: the plan's output folder, or ./report)")
     compare.add_argument("--loss-tag", help="TensorBoard tag of the loss (default: this trainer's or torchtitan's)")
     compare.add_argument("--grad-norm-tag", help="TensorBoard tag of the gradient norm")
-    for name, kind in tolerance_keys().items():
+    for name, kind in judging_keys().items():
         default = getattr(Tolerance(), name)
         kwargs = {"choices": MODES} if name == "mode" else {"type": comma_list if kind is list else kind}
         compare.add_argument("--" + name.replace("_", "-"), dest=f"tolerance_{name}", help=f"tolerance.{name} (default "
                              f"{','.join(default) if kind is list else repr(default)}, or the plan's)", **kwargs)
     compare.set_defaults(handler=cmd_compare)
     return top
+
+
+# [tolerance] keys that decide which runs a plan makes, not how they are judged: not compare options.
+RUN_KEYS = ("noise_controls", "perturbation")
+
+
+def judging_keys() -> dict[str, type]:
+    return {name: kind for name, kind in tolerance_keys().items() if name not in RUN_KEYS}
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -171,7 +179,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    overrides = {name: getattr(args, f"tolerance_{name}") for name in tolerance_keys()
+    overrides = {name: getattr(args, f"tolerance_{name}") for name in judging_keys()
                  if getattr(args, f"tolerance_{name}") is not None}
     tags = {"loss_tag": args.loss_tag, "grad_norm_tag": args.grad_norm_tag}
     plan = load(args.plan) if args.plan is not None else None
@@ -235,6 +243,10 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
         comparison = nothing_to_compare(plan.control.name, tolerance, found.not_compared, note)
         return report(comparison, [], [], out or plan.output, where, found.layouts(), found.runs, found.notes)
     warnings = numerics_warnings(found.runs) if tolerance.mode == "exact" else []
+    left_out = [spec.name for spec in plan.sets if spec.expect == "fail" and spec.name not in found.expect]
+    if left_out:
+        warnings.append(f"positive control{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not compared "
+                        "(--only): this verdict does not show what the plan can catch")
     comparison = compare(found.controls, found.tests, tolerance, expect=found.expect,
                          not_compared=found.not_compared, warnings=warnings)
     return report(comparison, found.controls, found.tests, out or plan.output, where, found.layouts(), found.runs,

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.curves import Curve
-from protocol.decision import ObservableVerdict, judge, minimum_detectable_effect, margin_for, noise_sd
+from protocol.decision import (ObservableVerdict, detectable_if_noisier, false_fail_chance, judge, margin_for,
+                               minimum_detectable_effect, noise_sd)
 from protocol.statistics import window_size
 from protocol.tolerance import Tolerance
 
@@ -105,6 +106,10 @@ class NoiseSummary:
     margin: float
     mde: float
     """Minimum detectable final-window offset (see protocol.decision)."""
+    mde_if_noisier: float
+    """The same if the true noise SD were at the upper 95% bound of its estimate."""
+    false_fail: float
+    """The chance that a correct set fails this observable's equivalence test."""
     member_diffs: dict[str, float]
     """Each family member's final-window mean minus the family's."""
     growth: list[tuple[int, float]]
@@ -167,7 +172,25 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
         noise = noise_summaries(family, tolerance)
     return Comparison(control=family[0].name, mode=tolerance.mode, design=design, tolerance=tolerance,
                       results=results, status=plan_status(results, not_compared), controls=[c.name for c in family],
-                      noise=noise, not_compared=not_compared, warnings=list(warnings or []))
+                      noise=noise, not_compared=not_compared, warnings=[*(warnings or []), *noisier_sets(results)])
+
+
+NOISIER = 2.0  # a set's own standard error this many times the family's largest is worth a warning
+
+
+def noisier_sets(results: list[SetResult]) -> list[str]:
+    """The verdict assumes a correct set is as noisy as a noise control; say where a set that should
+    pass has a curve much noisier than any of theirs (its rounding noise may be larger than they
+    measure, and a FAIL of it may be that noise)."""
+    found = []
+    for result in results:
+        for o in result.observables if result.expect == "pass" else []:
+            if math.isfinite(o.within_se) and math.isfinite(o.family_within_se) and \
+                    o.within_se > NOISIER * o.family_within_se:
+                found.append(f"{result.name}: its {o.observable} difference is noisier than any noise control's (own "
+                             f"standard error {o.within_se:.2e}, theirs at most {o.family_within_se:.2e}): the noise "
+                             "controls may understate its rounding noise")
+    return found
 
 
 def plan_status(results: list[SetResult], not_compared: list[NotCompared]) -> str:
@@ -412,6 +435,8 @@ def noise_summaries(family: list[Curve], tol: Tolerance) -> list[NoiseSummary]:
         summaries.append(NoiseSummary(
             observable=observable, noise_sd=sigma, margin=margin,
             mde=minimum_detectable_effect(margin, sigma, members - 1, tol),
+            mde_if_noisier=detectable_if_noisier(margin, sigma, members - 1, tol),
+            false_fail=false_fail_chance(margin, sigma, members - 1, tol),
             member_diffs={c.name: float(m - means.mean()) for c, m in zip(family, means)},
             growth=noise_growth(kept_steps, rows)))
     return summaries

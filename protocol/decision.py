@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.statistics import mean_with_stderr, ols_slope, t_quantile, t_upper_tail, trend_with_stderr, window_size
+from protocol.statistics import (chi2_quantile, mean_with_stderr, normal_quantile, ols_slope, t_quantile, t_upper_tail,
+                                 trend_with_stderr, window_size)
 from protocol.tolerance import Tolerance
 
 # The locator of the first diverging step: the difference must leave the family's per-step noise
@@ -75,6 +76,9 @@ class ObservableVerdict:
     """sigma: the standard deviation of D for a correct set, from the control family."""
     within_se: float
     """D's autocorrelation-aware standard error from the set's own series (reported)."""
+    family_within_se: float
+    """The largest such error among the family's members (their own series): a set far noisier
+    than every noise control may have more rounding noise than they measure."""
     effective_n: float
     """Independent points the window's differences are worth (autocorrelation)."""
     dof: int
@@ -109,6 +113,27 @@ def minimum_detectable_effect(margin: float, sigma: float, dof: int, tol: Tolera
     return margin - t_quantile(1 - tol.alpha, dof) * sigma + t_quantile(tol.power, dof) * sigma
 
 
+def noise_sd_upper(sigma: float, dof: int, confidence: float = 0.95) -> float:
+    """The upper `confidence` bound of the true noise SD, estimated as sigma from dof + 1 runs:
+    sigma sqrt(dof / chi2_(1 - confidence, dof)) (2.37 sigma with 4 noise controls)."""
+    return sigma * math.sqrt(dof / chi2_quantile(1 - confidence, dof))
+
+
+def detectable_if_noisier(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
+    """The offset failed with probability tol.power if the true noise SD were at the upper 95%
+    bound of its estimate (the pass threshold margin - t sigma stays what the data gave)."""
+    upper = noise_sd_upper(sigma, dof)
+    return margin - t_quantile(1 - tol.alpha, dof) * sigma + normal_quantile(tol.power) * upper
+
+
+def false_fail_chance(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
+    """The chance that a correct set (D / sigma Student-t with dof degrees of freedom) fails the
+    equivalence test: P(|t| > (margin - t_crit sigma) / sigma)."""
+    if sigma == 0:
+        return 0.0
+    return 2 * t_upper_tail((margin - t_quantile(1 - tol.alpha, dof) * sigma) / sigma, dof)
+
+
 def margin_for(observable: str, sigma: float, tol: Tolerance) -> tuple[float, bool]:
     given = tol.margin(observable)
     return (given, True) if given > 0 else (tol.margin_sigmas * sigma, False)
@@ -126,6 +151,7 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     window = slice(n - k, n)
     sigma = noise_sd(family[:, window].mean(axis=1))
     own = mean_with_stderr(d[window])
+    family_own = [mean_with_stderr(row[window] - reference[window]).stderr for row in family]
     margin, given = margin_for(observable, sigma, tol)
     t_crit = t_quantile(1 - tol.alpha, dof)
     tost_p = tost_p_value(own.mean, sigma, margin, dof)
@@ -144,7 +170,9 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     passed = equivalent and not drifting
     verdict = ObservableVerdict(
         observable=observable, steps=n, window_steps=k, window_first_step=int(steps[n - k]) if k else None,
-        diff=own.mean, noise_sd=sigma, within_se=own.stderr, effective_n=own.effective_n, dof=dof,
+        diff=own.mean, noise_sd=sigma, within_se=own.stderr,
+        family_within_se=max((e for e in family_own if math.isfinite(e)), default=math.nan),
+        effective_n=own.effective_n, dof=dof,
         margin=margin, margin_given=given, tost_p=tost_p, equivalent=equivalent, slope=trend.slope,
         slope_se=slope_se, drift=trend.drift, drift_p=drift_p, drifting=drifting,
         mde=minimum_detectable_effect(margin, sigma, dof, tol),

@@ -62,14 +62,18 @@ Expansion
 ---------
 `Plan.launches()` gives, in order: the seed checkpoint (one process), the control, in
 statistical mode its `tolerance.noise_controls` noise controls (named `<control>-noise1`, ...:
-the control's launch with `--debug.init_perturbation <tolerance.perturbation>` and
-`--debug.init_perturbation_seed k`), then the sets in file order. Every run has the same
-`debug.seed`, so every run trains on the same data from the same initial weights. Every run's
-dump folder is `<output>/<slug of its name>` (lower case, runs of other characters as `-`).
+the control's launch again), then the sets in file order. Every run has the same `debug.seed`,
+so every run trains on the same data from the same initial weights. In statistical mode every run
+(the control and the sets too) starts from those weights perturbed at rounding level,
+`--debug.init_perturbation <tolerance.perturbation> --debug.init_perturbation_seed <s>` with `s`
+drawn from the run's name: the control, its noise controls and a correct set are then
+exchangeable draws of the same training, differing only in rounding. Every run's dump folder is
+`<output>/<slug of its name>` (lower case, runs of other characters as `-`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -231,7 +235,7 @@ class Plan:
         """Seed checkpoint (when enabled), the control and its noise controls, then the sets in file order."""
         launches = [seed_launch(self)] if self.seed_checkpoint else []
         for i, name in enumerate(self.control_names()):
-            launches.append(run_launch(self, self.control, name, "noise" if i else "control", noise_seed=i))
+            launches.append(run_launch(self, self.control, name, "noise" if i else "control"))
         launches += [run_launch(self, spec, spec.name, "test") for spec in self.sets]
         return launches
 
@@ -251,10 +255,11 @@ def slugify(name: str) -> str:
 # Expansion into launches
 
 
-def common_args(plan: Plan, output: Path, seed: int) -> list[str]:
-    """Options every launch shares: the config, the dump folder, the common overrides, the seed."""
-    return ["--job.config_file", plan.config, "--job.dump_folder", str(output), *override_args(plan.overrides),
-            "--debug.seed", str(seed)]
+def common_args(plan: Plan, output: Path, seed: int, own: dict[str, Any] | None = None) -> list[str]:
+    """Options every launch shares: the config, the dump folder, the overrides (the plan's, then
+    over them a run's `own`, each key once), the seed."""
+    return ["--job.config_file", plan.config, "--job.dump_folder", str(output),
+            *override_args({**plan.overrides, **(own or {})}), "--debug.seed", str(seed)]
 
 
 def seed_launch(plan: Plan) -> Launch:
@@ -286,28 +291,34 @@ def layout_args(degrees: dict[str, Any], spec: RunSpec) -> list[str]:
     return args
 
 
-def run_args(plan: Plan, spec: RunSpec, output: Path, noise_seed: int = 0, with_seed: bool = True) -> list[str]:
-    """The options of a control, noise control (noise_seed > 0) or test run; `with_seed=False`
-    leaves out loading the seed checkpoint (which does not exist yet when the plan is validated)."""
+def perturbation_seed(name: str) -> int:
+    """A run's own seed for its rounding-level perturbation: stable while its name is (editing
+    other sets of the plan does not change it), different for every name."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def run_args(plan: Plan, spec: RunSpec, output: Path, name: str | None = None, with_seed: bool = True) -> list[str]:
+    """The options of the control, a noise control or a test set (`name`: the run's, when it is not
+    the spec's); `with_seed=False` leaves out loading the seed checkpoint (which does not exist yet
+    when the plan is validated)."""
     degrees = resolved_degrees(plan, spec)
     local = spec.local_batch_size or plan.local_batch_size
     global_batch = plan.global_batch_size if plan.batch == "global" else -1
-    args = common_args(plan, output, plan.seed)
+    args = common_args(plan, output, plan.seed, spec.overrides)
     args += ["--training.steps", str(plan.steps)]
     if plan.warmup_steps is not None:
         args += ["--lr_scheduler.warmup_steps", str(plan.warmup_steps)]
     args += ["--training.local_batch_size", str(local), "--training.global_batch_size", str(global_batch)]
     args += layout_args(degrees, spec)
-    args += override_args(spec.overrides)
-    if noise_seed:
+    if plan.tolerance.mode == "statistical":
         args += ["--debug.init_perturbation", str(plan.tolerance.perturbation),
-                 "--debug.init_perturbation_seed", str(noise_seed)]
+                 "--debug.init_perturbation_seed", str(perturbation_seed(name or spec.name))]
     if with_seed and plan.seed_checkpoint_path is not None:
         args += ["--checkpoint.initial_load_path", str(plan.seed_checkpoint_path), "--checkpoint.load_only"]
     return args
 
 
-def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, noise_seed: int = 0) -> Launch:
+def run_launch(plan: Plan, spec: RunSpec, name: str, role: str) -> Launch:
     degrees = resolved_degrees(plan, spec)
     nproc = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"] * degrees["cp"] * degrees["pp"]
     per_node = min(nproc, plan.gpus_per_node)
@@ -315,7 +326,7 @@ def run_launch(plan: Plan, spec: RunSpec, name: str, role: str, noise_seed: int 
     output = plan.output / slugify(name)
     kind = "control" if role in ("control", "noise") else spec.kind
     return Launch(name=name, role=role, kind=kind, nproc=nproc, nodes=nodes, procs_per_node=per_node,
-                  degrees=degrees, args=tuple(run_args(plan, spec, output, noise_seed)), output=output,
+                  degrees=degrees, args=tuple(run_args(plan, spec, output, name)), output=output,
                   seed=plan.seed, seed_checkpoint=plan.seed_checkpoint_path,
                   depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides),
                   expect=spec.expect)

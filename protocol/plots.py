@@ -62,12 +62,13 @@ def plot_observable(key: str, family: list[Curve], tests: list[Curve], compariso
     top, bottom = fig.subplots(2, 1, sharex=True)
     for i, member in enumerate(family):
         thick = i == 0 and reference is member
-        top.plot(member.steps, member.series(key), color="black" if thick else "0.6", linewidth=2.0 if thick else 0.7,
+        color = "black" if thick else ("0.35" if i == 0 else "0.7")  # the control darker than its noise controls
+        top.plot(member.steps, member.series(key), color=color, linewidth=2.0 if thick else 0.7,
                  label=f"control {member.name}" if i == 0 else ("noise controls" if i == 1 else None))
         if not thick:
             steps = common_steps([member, reference])
             bottom.plot(steps, difference(key, values_at(member, key, steps), values_at(reference, key, steps)),
-                        color="0.6", linewidth=0.7)
+                        color=color, linewidth=0.7)
     if reference is not family[0]:
         top.plot(reference.steps, reference.series(key), color="black", linewidth=2.0, label="control family mean")
     for j, test in enumerate(tests):
@@ -81,9 +82,12 @@ def plot_observable(key: str, family: list[Curve], tests: list[Curve], compariso
                     linewidth=1.1)
     limit = threshold(key, comparison)
     if limit:
-        name = "tolerance" if comparison.mode == "exact" else "margin (final-window mean)"
-        for sign in (1, -1):
-            bottom.axhline(sign * limit, color="black", linestyle="--", linewidth=0.9, label=name if sign > 0 else None)
+        if comparison.mode == "exact":
+            for sign in (1, -1):  # every step is judged
+                bottom.axhline(sign * limit, color="black", linestyle="--", linewidth=0.9,
+                               label="tolerance" if sign > 0 else None)
+        else:
+            draw_window_means(bottom, key, verdicts, limit)
         _symlog_if_far(bottom, tests, key, reference, limit)
     bottom.axhline(0.0, color="0.5", linewidth=0.6)
     top.set_ylabel(TITLES[key])
@@ -97,6 +101,23 @@ def plot_observable(key: str, family: list[Curve], tests: list[Curve], compariso
             ax.legend(fontsize="small")
     fig.savefig(path, format="png")
     return True
+
+
+def draw_window_means(ax, key: str, verdicts: dict, margin: float) -> None:
+    """Statistical mode judges the mean difference over the final window, not single steps: draw
+    the margin over that window only, and each set's window mean as a thick segment on it."""
+    window = None
+    for j, result in enumerate(verdicts.values()):
+        verdict = next((o for o in result.observables if o.observable == key), None)
+        if verdict is None or verdict.window_first_step is None:
+            continue
+        window = (verdict.window_first_step, result.steps[-1])
+        mean = verdict.diff if key == "loss" else math.expm1(verdict.diff)
+        ax.hlines(mean, *window, colors=f"C{j % 10}", linewidth=3.0)
+    if window:
+        for sign in (1, -1):
+            ax.hlines(sign * margin, *window, colors="black", linestyles="--", linewidth=1.0,
+                      label="margin of the final-window mean (thick: each set's)" if sign > 0 else None)
 
 
 def _symlog_if_far(ax, tests: list[Curve], key: str, reference: Curve, limit: float) -> None:

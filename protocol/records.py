@@ -4,7 +4,7 @@ The report describes each run from this record, never from the plan's current te
 before the plan was edited shows the options it really ran with. A run's layout is its recorded
 degrees plus the options in which its recorded configuration differs from the control's,
 leaving out what differs by construction (dump folder, the seed of the control's repeats, the
-degrees themselves, the checkpoint it loaded).
+degrees themselves, the checkpoint it loaded, the seed of its rounding-level perturbation).
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from protocol.plan import describe_degrees, option_value
 
 # Options that differ between the runs of one plan by construction, or are shown as degrees.
 BY_CONSTRUCTION = {"job.dump_folder", "debug.seed", "checkpoint.initial_load_path",
-                   "parallelism.pipeline_parallel_schedule"}
+                   "parallelism.pipeline_parallel_schedule", "debug.init_perturbation_seed"}
+# Options left out of a run's configuration differences: its folder, and (statistical plans) the
+# seed of its own rounding-level perturbation, which every run has and which its command shows.
+UNSHOWN = {"job.dump_folder", "debug.init_perturbation_seed"}
 MAX_SHOWN = 8  # differences listed per run before "and N more"
 
 
@@ -132,7 +135,7 @@ def run_info(name: str, folder: Path, record: dict | None, control: dict | None)
     """The report's description of a run from its record (and the control's, for its options)."""
     if record is None:
         return RunInfo(name, str(folder), "not recorded (no run_meta.json)", recorded=False)
-    changes = config_changes(control.get("config"), record.get("config"), {"job.dump_folder"}) \
+    changes = config_changes(control.get("config"), record.get("config"), UNSHOWN) \
         if control is not None and control is not record else []
     return RunInfo(name, str(folder), layout(record, control), steps=record.get("last_step"),
                    status=record.get("status"), code=code_label(record.get("code")), torch=record.get("torch"),

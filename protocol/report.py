@@ -129,9 +129,9 @@ def _head(comparison: Comparison, runs: list[RunInfo]) -> list[str]:
     lines = [f"# Convergence report: {comparison.mode} mode{design}", "", f"**{status_line(comparison)}**", ""]
     lines += [_control_line(comparison), ""]
     if comparison.design == "unpaired":
-        lines += ["UNPAIRED: the control runs did not train on the data the test sets trained on (or on each other's), "
-                  "so the noise below holds the data's variation too and only much larger effects can be detected; "
-                  "plans pair every run on the same data.", ""]
+        lines += ["UNPAIRED (--unpaired): the sets are judged against the spread of control repeats that may differ in "
+                  "data and initial weights, so the noise below may hold the data's variation too, and only effects "
+                  "larger than it can be detected; plans pair every run on the same data.", ""]
     for label, text in (("Code", code_summary(runs)), ("Environment", _shared(runs, _environment)),
                         ("Started from", _shared(runs, lambda r: r.start))):
         if text:
@@ -167,9 +167,10 @@ def _control_line(comparison: Comparison) -> str:
     others = comparison.controls[1:]
     if others:
         kind = "control repeats" if comparison.design == "unpaired" else "noise controls"
-        perturbation = (f", initial weights perturbed by up to {comparison.tolerance.perturbation:g} rounding "
-                        "error(s) of the compute dtype" if comparison.design == "paired" else "")
-        line += f"; {kind}: {', '.join(others)}{perturbation}"
+        how = (" (the control again; in statistical plans every run, the control and the sets too, starts from the "
+               "seed checkpoint perturbed at rounding level with a seed of its own: see the commands)"
+               if comparison.design == "paired" else "")
+        line += f"; {kind}: {', '.join(others)}{how}"
     return line + "."
 
 
@@ -194,13 +195,16 @@ def _detectable(comparison: Comparison) -> list[str]:
     tol = comparison.tolerance
     lines = ["## What this plan can detect", "",
              f"From the control family ({len(comparison.controls)} runs): the standard deviation of a correct set's "
-             f"final-window difference, the margin, and the smallest final-window offset a set fails with probability "
-             f"{tol.power:g} (minimum detectable effect). The growth columns are the root mean square of the noise "
-             "controls' paired difference from the control around that step: how far rounding alone moves runs apart.",
-             ""]
+             f"final-window difference (noise SD), the margin, the smallest final-window offset a set fails with "
+             f"probability {tol.power:g} (detectable offset; in brackets, the same if the true noise SD were at the "
+             "upper 95% bound of this estimate from few runs), and the chance that a correct set fails by noise alone. "
+             "The step columns are the root mean square of the noise controls' paired difference from the control "
+             "around that step: how far rounding alone moves runs apart.", ""]
     growth_steps = [step for step, _ in comparison.noise[0].growth]
-    header = ["observable", "unit", "noise SD", "margin", "detectable offset", *[f"step {s}" for s in growth_steps]]
-    rows = [[n.observable, UNITS.get(n.observable, ""), fmt_diff(n.noise_sd), fmt_diff(n.margin), fmt_diff(n.mde),
+    header = ["observable", "unit", "noise SD", "margin", "detectable offset", "false-fail chance",
+              *[f"step {s}" for s in growth_steps]]
+    rows = [[n.observable, UNITS.get(n.observable, ""), fmt_diff(n.noise_sd), fmt_diff(n.margin),
+             f"{fmt_diff(n.mde)} ({fmt_diff(n.mde_if_noisier)})", f"{n.false_fail:.1%}",
              *[fmt_diff(value) for _, value in n.growth]] for n in comparison.noise]
     lines += _markdown_table(header, rows)
     return lines + [""]
@@ -221,16 +225,19 @@ def _details(comparison: Comparison) -> list[str]:
     for r in comparison.results:
         for o in r.observables:
             rows.append([r.name, o.observable, fmt_diff(o.diff, signed=True), fmt_diff(o.noise_sd),
-                         fmt_diff(o.within_se), f"{o.effective_n:.0f}", fmt_diff(o.margin) + (" (given)" if o.margin_given
-                                                                                                 else ""),
+                         f"{fmt_diff(o.within_se)} ({fmt_diff(o.family_within_se)})", f"{o.effective_n:.0f}",
+                         fmt_diff(o.margin) + (" (given)" if o.margin_given else ""),
                          fmt_p(o.tost_p), fmt_diff(o.slope, signed=True), fmt_diff(o.drift), fmt_p(o.drift_p),
                          str(o.first_outside_noise or "-"), "pass" if o.passed else "fail"])
-    lines += _markdown_table(["set", "observable", "window diff", "noise SD", "own SE", "ESS", "margin", "TOST p",
+    lines += _markdown_table(["set", "observable", "window diff", "noise SD", "own SE (family's)", "ESS", "margin",
+                              "TOST p",
                               "slope/step", "drift over run", "drift p", "first step outside noise", "verdict"], rows)
     lines += ["", "window diff: the set's mean paired difference over the final window; noise SD: its standard "
                   "deviation for a correct set (control family); own SE: its autocorrelation-aware standard error from "
-                  "the set's own series (reported, not used), ESS the independent points that series is worth; TOST "
-                  "p < alpha shows equivalence; drift "
+                  "the set's own series, in brackets the largest of the family members' own (reported, not used: a set "
+                  "far noisier than them gets a warning), ESS the independent points the set's series is worth; TOST "
+                  "p < alpha shows equivalence (with a margin derived from the noise, it is the same test as |diff| "
+                  "< (margin_sigmas - t) noise SDs); drift "
                   "p < alpha with a drift over the run above the margin fails the set. Learning-rate differences "
                   f"(largest relative): {_lr_differences(comparison)}.", ""]
     return lines

@@ -160,3 +160,11 @@ def t_quantile(probability: float, dof: float) -> float:
     """The value Student's t with `dof` degrees of freedom stays below with `probability`."""
     return float(stats.t.ppf(probability, dof))
 
+
+def chi2_quantile(probability: float, dof: float) -> float:
+    """The value a chi-squared variable with `dof` degrees of freedom stays below with `probability`."""
+    return float(stats.chi2.ppf(probability, dof))
+
+
+def normal_quantile(probability: float) -> float:
+    return float(stats.norm.ppf(probability))

@@ -291,6 +291,8 @@ def test_a_positive_control_that_passes_makes_the_plan_inconclusive(tmp_path, fa
     assert main(["compare", str(path), "--only", "FSDP+TP2", "--out", str(tmp_path / "only")]) == 0
     only = json.loads((tmp_path / "only" / "report.json").read_text())
     assert [r["name"] for r in only["results"]] == ["FSDP+TP2"] and only["status"] == "PASS"
+    assert only["warnings"] == ["positive control lr x1.05 not compared (--only): this verdict does not show what "
+                                "the plan can catch"]
 
 
 def test_protocol_run_starts_the_launcher_with_its_own_interpreter(small_plan, fake_launcher, monkeypatch):
@@ -322,6 +324,11 @@ def test_folders_compared_with_a_plans_tolerances_and_refused_when_not_paired(tm
     assert main(["compare", str(path), *family, "--test", f"tp={a / 'fsdp-tp2'}", "--out", str(tmp_path / "r")]) == 0
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["mode"] == "statistical" and report["layouts"]["tp"] == "dp_shard 2, tp 2"
+    assert report["warnings"] == ["2 noise controls given where the tolerance asks for 3: the noise is measured from "
+                                  "fewer or more runs than planned (the report's false-fail chance is that of the runs "
+                                  "given)"]
+    with pytest.raises(SystemExit):  # which runs a plan makes is not a comparison option
+        main(["compare", str(path), "--noise-controls", "2"])
     assert main(["compare", str(path), *family, "--test", f"other={tmp_path / 'b' / 'fsdp-tp2'}"]) == 2
     error = capsys.readouterr().err
     assert "cannot be compared with the control 'control'" in error and "other: seed checkpoint " in error
@@ -359,7 +366,7 @@ def test_unpaired_curves_are_judged_against_the_spread_of_seed_repeats(tmp_path,
     out = tmp_path / "report"
     assert main(["compare", "--unpaired", *controls, "--test", f"other={repeat('other')}", "--out", str(out)]) == 0
     text = (out / "report.md").read_text()
-    assert text.startswith("# Convergence report: statistical mode, UNPAIRED") and "UNPAIRED: the control runs" in text
+    assert text.startswith("# Convergence report: statistical mode, UNPAIRED") and "UNPAIRED (--unpaired)" in text
     assert "control repeats: seed1, seed2, seed3" in text
     assert main(["compare", "--unpaired", *controls, "--test", f"off={repeat('off', 0.2)}", "--out", str(out)]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "FAIL: off"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.plan import REPO_ROOT, override_args, slugify
+from protocol.plan import REPO_ROOT, override_args, perturbation_seed, slugify
 from protocol.plan_file import PlanError, load_plan
 from protocol.tolerance import Tolerance
 
@@ -190,16 +190,20 @@ def test_statistical_mode_adds_noise_controls_on_the_same_data(tmp_path):
         ("control-noise2", "noise", 7), ("FSDP+TP2", "test", 7)]
     # Paired: every run has the plan's seed (the same data, the same weights) ...
     assert [arg(l, "--debug.seed") for l in launches] == ["7"] * 5
-    # ... and the noise controls differ only by a perturbation of their initial weights.
-    assert [arg(l, "--debug.init_perturbation") for l in launches] == [None, None, "0.5", "0.5", None]
-    assert [arg(l, "--debug.init_perturbation_seed") for l in launches] == [None, None, "1", "2", None]
+    # ... and every training run starts from them perturbed at rounding level, with a seed of its own
+    assert [arg(l, "--debug.init_perturbation") for l in launches] == [None] + ["0.5"] * 4
+    seeds = [arg(l, "--debug.init_perturbation_seed") for l in launches[1:]]
+    assert len(set(seeds)) == 4 and seeds == [str(perturbation_seed(l.name)) for l in launches[1:]]
     noise, control = list(launches[2].args), list(launches[1].args)
     renamed = [a.replace(str(plan.output / "control"), str(plan.output / "control-noise1")) for a in control]
-    assert noise == renamed[:-3] + ["--debug.init_perturbation", "0.5", "--debug.init_perturbation_seed", "1"] + \
-        renamed[-3:]
+    assert [(a, b) for a, b in zip(noise, renamed) if a != b] == [(seeds[1], seeds[0])]  # nothing else differs
     assert launches[2].output == plan.output / "control-noise1"
     # Every run starts from the one seed checkpoint, made with the plan's seed.
     assert {arg(l, "--checkpoint.initial_load_path") for l in launches[1:]} == {str(plan.seed_checkpoint_path)}
+    # A run's perturbation seed depends on its own name only: adding a set changes no other run.
+    more = load(tmp_path, plan_extra="seed = 7", tolerance='mode = "statistical"\nnoise_controls = 2\nperturbation = 0.5',
+                sets=TP_SET + TP_SET.replace("FSDP+TP2", "another"))
+    assert [arg(l, "--debug.init_perturbation_seed") for l in more.launches()[1:5]] == seeds
 
 
 def test_exact_mode_runs_the_control_once(tmp_path):
