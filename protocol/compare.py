@@ -109,7 +109,7 @@ class NoiseSummary:
     mde_if_noisier: float
     """The same if the true noise SD were at the upper 95% bound of its estimate."""
     false_fail: float
-    """The chance that a correct set fails this observable's equivalence test."""
+    """At most the chance that a correct set fails this observable's equivalence test."""
     member_diffs: dict[str, float]
     """Each family member's final-window mean minus the family's."""
     growth: list[tuple[int, float]]
@@ -430,7 +430,7 @@ def noise_summaries(family: list[Curve], tol: Tolerance) -> list[NoiseSummary]:
         if rows.shape[1] < 3:
             continue
         means = rows[:, -k:].mean(axis=1)
-        sigma = noise_sd(means)
+        sigma = noise_sd(rows[:, -k:])
         margin, _ = margin_for(observable, sigma, tol)
         summaries.append(NoiseSummary(
             observable=observable, noise_sd=sigma, margin=margin,

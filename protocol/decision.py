@@ -8,11 +8,14 @@ differences are relative), r_t is the family's mean at step t and d_t = y_T(t) -
 difference. D is the mean of d_t over the final window (the last `final_window` of the steps).
 
 Noise. Were T one more member of the family, D would scatter like the family's own window means
-about their mean: with s their sample standard deviation (K degrees of freedom), D has standard
-deviation sigma = s sqrt(1 + 1/(K + 1)). The runs are the replicates, so sigma holds however
-strongly each curve is autocorrelated, and whatever part of the noise persists through a whole
-window (which no estimate from a single curve can see). The set's own autocorrelation-aware
-standard error (Newey-West, effective sample size; protocol.statistics) is reported beside it.
+about their mean: with s the noise SD of one run's window mean, D has standard deviation
+sigma = s sqrt(1 + 1/(K + 1)). s is estimated twice and the larger estimate used: the sample
+standard deviation of the family's window means (K degrees of freedom: the runs are the
+replicates, so it holds however strongly each curve is autocorrelated, and whatever part of the
+noise persists through a whole window, which no single curve shows), and the members' own
+autocorrelation-aware standard errors pooled (protocol.statistics: many more effective points,
+so K + 1 runs whose window means happen to agree cannot shrink sigma). The t quantiles keep K
+degrees of freedom. The set's own standard error is reported beside it.
 
 1. Equivalence of the final-window mean (two one-sided tests, TOST), mu the expectation of D:
        H0: |mu| >= margin   (the set is off by at least the margin)
@@ -101,10 +104,24 @@ class ObservableVerdict:
     reason: str
 
 
-def noise_sd(family_window_means: np.ndarray) -> float:
-    """sigma: standard deviation of a new member's window mean about the family's mean."""
-    members = len(family_window_means)
-    return float(np.std(family_window_means, ddof=1)) * math.sqrt(1 + 1 / members)
+def own_errors(window_rows: np.ndarray) -> list[float]:
+    """Each family member's autocorrelation-aware standard error of its window mean, from its own
+    curve's deviation from the family mean (NaN where a window is too short)."""
+    reference = window_rows.mean(axis=0)
+    return [mean_with_stderr(row - reference).stderr for row in window_rows]
+
+
+def noise_sd(window_rows: np.ndarray) -> float:
+    """sigma: standard deviation of a new member's window mean about the family's mean, from the
+    family's final windows (members x steps). A run's window-mean noise is estimated twice and the
+    larger estimate used: from the spread of the members' window means (K degrees of freedom; holds
+    noise that persists through a window), and from the members' own standard errors pooled (many
+    more effective points; a deviation from the family mean has 1 - 1/(K+1) of a run's variance)."""
+    members = len(window_rows)
+    between = float(np.std(window_rows.mean(axis=1), ddof=1))
+    errors = [e for e in own_errors(window_rows) if math.isfinite(e)]
+    within = math.sqrt(float(np.mean(np.square(errors))) / (1 - 1 / members)) if errors else 0.0
+    return max(between, within) * math.sqrt(1 + 1 / members)
 
 
 def minimum_detectable_effect(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
@@ -127,8 +144,9 @@ def detectable_if_noisier(margin: float, sigma: float, dof: int, tol: Tolerance)
 
 
 def false_fail_chance(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
-    """The chance that a correct set (D / sigma Student-t with dof degrees of freedom) fails the
-    equivalence test: P(|t| > (margin - t_crit sigma) / sigma)."""
+    """An upper bound of the chance that a correct set fails the equivalence test:
+    P(|t| > (margin - t_crit sigma) / sigma) for Student's t with dof degrees of freedom, exact were
+    sigma the family's spread alone; the larger of the two noise estimates only makes it rarer."""
     if sigma == 0:
         return 0.0
     return 2 * t_upper_tail((margin - t_quantile(1 - tol.alpha, dof) * sigma) / sigma, dof)
@@ -149,9 +167,9 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     d = test - reference
     k = window_size(n, tol.final_window)
     window = slice(n - k, n)
-    sigma = noise_sd(family[:, window].mean(axis=1))
+    sigma = noise_sd(family[:, window])
     own = mean_with_stderr(d[window])
-    family_own = [mean_with_stderr(row[window] - reference[window]).stderr for row in family]
+    family_own = own_errors(family[:, window])
     margin, given = margin_for(observable, sigma, tol)
     t_crit = t_quantile(1 - tol.alpha, dof)
     tost_p = tost_p_value(own.mean, sigma, margin, dof)

@@ -83,7 +83,7 @@ def _observable_cell(result: SetResult, name: str) -> str:
     verdict = _observable(result, name)
     if verdict is None:
         return "-"
-    mark = "" if verdict.passed else (" drifts" if verdict.equivalent else " outside")
+    mark = "" if verdict.passed else (" drifts" if verdict.equivalent else " fails")
     return f"{fmt_diff(verdict.diff, signed=True)} ({fmt_diff(verdict.margin)}){mark}"
 
 
@@ -197,14 +197,14 @@ def _detectable(comparison: Comparison) -> list[str]:
              f"From the control family ({len(comparison.controls)} runs): the standard deviation of a correct set's "
              f"final-window difference (noise SD), the margin, the smallest final-window offset a set fails with "
              f"probability {tol.power:g} (detectable offset; in brackets, the same if the true noise SD were at the "
-             "upper 95% bound of this estimate from few runs), and the chance that a correct set fails by noise alone. "
+             "upper 95% bound of this estimate from few runs), and at most how often a correct set fails by noise alone. "
              "The step columns are the root mean square of the noise controls' paired difference from the control "
              "around that step: how far rounding alone moves runs apart.", ""]
     growth_steps = [step for step, _ in comparison.noise[0].growth]
     header = ["observable", "unit", "noise SD", "margin", "detectable offset", "false-fail chance",
               *[f"step {s}" for s in growth_steps]]
     rows = [[n.observable, UNITS.get(n.observable, ""), fmt_diff(n.noise_sd), fmt_diff(n.margin),
-             f"{fmt_diff(n.mde)} ({fmt_diff(n.mde_if_noisier)})", f"{n.false_fail:.1%}",
+             f"{fmt_diff(n.mde)} ({fmt_diff(n.mde_if_noisier)})", f"<= {n.false_fail:.1%}",
              *[fmt_diff(value) for _, value in n.growth]] for n in comparison.noise]
     lines += _markdown_table(header, rows)
     return lines + [""]

@@ -54,7 +54,7 @@ class Tolerance:
     alpha: float = 0.05
     """statistical: level of the equivalence test (one-sided, each side) and of the drift test."""
 
-    margin_sigmas: float = 6.0
+    margin_sigmas: float = 5.0
     """statistical: the equivalence margin, in standard deviations of a correct set's final-window
     difference as the noise controls measure it (used when no explicit margin is given)."""
 

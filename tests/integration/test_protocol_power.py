@@ -28,4 +28,5 @@ def test_a_correct_layout_passes_and_an_injected_bug_fails(tmp_path, measured):
     assert "loss: final-window" in bug["reason"] and "grad_norm: final-window" in bug["reason"]
     assert figures["false_fail"] == [0, 1] and figures["false_pass"] == [0, 1]
     assert "| TP2 norm grad not reduced | bug" in result.stdout  # the printed table
-    measured("protocol power (quick): TP2 " + outcomes["TP2"]["reason"][:90])
+    measured(f"protocol power (quick): TP2 {outcomes['TP2']['outcome']}, the TP norm-gradient bug {bug['outcome']}; "
+             f"TP2 {outcomes['TP2']['reason'].split(' (TOST')[0]}")

@@ -134,12 +134,13 @@ def test_cpu_statistical_plan_is_bf16_with_noise_controls_and_a_positive_control
     assert [(l.name, l.role, l.nproc, l.expect) for l in launches] == [
         ("seed", "seed", 1, "pass"), ("1D FSDP", "control", 2, "pass"),
         *[(f"1D FSDP-noise{k}", "noise", 2, "pass") for k in range(1, 5)],
-        ("2D FSDP+TP2", "test", 4, "pass"), ("2D FSDP+PP2", "test", 4, "pass"), ("lr x1.05", "test", 2, "fail")]
+        ("2D FSDP+TP2", "test", 4, "pass"), ("2D FSDP+PP2", "test", 4, "pass"), ("lr x1.05", "test", 2, "fail"),
+        ("weight decay x1.02", "test", 2, "fail")]
     assert plan.tolerance.mode == "statistical" and plan.tolerance == Tolerance(mode="statistical")  # the defaults
     for launch in launches[1:]:
         assert arg(launch, "--training.mixed_precision_param") == "bfloat16"
         assert (arg(launch, "--training.steps"), arg(launch, "--debug.seed")) == ("300", "0")  # same data everywhere
-    assert arg(launches[-1], "--optimizer.lr") == "0.00315"
+    assert arg(launches[-2], "--optimizer.lr") == "0.00315" and arg(launches[-1], "--optimizer.weight_decay") == "0.102"
 
 
 def test_converging_llama3_8b_validates_at_128_gpus():
