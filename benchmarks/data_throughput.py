@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from trainer.config.manager import load_config  # noqa: E402
 from trainer.data.loader import BatchLoader  # noqa: E402
-from trainer.data.sources import SyntheticMarkovSource  # noqa: E402
+from trainer.data.synthetic import SyntheticMarkovSource  # noqa: E402
 from trainer.models.llama3 import get_flavor  # noqa: E402
 
 

@@ -47,28 +47,66 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
 
 
 def check_data(config: JobConfig) -> None:
-    """Cheap checks of the data options: files exist, the tokenizer loads and fits the model."""
-    from trainer.data.text_sources import DataError, find_data_files
-    from trainer.models.llama3.args import FLAVORS
+    """Cheap checks of the data options: files exist, shard folders are complete, the tokenizer
+    loads and fits the model."""
+    from trainer.data.documents import DataError
 
-    c = config
-    text_sources = {c.training.dataset, c.validation.dataset if c.validation.enable else ""} - {"", "synthetic"}
     try:
-        if text_sources and not c.model.tokenizer_path:
-            raise ConfigError(f"model.tokenizer_path: dataset {sorted(text_sources)[0]!r} is text and needs a "
-                              "SentencePiece model (train one: python -m trainer.data.tokenizer train --help)")
-        if c.model.tokenizer_path:
-            from trainer.data.tokenizer import Tokenizer, check_vocab_fits
-
-            check_vocab_fits(Tokenizer(c.model.tokenizer_path), FLAVORS[c.model.flavor].vocab_size)
-        for key, dataset, path in (("training", c.training.dataset, c.training.dataset_path),
-                                   ("validation", c.validation.dataset, c.validation.dataset_path)):
-            if dataset == "files":
-                if not path:
-                    raise ConfigError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
-                find_data_files(path)
+        _check_data(config)
     except (DataError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_data(c: JobConfig) -> None:
+    from trainer.data.documents import find_data_files
+    from trainer.data.shards import read_manifest
+    from trainer.models.llama3.args import FLAVORS
+
+    vocab_size = FLAVORS[c.model.flavor].vocab_size
+    fraction = c.training.validation_fraction
+    if fraction is not None and not 0 <= fraction < 1:
+        raise ConfigError(f"training.validation_fraction: {fraction} is not in [0, 1)")
+    sections = [("training", c.training.dataset, c.training.dataset_path)]
+    if c.validation.enable and c.validation.dataset:
+        sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
+    tokenized = {dataset for _, dataset, _ in sections} - {"synthetic", "shards"}
+    if tokenized and not c.model.tokenizer_path:
+        raise ConfigError(f"model.tokenizer_path: dataset {sorted(tokenized)[0]!r} is text and needs a "
+                          "SentencePiece model (train one: python -m trainer.data.tokenizer train --help)")
+    tokenizer = None
+    if c.model.tokenizer_path:
+        from trainer.data.tokenizer import Tokenizer, check_vocab_fits
+
+        tokenizer = Tokenizer(c.model.tokenizer_path)
+        check_vocab_fits(tokenizer, vocab_size)
+    for key, dataset, path in sections:
+        if dataset == "synthetic" and path:
+            raise ConfigError(f"{key}.dataset_path: {path!r} is set but {key}.dataset is 'synthetic', which reads no "
+                              f"files; set {key}.dataset to 'shards' or 'files', or leave dataset_path empty")
+        if dataset in ("files", "shards") and not path:
+            raise ConfigError(f"{key}.dataset_path: required for dataset {dataset!r} "
+                              + ("(a file, folder or glob)" if dataset == "files" else
+                                 "(a folder written by python -m trainer.data.prepare)"))
+        if dataset == "files":
+            find_data_files(path, f"{key}.dataset_path")
+        if dataset == "shards":
+            _check_shards(read_manifest(path, f"{key}.dataset_path"), path, key, vocab_size, tokenizer, fraction)
+
+
+def _check_shards(manifest: dict, path: str, key: str, vocab_size: int, tokenizer, fraction) -> None:
+    made_with = manifest["tokenizer"]
+    if made_with["vocab_size"] > vocab_size:
+        raise ConfigError(f"{key}.dataset_path: {path} was tokenized with {made_with['vocab_size']} pieces "
+                          f"({made_with['file']}) but the model's vocabulary has {vocab_size}; use a model.flavor "
+                          "with a larger vocabulary")
+    if tokenizer is not None and tokenizer.sha256 != made_with["sha256"]:
+        raise ConfigError(f"model.tokenizer_path: {tokenizer.path} is not the tokenizer {path} was prepared with "
+                          f"({made_with['file']}, SHA-256 {made_with['sha256'][:12]}...); use that one, or leave "
+                          "model.tokenizer_path empty (shards need none)")
+    if fraction is not None and fraction != manifest["validation_fraction"]:
+        raise ConfigError(f"training.validation_fraction: {fraction}, but {path} was prepared with "
+                          f"{manifest['validation_fraction']}; leave it unset, or prepare the folder again with "
+                          f"--validation-fraction {fraction}")
 
 
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:

@@ -33,8 +33,9 @@ from trainer.checkpoint import (
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.data.loader import BatchLoader, check_evaluation_fits
-from trainer.data.sources import build_sources
-from trainer.data.text_sources import DataError, DataExhausted
+from trainer.data.build import build_sources
+from trainer.data.documents import DataError
+from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.models.llama3 import Transformer, get_flavor
@@ -133,6 +134,7 @@ class Trainer:
         train = BatchLoader(
             train_source, seq_len=config.training.seq_len, global_batch_size=self.plan.global_batch_size,
             local_batch_size=config.training.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
+            accept_data_change=config.checkpoint.accept_data_change,
         )
         if validation_source is None:
             return train, None

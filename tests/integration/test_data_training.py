@@ -8,7 +8,7 @@ import pytest
 
 from tests.launch import describe, launch, read_metrics
 from tests.unit.test_tokenizer import sentences
-from trainer.data.sources import SyntheticMarkovSource
+from trainer.data.synthetic import SyntheticMarkovSource
 from trainer.data.text_sources import tokenize_documents
 from trainer.data.tokenizer import Tokenizer, train_tokenizer
 

@@ -13,16 +13,12 @@ import torch
 
 from trainer.config.job_config import Parallelism
 from trainer.data.loader import BatchLoader, check_evaluation_fits
-from trainer.data.sources import HOLDOUT_EVERY, SyntheticMarkovSource, build_source
-from trainer.data.text_sources import (
-    DataError,
-    DataExhausted,
-    StreamingTextSource,
-    TokenArraySource,
-    find_data_files,
-    hub_stream_opener,
-    read_documents,
-)
+from trainer.data.build import build_source
+from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
+from trainer.data.finite_sources import DataExhausted, TokenArraySource
+from trainer.data.hashing import document_unit
+from trainer.data.synthetic import SyntheticMarkovSource
+from trainer.data.text_sources import StreamingTextSource, hub_stream_opener
 from trainer.parallel.dims import ParallelDims
 
 SEQ = 16
@@ -38,6 +34,10 @@ class ByteTokenizer:
 
     def encode_batch_documents(self, texts):
         return [self.encode_document(t) for t in texts]
+
+
+def read_documents(files: list[str], text_field: str) -> list[str]:
+    return list(read_files(files, text_field, ReadCounts()))
 
 
 def loaders(make_source, dp: int, local: int, global_batch: int = 8):
@@ -119,7 +119,7 @@ def test_token_array_windows_and_wrap(caplog):
     with caplog.at_level(logging.INFO):
         for _ in range(3):
             ranks[0].next_batch()
-    assert "epoch 1 begins at global batch 3" in caplog.text  # 10 rows/epoch, 4 rows/batch
+    assert "epoch 1 begins in the global batch of sequences 8-11" in caplog.text  # 10 rows/epoch
 
 
 def test_token_array_stop_mode():
@@ -195,29 +195,41 @@ def test_local_files_of_every_format(tmp_path):
     assert read_documents(files, "body") == DOCS
     assert find_data_files(str(tmp_path / "corpus" / "*.jsonl")) == [str(tmp_path / "corpus" / "b.jsonl")]
     source = build_source("files", str(tmp_path / "corpus"), split="train", vocab_size=259, seed=0,
-                          tokenizer=ByteTokenizer(), text_field="body", wrap=True, holdout=False)
+                          tokenizer=ByteTokenizer(), text_field="body", wrap=True, validation_fraction=0.0)
     expected = np.concatenate([ByteTokenizer().encode_document(d) for d in DOCS])
     assert np.array_equal(source.tokens, expected)
 
 
-def test_holdout_split_of_local_files(tmp_path):
+def test_holdout_split_of_local_files_is_chosen_by_document_text(tmp_path):
     write_corpus(tmp_path / "corpus")
-    kwargs = dict(vocab_size=259, seed=0, tokenizer=ByteTokenizer(), text_field="body", wrap=True, holdout=True)
+    kwargs = dict(vocab_size=259, seed=0, tokenizer=ByteTokenizer(), text_field="body", wrap=True,
+                  validation_fraction=0.2)
     train = build_source("files", str(tmp_path / "corpus"), split="train", **kwargs)
     held_out = build_source("files", str(tmp_path / "corpus"), split="validation", **kwargs)
-    expected_val = [d for i, d in enumerate(DOCS) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+    expected_val = [d for d in DOCS if document_unit(d) < 0.2]
+    assert 6 <= len(expected_val) <= 18  # 60 documents, 20% expected
     assert np.array_equal(held_out.tokens, np.concatenate([ByteTokenizer().encode_document(d) for d in expected_val]))
-    assert len(train.tokens) + len(held_out.tokens) == sum(len(d) + 2 for d in DOCS)
+    assert np.array_equal(train.tokens, np.concatenate([ByteTokenizer().encode_document(d) for d in DOCS
+                                                        if d not in expected_val]))
+    # A new file (sorted first) moves no document between the splits.
+    (tmp_path / "corpus" / "0-new.txt").write_text("\n\n".join(f"new document {i}" for i in range(30)) + "\n")
+    grown = build_source("files", str(tmp_path / "corpus"), split="validation", **kwargs)
+    old_tokens = held_out.tokens.tobytes()
+    assert old_tokens in grown.tokens.tobytes() and len(grown.tokens) > len(held_out.tokens)
 
 
 def test_file_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         find_data_files(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .jsonl/.json/.parquet/.txt files found"):
+        find_data_files(str(tmp_path / "empty"))
     (tmp_path / "notes.md").write_text("x")
-    with pytest.raises(DataError, match="no .txt, .jsonl, .json, .parquet files found"):
+    with pytest.raises(DataError, match="notes.md is not a supported data file .* select the data files with a glob"):
         find_data_files(str(tmp_path))
+    (tmp_path / "notes.md").unlink()
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
-    with pytest.raises(DataError, match="cannot read .*bad.parquet"):
+    with pytest.raises(DataError, match="bad.parquet: cannot read as parquet"):
         read_documents([str(tmp_path / "bad.parquet")], "text")
     (tmp_path / "x.jsonl").write_text('{"content": "hi"}\n')
     with pytest.raises(DataError, match="has no field 'text'; its fields are content"):
@@ -225,10 +237,10 @@ def test_file_errors(tmp_path):
     (tmp_path / "empty.jsonl").write_text('{"text": "  "}\n')
     with pytest.raises(DataError, match="holds no train documents"):
         build_source("files", str(tmp_path / "empty.jsonl"), split="train", vocab_size=259, seed=0,
-                     tokenizer=ByteTokenizer(), text_field="text", wrap=True, holdout=False)
+                     tokenizer=ByteTokenizer(), text_field="text", wrap=True)
     with pytest.raises(DataError, match="needs|set model.tokenizer_path"):
         build_source("files", str(tmp_path), split="train", vocab_size=259, seed=0, tokenizer=None,
-                     text_field="text", wrap=True, holdout=False)
+                     text_field="text", wrap=True)
 
 
 def make_hub_folder(folder):
@@ -277,7 +289,7 @@ def test_hub_stream_errors(tmp_path):
     make_hub_folder(tmp_path / "c4")
     source = StreamingTextSource(hub_stream_opener("c4", str(tmp_path / "c4"), "train"), ByteTokenizer(),
                                  text_field="body", name="c4:train")
-    with pytest.raises(DataError, match="no field 'body'; fields: text"):
+    with pytest.raises(DataError, match="no field 'body'; its fields are text"):
         source.rows(0, 1, 10)
     with pytest.raises(DataExhausted, match="stream ended"):
         streamed(tmp_path / "c4", wrap=False).rows(0, 1000, 20)

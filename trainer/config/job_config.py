@@ -103,19 +103,36 @@ class Training:
     """Data, batch shape, steps and numerics of the training loop."""
 
     dataset: str = "synthetic"
-    """Data source: 'synthetic' (built in: a random Markov chain with a known best loss), 'files'
-    (local .txt/.jsonl/.json/.parquet at dataset_path), or a Hugging Face dataset streamed by name
-    ('c4', 'fineweb', 'fineweb-edu' or a hub id 'org/name')."""
+    """Data source: 'synthetic' (built in: a random Markov chain with a known best loss), 'shards'
+    (a folder of token shards written by `python -m trainer.data.prepare`, read by memory map: the
+    format for real corpora), 'files' (local .jsonl/.json/.parquet/.txt at dataset_path,
+    tokenized into memory at every start: small corpora), or a Hugging Face dataset streamed by
+    name ('c4', 'fineweb', 'fineweb-edu' or a hub id 'org/name')."""
 
     dataset_path: str = ""
-    """'files': a file, folder or glob. Hugging Face datasets: a local copy (folder of data files)
-    loaded instead of the hub."""
+    """'shards': the prepared folder. 'files': a file, folder or glob. Hugging Face datasets: a
+    local copy (folder of data files) loaded instead of the hub. Refused with 'synthetic'."""
 
     dataset_text_field: str = "text"
     """Field holding the document text in .jsonl/.json/.parquet records and Hugging Face datasets."""
 
     dataset_end: Literal["wrap", "stop"] = "wrap"
     """At the end of a finite dataset: start the next epoch (logged), or stop training cleanly."""
+
+    shuffle: bool = True
+    """Finite sources ('files', 'shards'): read the sequences of every epoch in a new order, a
+    seeded permutation of (data seed, epoch) that is the same in every parallel layout. false:
+    in file order, every epoch alike. Streams are read in their own order."""
+
+    data_seed: Optional[int] = None
+    """Seed of the data: the shuffled order of files and shards, and the synthetic source's chain
+    and walks. Unset: debug.seed."""
+
+    validation_fraction: Optional[float] = None
+    """'files': share of documents held out as the validation split, chosen by a hash of each
+    document's text, whether validation is enabled or not (so training reads the same documents
+    either way, and adding files never moves a document between splits). Unset: 0.05. 'shards':
+    fixed when the folder was prepared (--validation-fraction); a different value here is an error."""
 
     local_batch_size: int = 8
     """Sequences per data-parallel rank per forward/backward pass (microbatch of gradient accumulation)."""
@@ -268,6 +285,11 @@ class Checkpoint:
     exclude_from_loading: list[str] = field(default_factory=list)
     """State to skip when resuming: any of model, optimizer, lr_scheduler, dataloader, train_state."""
 
+    accept_data_change: bool = False
+    """Resume even when the training data differs from the checkpoint's (another source, file
+    content, tokenizer, sequence length or data seed; each change is named in the error without
+    it): training goes on after the same number of sequences, read from this run's data."""
+
     create_seed_checkpoint: bool = False
     """Write a step-0 model-only checkpoint from one process and exit."""
 
@@ -351,7 +373,7 @@ class Debug:
     """Reproducibility."""
 
     seed: int = 0
-    """Seed for weight init, data and dropout-free randomness."""
+    """Seed of the initial weights, and of the data unless training.data_seed is set."""
 
     deterministic: bool = False
     """Use deterministic algorithms only (slower); required for bitwise-reproducible runs."""
@@ -381,8 +403,9 @@ class Validation:
 
     dataset: str = ""
     """Validation data source, named as training.dataset. Empty: the held-out split of
-    training.dataset (synthetic: other walks of the same chain; files: every 20th document, which
-    training then leaves out; Hugging Face: the 'validation' split)."""
+    training.dataset (synthetic: other walks of the same chain; files and shards: the documents
+    of training.validation_fraction, which training never reads; Hugging Face: the 'validation'
+    split)."""
 
     dataset_path: str = ""
     """Local path for the validation source (as training.dataset_path)."""

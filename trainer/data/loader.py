@@ -1,24 +1,33 @@
 """Layout-invariant batches for one data-parallel rank.
 
-Global batch s is rows [s*G, (s+1)*G) of the source's row stream (G = global batch size). DP rank
-r takes the contiguous block [r*G/dp, (r+1)*G/dp) and splits it into microbatches of the local
-batch size (gradient accumulation). Tensor-, pipeline- and context-parallel ranks of the same DP
-rank get the same rows. The loader's state is the global step (plus, for streamed sources, the
-stream position, which is the same on every rank), so it resumes under any layout.
+The next global batch is rows [c, c+G) of the source's row stream, c being the rows consumed so
+far and G the global batch size. DP rank r takes the contiguous block [c + r*G/dp, c + (r+1)*G/dp)
+and splits it into microbatches of the local batch size (gradient accumulation). Tensor-,
+pipeline- and context-parallel ranks of the same DP rank get the same rows.
+
+The loader's state is the rows consumed (plus, for streamed sources, the stream position), the
+same on every rank: a run resumes under any layout and any global batch size exactly after the
+last row it trained on. It also holds the data's fingerprint (source, its size and content hash,
+tokenizer, sequence length, shuffling seed): resuming on other data is an error unless
+checkpoint.accept_data_change says it is meant.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
+
+from trainer.data.documents import DataError
 
 logger = logging.getLogger(__name__)
 
 
 class BatchLoader:
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, device: torch.device, name: str = "training"):
+                 dp_rank: int, dp_degree: int, device: torch.device, name: str = "training",
+                 accept_data_change: bool = False):
         rows_per_rank, rest = divmod(global_batch_size, dp_degree)
         if rest or rows_per_rank % local_batch_size:
             raise ValueError(
@@ -33,16 +42,18 @@ class BatchLoader:
         self.dp_rank = dp_rank
         self.device = device
         self.name = name
-        self.step = 0  # global batches consumed
+        self.rows_consumed = 0
         self.epoch = 0
+        self.accept_data_change = accept_data_change
         self._initial_source_state = self._source_state()
+        self._legacy_keys: set[str] | None = None  # a checkpoint written before rows_consumed existed
 
     @property
     def accumulation_steps(self) -> int:
         return self.rows_per_rank // self.local_batch_size
 
     def _rank_rows(self):
-        first = self.step * self.global_batch_size
+        first = self.rows_consumed
         if self.source.random_access:
             # Decided on the whole global batch, so every rank stops at the same step (a rank
             # whose own rows still exist must not train on while its peers have stopped).
@@ -56,11 +67,12 @@ class BatchLoader:
         """This rank's microbatches (inputs, labels) of the next global batch.
         Raises DataExhausted when a finite source ends and is configured to stop."""
         tokens = torch.from_numpy(self._rank_rows())
-        epoch = self.source.epoch_of((self.step + 1) * self.global_batch_size - 1, self.row_length)
+        self.rows_consumed += self.global_batch_size
+        epoch = self.source.epoch_of(self.rows_consumed - 1, self.row_length)
         if epoch != self.epoch:
-            logger.info("%s data: epoch %d begins at global batch %d", self.name, epoch, self.step + 1)
+            logger.info("%s data: epoch %d begins in the global batch of sequences %d-%d", self.name, epoch,
+                        self.rows_consumed - self.global_batch_size, self.rows_consumed - 1)
             self.epoch = epoch
-        self.step += 1
         if self.device.type == "cuda":
             # One asynchronous copy from page-locked memory: the host does not wait for the device.
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
@@ -72,20 +84,56 @@ class BatchLoader:
     def _source_state(self) -> dict | None:
         return None if self.source.random_access else self.source.state_dict()
 
+    def fingerprint(self) -> dict:
+        """What decides the rows: the source's identity and the sequence length."""
+        return {**self.source.fingerprint(), "seq_len": self.row_length - 1}
+
+    def expect_saved_keys(self, keys: set[str]) -> None:
+        """Before loading: the keys the checkpoint holds for the loader (a checkpoint of an
+        earlier version has `step` where this one has `rows_consumed`)."""
+        self._legacy_keys = keys if "rows_consumed" not in keys else None
+
     def state_dict(self) -> dict:
-        state = {"step": self.step, "epoch": self.epoch}
-        if not self.source.random_access:
-            state["source"] = self.source.state_dict()
-        return state
+        if self._legacy_keys is not None:
+            return {key: 0 for key in ("step", "epoch") if key in self._legacy_keys} | self._stream_state()
+        return {"rows_consumed": self.rows_consumed, "epoch": self.epoch, "global_batch_size": self.global_batch_size,
+                "fingerprint": json.dumps(self.fingerprint(), sort_keys=True)} | self._stream_state()
+
+    def _stream_state(self) -> dict:
+        return {} if self.source.random_access else {"source": self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.epoch = int(state["step"]), int(state.get("epoch", 0))
+        if "rows_consumed" in state:
+            self._check_same_data(json.loads(state["fingerprint"]))
+            rows, saved_batch = int(state["rows_consumed"]), int(state["global_batch_size"])
+        else:
+            logger.warning("%s data: the checkpoint predates data fingerprints and records global batches, not "
+                           "sequences; assuming it used this run's data and global batch size", self.name)
+            rows, saved_batch = int(state["step"]) * self.global_batch_size, self.global_batch_size
+        self._legacy_keys = None
+        self.rows_consumed = rows
         if not self.source.random_access:
             self.source.load_state_dict(state["source"])
+        self.epoch = self.source.epoch_of(rows - 1, self.row_length) if rows else 0
+        if saved_batch != self.global_batch_size:
+            logger.info("%s data: the checkpoint's global batch was %d sequences, this run's is %d: continuing after "
+                        "sequence %d, the last one trained", self.name, saved_batch, self.global_batch_size, rows)
+
+    def _check_same_data(self, saved: dict) -> None:
+        current = self.fingerprint()
+        changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
+                   if saved.get(key) != current.get(key)]
+        if not changed:
+            return
+        message = f"{self.name} data differs from the checkpoint's: {'; '.join(changed)}"
+        if not self.accept_data_change:
+            raise DataError(f"{message}. Resume with the data it was trained on, or set "
+                            "checkpoint.accept_data_change = true to go on with this data on purpose")
+        logger.warning("%s (checkpoint.accept_data_change): continuing after the same number of sequences", message)
 
     def reset(self) -> None:
         """Back to the first batch (validation reads the same batches at every evaluation)."""
-        self.step, self.epoch = 0, 0
+        self.rows_consumed, self.epoch = 0, 0
         if not self.source.random_access:
             self.source.load_state_dict(self._initial_source_state)
 

@@ -1,29 +1,29 @@
-"""Token sources made of tokenized text documents: local files and Hugging Face datasets.
+"""Text tokenized as it is read: local files tokenized at start, and Hugging Face datasets streamed.
 
 Documents are tokenized ([BOS] text [EOS]), concatenated, and cut into rows of `length` tokens
 (non-overlapping). Row i is therefore a fixed function of the data, the tokenizer and the row
 length, whatever the parallel layout.
 
-- Local files (`training.dataset = "files"`) are read whole with `datasets` and tokenized once:
-  random access to any row.
+- Local files (`training.dataset = "files"`) are tokenized once at start into memory
+  (trainer.data.finite_sources.TokenArraySource): for small corpora; large ones are prepared
+  into shards once (trainer.data.prepare).
 - Hugging Face datasets by name are streamed: rows come in order, and every data-parallel rank
   reads the whole stream (keeping only its rows), so the stream position is the same on all
   ranks and a run resumes under any layout. That costs each rank the tokenization of the global
-  batch; for large runs, pre-tokenize to local files.
+  batch.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
-from pathlib import Path
 
 import numpy as np
 
+from trainer.data.documents import DataError, ReadCounts, record_text
+from trainer.data.finite_sources import DataExhausted
+
 logger = logging.getLogger(__name__)
 
-FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_ALIASES = {  # short names -> (hub id, config)
     "c4": ("allenai/c4", "en"),
     "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
@@ -31,98 +31,15 @@ HUB_ALIASES = {  # short names -> (hub id, config)
 }
 
 
-class DataError(ValueError):
-    """A problem with the user's data that they can fix; the message names the file or key."""
-
-
-class DataExhausted(RuntimeError):
-    """A finite dataset ended and the configuration says to stop rather than wrap around."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Local files
-
-
-def find_data_files(path: str) -> list[str]:
-    """A file, a directory (searched recursively) or a glob -> the data files, sorted."""
-    if any(ch in path for ch in "*?["):
-        candidates = glob.glob(path, recursive=True)
-    elif os.path.isdir(path):
-        candidates = [str(p) for p in Path(path).rglob("*")]
-    elif os.path.isfile(path):
-        candidates = [path]
-    else:
-        raise DataError(f"training.dataset_path: {path!r} does not exist")
-    files = sorted(f for f in candidates if os.path.isfile(f) and Path(f).suffix in FILE_BUILDERS)
-    if not files:
-        raise DataError(f"training.dataset_path: no {', '.join(FILE_BUILDERS)} files found at {path!r}")
-    return files
-
-
-def read_documents(files: list[str], text_field: str) -> list[str]:
-    """Documents of local files: blank-line separated paragraphs of .txt files, one record each
-    of .jsonl/.json/.parquet files (its `text_field`)."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    documents: list[str] = []
-    for file in files:
-        builder = FILE_BUILDERS[Path(file).suffix]
-        options = {"sample_by": "paragraph"} if builder == "text" else {}
-        try:
-            table = datasets.load_dataset(builder, data_files=[file], split="train", **options)
-        except Exception as e:  # datasets raises many types for unreadable files
-            raise DataError(f"training.dataset_path: cannot read {file}: {type(e).__name__}: {e}") from None
-        field = "text" if builder == "text" else text_field
-        if field not in table.column_names:
-            raise DataError(f"training.dataset_text_field: {file} has no field {field!r}; "
-                            f"its fields are {', '.join(table.column_names)}")
-        texts = [t for t in table[field] if isinstance(t, str) and t.strip()]
-        documents.extend(t.strip() if builder == "text" else t for t in texts)  # paragraphs lose their newline
-    return documents
-
-
 def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np.ndarray:
-    pieces = [np.asarray(ids, dtype=np.int32)
+    """[BOS] text [EOS] of every document, concatenated, in the smallest dtype the vocabulary fits."""
+    from trainer.data.shards import token_dtype
+
+    dtype = token_dtype(getattr(tokenizer, "vocab_size", 1 << 32))
+    pieces = [np.asarray(ids, dtype=dtype)
               for start in range(0, len(documents), chunk)
               for ids in tokenizer.encode_batch_documents(documents[start:start + chunk])]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-
-
-class TokenArraySource:
-    """Rows of a finite token array, with random access. Past the end it wraps around (epoch
-    i // rows_per_epoch), or raises DataExhausted when wrap is False."""
-
-    random_access = True
-    entropy_floor = None
-
-    def __init__(self, tokens: np.ndarray, *, name: str, wrap: bool = True):
-        self.tokens, self.name, self.wrap = tokens, name, wrap
-
-    def rows_per_epoch(self, length: int) -> int:
-        return len(self.tokens) // length
-
-    def epoch_of(self, row: int, length: int) -> int:
-        return row // max(self.rows_per_epoch(length), 1)
-
-    def check_available(self, last_row: int, length: int) -> None:
-        """DataError when the data holds no whole row; DataExhausted when `last_row` is past the
-        end and the source does not wrap."""
-        per_epoch = self.rows_per_epoch(length)
-        if per_epoch == 0:
-            raise DataError(f"{self.name}: {len(self.tokens)} tokens, fewer than one sequence of {length}")
-        if not self.wrap and last_row >= per_epoch:
-            raise DataExhausted(f"{self.name}: the dataset ends after {per_epoch} sequences of {length} tokens "
-                                f"(training.dataset_end = 'stop')")
-
-    def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
-        self.check_available(first_row + count - 1, length)
-        per_epoch = self.rows_per_epoch(length)
-        index = (np.arange(first_row, first_row + count) % per_epoch)[:, None] * length + np.arange(length)
-        return self.tokens[index].astype(np.int64)
-
-    def describe(self) -> dict:
-        return {"source": self.name, "tokens": int(len(self.tokens))}
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,23 +58,30 @@ class StreamingTextSource:
         self.name, self.wrap = name, wrap
         self.next_row = 0
         self.epoch = 0
-        self.docs_in_epoch = 0  # documents of this epoch already tokenized
+        self.docs_in_epoch = 0  # records of this epoch read
         self.carry = np.zeros(0, dtype=np.int32)  # their tokens not yet in a row
+        self.counts = ReadCounts()
         self._iterator = None
 
     def _documents(self):
-        """Document texts from the current position on, epoch after epoch."""
+        """Document texts from the current position on, epoch after epoch. docs_in_epoch counts
+        the records read (skipped ones too), up to the document last handed out."""
         while True:
             stream = self.open_stream()
             if self.docs_in_epoch:
                 stream = stream.skip(self.docs_in_epoch)
             seen_any = self.docs_in_epoch > 0
             for record in stream:
-                if self.text_field not in record:
-                    raise DataError(f"training.dataset_text_field: {self.name} records have no field "
-                                    f"{self.text_field!r}; fields: {', '.join(record)}")
+                self.docs_in_epoch += 1
                 seen_any = True
-                yield record[self.text_field]
+                text = record_text(record, self.text_field, f"{self.name} record {self.docs_in_epoch}",
+                                   self.counts, self.name)
+                if text is None:
+                    if self.counts.skipped[self.name] == 1:
+                        logger.warning("%s: record %d has no text (null, not a string, or blank): skipped; such "
+                                       "records are skipped and counted in run_meta.json", self.name, self.docs_in_epoch)
+                    continue
+                yield text
             if not seen_any:
                 raise DataError(f"{self.name}: the dataset has no documents")
             if not self.wrap:
@@ -175,7 +99,6 @@ class StreamingTextSource:
         parts, have = [self.carry], len(self.carry)
         while have < needed:
             ids = np.asarray(self.tokenizer.encode_document(next(self._iterator)), dtype=np.int32)
-            self.docs_in_epoch += 1
             parts.append(ids)
             have += len(ids)
         tokens = np.concatenate(parts)
@@ -197,7 +120,10 @@ class StreamingTextSource:
         self._iterator = None
 
     def describe(self) -> dict:
-        return {"source": self.name, "streaming": True}
+        return {"source": self.name, "streaming": True, "skipped_records": sum(self.counts.skipped.values())}
+
+    def fingerprint(self) -> dict:
+        return {"source": self.name, "tokenizer_sha256": getattr(self.tokenizer, "sha256", None)}
 
 
 def hub_stream_opener(dataset: str, dataset_path: str, split: str):

@@ -1,0 +1,100 @@
+"""The token sources of a job: which class reads `training.dataset`, and its validation split.
+
+Every source maps a global row index to a fixed sequence of token ids: row i depends only on the
+data, the data seed and the row length, so every parallel layout and every resumed run reads
+exactly the same tokens (ARCHITECTURE invariant 1). A source has
+`rows(first_row, count, length) -> int64 array (count, length)`, `describe()` (for the run
+record), `fingerprint()` (what identifies its rows, kept in checkpoints), `entropy_floor` (best
+achievable loss, or None) and `random_access` (False: rows must be read in order, and the source
+carries a state_dict). Random-access sources also have `check_available(last_row, length)`, which
+raises DataExhausted past the end of a finite source that does not wrap.
+
+| dataset        | class                                   | validation split                          |
+| synthetic      | synthetic.SyntheticMarkovSource         | other walks of the same chain             |
+| files          | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
+| shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
+| hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split          |
+"""
+
+from __future__ import annotations
+
+from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
+from trainer.data.finite_sources import ShardSource, TokenArraySource
+from trainer.data.hashing import document_unit
+from trainer.data.synthetic import SyntheticMarkovSource
+
+DEFAULT_VALIDATION_FRACTION = 0.05
+FINITE = ("files", "shards")
+
+
+def data_seed(config) -> int:
+    return config.debug.seed if config.training.data_seed is None else config.training.data_seed
+
+
+def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: bool, shuffle_seed: int | None,
+                 validation_fraction: float, key: str) -> TokenArraySource:
+    """Local files tokenized into memory; a document belongs to the validation split when the
+    hash of its text is below validation_fraction."""
+    from trainer.data.text_sources import tokenize_documents
+
+    counts = ReadCounts()
+    want_validation = split == "validation"
+    documents = [text for text in read_files(find_data_files(path, key), text_field, counts)
+                 if (document_unit(text) < validation_fraction) == want_validation]
+    if not documents:
+        raise DataError(f"{key}: {path!r} holds no {split} documents"
+                        + (f" (validation takes {validation_fraction:.3g} of the documents by a hash of their text: "
+                           "add documents or raise training.validation_fraction)" if want_validation else ""))
+    source = TokenArraySource(tokenize_documents(documents, tokenizer), name=f"files:{path}:{split}", wrap=wrap,
+                              shuffle_seed=shuffle_seed)
+    source.skipped_records = sum(counts.skipped.values())
+    return source
+
+
+def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,
+                 text_field: str, wrap: bool, shuffle: bool = False, validation_fraction: float | None = None,
+                 key: str = "training"):
+    """The token source of one split of `dataset` (key: the config section, for messages)."""
+    from trainer.data import text_sources as text
+
+    shuffle_seed = seed if shuffle else None
+    if dataset == "synthetic":
+        return SyntheticMarkovSource(vocab_size=vocab_size, seed=seed, split=split)
+    if dataset == "shards":
+        if not dataset_path:
+            raise DataError(f"{key}.dataset_path: required for dataset 'shards' (a folder written by "
+                            "python -m trainer.data.prepare)")
+        return ShardSource(dataset_path, split, wrap=wrap, shuffle_seed=shuffle_seed, key=f"{key}.dataset_path")
+    if tokenizer is None:
+        raise DataError(f"{key}.dataset {dataset!r} is text: set model.tokenizer_path to a SentencePiece "
+                        "model (train one with `python -m trainer.data.tokenizer train`)")
+    if dataset == "files":
+        if not dataset_path:
+            raise DataError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
+        fraction = DEFAULT_VALIDATION_FRACTION if validation_fraction is None else validation_fraction
+        return files_source(dataset_path, split, tokenizer=tokenizer, text_field=text_field, wrap=wrap,
+                            shuffle_seed=shuffle_seed, validation_fraction=fraction, key=f"{key}.dataset_path")
+    opener = text.hub_stream_opener(dataset, dataset_path, split)
+    return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap)
+
+
+def build_sources(config, vocab_size: int):
+    """(training source, validation source or None) for a JobConfig."""
+    tokenizer = None
+    if config.model.tokenizer_path:
+        from trainer.data.tokenizer import Tokenizer, check_vocab_fits
+
+        tokenizer = Tokenizer(config.model.tokenizer_path)
+        check_vocab_fits(tokenizer, vocab_size)
+    t, v = config.training, config.validation
+    common = dict(vocab_size=vocab_size, seed=data_seed(config), tokenizer=tokenizer, text_field=t.dataset_text_field,
+                  validation_fraction=t.validation_fraction)
+    train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap", shuffle=t.shuffle,
+                         **common)
+    if not v.enable:
+        return train, None
+    if v.dataset:
+        validation = build_source(v.dataset, v.dataset_path, split="validation", wrap=True, key="validation", **common)
+    else:
+        validation = build_source(t.dataset, t.dataset_path, split="validation", wrap=True, **common)
+    return train, validation
