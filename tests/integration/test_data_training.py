@@ -8,6 +8,8 @@ import pytest
 
 from tests.launch import describe, launch, read_metrics
 from tests.unit.test_tokenizer import sentences
+from trainer.data.hashing import document_unit
+from trainer.data.prepare import prepare
 from trainer.data.synthetic import SyntheticMarkovSource
 from trainer.data.text_sources import tokenize_documents
 from trainer.data.tokenizer import Tokenizer, train_tokenizer
@@ -61,11 +63,19 @@ VALIDATION = ["--validation.enable", "--validation.freq", "30", "--validation.lo
               "--validation.seq_len", "32", "--validation.steps", "2"]
 
 
-@pytest.mark.parametrize("source", ["files", "hub folder"])
-def test_text_training_on_local_data(tmp_path, text_corpus, source):
+@pytest.fixture(scope="module")
+def shard_folder(text_corpus):
     folder, tokenizer = text_corpus
-    data = (["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl")]
-            if source == "files" else ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")])
+    prepare([str(folder / "docs.jsonl")], str(tokenizer), str(folder / "shards"), workers=2)
+    return folder / "shards"
+
+
+@pytest.mark.parametrize("source", ["files", "shards", "hub folder"])
+def test_text_training_on_local_data(tmp_path, text_corpus, shard_folder, source):
+    folder, tokenizer = text_corpus
+    data = {"files": ["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl")],
+            "shards": ["--training.dataset", "shards", "--training.dataset_path", str(shard_folder)],
+            "hub folder": ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")]}[source]
     result = launch(2, [*TEXT_JOB, *VALIDATION, *data, "--model.tokenizer_path", str(tokenizer), "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     records = read_metrics(tmp_path)
@@ -74,6 +84,22 @@ def test_text_training_on_local_data(tmp_path, text_corpus, source):
     print(f"{source}: loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}, validation {validation[-1]['validation/loss']:.3f}")
     assert train[-1]["loss"] < train[0]["loss"] - 1.5
     assert validation[-1]["validation/loss"] < train[0]["loss"] - 1.5
+
+
+def test_shards_resume_under_another_global_batch_and_refuse_other_data(tmp_path, shard_folder):
+    job = [*TEXT_JOB, "--training.dataset", "shards", "--training.dataset_path", str(shard_folder),
+           "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
+           "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)]
+    first = launch(2, [*job, "--training.steps", "6"])  # global batch 8: 48 sequences
+    assert first.returncode == 0, describe(first)
+    other_seed = launch(1, [*job, "--training.steps", "8", "--training.data_seed", "5"])
+    assert other_seed.returncode == 2
+    assert "training data differs from the checkpoint's: shuffle_seed 0 -> 5" in other_seed.stderr
+    assert "checkpoint.accept_data_change = true" in other_seed.stderr
+    resumed = launch(1, [*job, "--training.steps", "8"])  # one process: global batch 4
+    assert resumed.returncode == 0, describe(resumed)
+    assert "global batch was 8 sequences, this run's is 4: continuing after sequence 48" in resumed.stdout
+    assert [r["step"] for r in read_metrics(tmp_path) if "kind" not in r][-2:] == [7, 8]
 
 
 def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
@@ -87,6 +113,16 @@ def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     no_tokenizer = launch(2, ["--training.dataset", "c4"])
     assert no_tokenizer.returncode == 2 and "model.tokenizer_path" in no_tokenizer.stderr
+    ignored_path = launch(2, ["--training.dataset_path", str(folder / "docs.jsonl")])
+    assert ignored_path.returncode == 2
+    assert "training.dataset_path: " in ignored_path.stderr and "training.dataset is 'synthetic'" in ignored_path.stderr
+    not_prepared = launch(2, ["--training.dataset", "shards", "--training.dataset_path", str(folder)])
+    assert not_prepared.returncode == 2 and "has no manifest.json" in not_prepared.stderr
+
+
+def training_documents(docs: list[str]) -> list[str]:
+    """What training reads of local files: all but the held-out share (validation_fraction 0.05)."""
+    return [d for d in docs if document_unit(d) >= 0.05]
 
 
 def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: int = 33) -> list[str]:
@@ -95,7 +131,7 @@ def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: i
     tok = Tokenizer(tokenizer)
     for n in range(30, 200):
         docs = sentences(n, seed=5)
-        rows = len(tokenize_documents(docs, tok)) // row_length
+        rows = len(tokenize_documents(training_documents(docs), tok)) // row_length
         if rows % global_batch >= global_batch // dp and rows // global_batch >= 2:
             return docs
     raise AssertionError("no corpus size ends inside rank 0's rows")
@@ -114,7 +150,7 @@ def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus,
                             "--metrics.log_freq", "1", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out")],
                     log_rank=",".join(map(str, range(nproc))))
     assert result.returncode == 0, describe(result)
-    whole_batches = len(tokenize_documents(docs, Tokenizer(tokenizer))) // 33 // global_batch
+    whole_batches = len(tokenize_documents(training_documents(docs), Tokenizer(tokenizer))) // 33 // global_batch
     steps = [r["step"] for r in read_metrics(tmp_path / "out")]
     assert steps == list(range(1, whole_batches + 1))
     assert "the dataset ends after" in result.stdout

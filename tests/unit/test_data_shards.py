@@ -1,0 +1,244 @@
+"""Prepared token shards: the prepare command, reading by memory map, shuffling, resume by
+sequences consumed and the data fingerprint."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit.test_tokenizer import sentences
+from trainer.data.build import build_source
+from trainer.data.documents import DataError
+from trainer.data.finite_sources import ShardSource, TokenArraySource
+from trainer.data.hashing import document_unit
+from trainer.data.loader import BatchLoader
+from trainer.data.prepare import main as prepare_main
+from trainer.data.prepare import prepare
+from trainer.data.shuffle import permute
+from trainer.data.tokenizer import Tokenizer, train_tokenizer
+
+SEQ = 16
+DOCS = sentences(400, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    (folder / "corpus.txt").write_text("\n".join(sentences(1500)) + "\n")
+    return str(train_tokenizer([str(folder / "corpus.txt")], str(folder / "tok"), 400))
+
+
+def write_formats(folder) -> list[str]:
+    """The same 400 documents spread over every supported format; returns them in the order the
+    files sort (the order of the concatenation)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [DOCS[i:i + 80] for i in range(0, 400, 80)]
+    with gzip.open(folder / "a.jsonl.gz", "wt") as f:
+        for doc in parts[0]:
+            f.write(json.dumps({"text": doc}) + "\n")
+        f.write(json.dumps({"text": None}) + "\n" + json.dumps({"text": "  "}) + "\n")  # skipped, counted
+    (folder / "b.JSON").write_text(json.dumps([{"text": d} for d in parts[1]]))
+    with bz2.open(folder / "c.txt.bz2", "wt") as f:
+        f.write("\n\n".join(parts[2]) + "\n")
+    pq.write_table(pa.table({"text": parts[3]}), folder / "d.parquet")
+    payload = "".join(json.dumps({"text": d}) + "\n" for d in parts[4]).encode()
+    (folder / "e.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(payload))
+    return DOCS
+
+
+def expected_tokens(tokenizer_path: str, documents: list[str]) -> np.ndarray:
+    tokenizer = Tokenizer(tokenizer_path)
+    return np.concatenate([tokenizer.encode_document(d) for d in documents]).astype(np.int64)
+
+
+def test_prepare_reads_every_format_and_splits_by_document_hash(tmp_path, tokenizer_path, capsys):
+    documents = write_formats(tmp_path / "corpus")
+    code = prepare_main(["--input", str(tmp_path / "corpus"), "--tokenizer", tokenizer_path,
+                         "--output", str(tmp_path / "shards"), "--workers", "2", "--validation-fraction", "0.1"])
+    assert code == 0
+    assert "400 documents" not in capsys.readouterr().out  # split between train and validation
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["dtype"] == "<u2" and manifest["skipped_records"] == 2
+    validation_docs = [d for d in documents if document_unit(d) < 0.1]
+    train_docs = [d for d in documents if document_unit(d) >= 0.1]
+    assert 20 <= len(validation_docs) <= 60
+    assert manifest["totals"]["validation"]["documents"] == len(validation_docs)
+    assert manifest["totals"]["train"]["documents"] == len(train_docs)
+    train = ShardSource(str(tmp_path / "shards"), "train")
+    assert np.array_equal(train.shards.tokens(0, train.token_count), expected_tokens(tokenizer_path, train_docs))
+    validation = ShardSource(str(tmp_path / "shards"), "validation")
+    assert np.array_equal(validation.shards.tokens(0, validation.token_count),
+                          expected_tokens(tokenizer_path, validation_docs))
+    first_shard = np.load(tmp_path / "shards" / "train" / f"{manifest['sources'][0]['name']}.docs.npy")
+    assert first_shard[0] == 0 and first_shard[-1] == manifest["sources"][0]["splits"]["train"]["tokens"]
+    assert len(first_shard) == manifest["sources"][0]["splits"]["train"]["documents"] + 1
+
+
+def test_prepare_resumes_and_refuses_to_mix_settings(tmp_path, tokenizer_path, caplog):
+    write_formats(tmp_path / "corpus")
+    args = dict(text_field="text", validation_fraction=0.05, workers=1)
+    first = prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), **args)
+    # An interrupted run: the manifest and one file's record are gone; a file changed meanwhile.
+    (tmp_path / "shards" / "manifest.json").unlink()
+    (tmp_path / "shards" / "parts" / f"{first['sources'][1]['name']}.json").unlink()
+    (tmp_path / "corpus" / "d.parquet").touch()  # same content: kept
+    with gzip.open(tmp_path / "corpus" / "a.jsonl.gz", "at") as f:
+        f.write(json.dumps({"text": "One more document."}) + "\n")
+    with pytest.raises(DataError, match="no manifest.json: not a prepared shard folder, or its preparation did not"):
+        ShardSource(str(tmp_path / "shards"), "train")
+    with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
+        again = prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), **args)
+    assert "5 files: 3 prepared earlier, 2 to tokenize" in caplog.text
+    assert again["totals"]["train"]["documents"] + again["totals"]["validation"]["documents"] == 401
+    assert [s["sha256"] for s in again["sources"]][2:] == [s["sha256"] for s in first["sources"]][2:]
+    (tmp_path / "t.txt").write_text("\n".join(sentences(800, seed=9)) + "\n")
+    other = train_tokenizer([str(tmp_path / "t.txt")], str(tmp_path / "other"), 300)
+    with pytest.raises(DataError, match="holds shards prepared with other settings \\(dtype|tokenizer_sha256"):
+        prepare([str(tmp_path / "corpus")], str(other), str(tmp_path / "shards"), **args)
+    assert prepare([str(tmp_path / "corpus")], str(other), str(tmp_path / "shards"), overwrite=True,
+                   **args)["tokenizer"]["vocab_size"] == 300
+
+
+def test_a_damaged_shard_folder_is_named(tmp_path, tokenizer_path):
+    write_formats(tmp_path / "corpus")
+    manifest = prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), workers=1)
+    shard = tmp_path / "shards" / "train" / f"{manifest['sources'][2]['name']}.tokens"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=f"shard {shard} should hold .* bytes .* the folder is damaged"):
+        ShardSource(str(tmp_path / "shards"), "train")
+    with pytest.raises(DataError, match="is not a folder of prepared shards"):
+        ShardSource(str(tmp_path / "nowhere"), "train")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
+def test_permutation_is_a_bijection_with_a_new_order_every_epoch(n):
+    orders = [permute(np.arange(n), n, seed=7, epoch=e) for e in range(3)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(n))
+    if n >= 17:
+        assert not np.array_equal(orders[0], orders[1])
+        assert not np.array_equal(orders[0], permute(np.arange(n), n, seed=8, epoch=0))
+        # Any slice gives the same places as the whole (each row on its own).
+        assert np.array_equal(permute(np.arange(5, 12), n, 7, 2), orders[2][5:12])
+
+
+def loaders(make_source, dp: int, local: int, global_batch: int):
+    return [BatchLoader(make_source(), seq_len=SEQ, global_batch_size=global_batch, local_batch_size=local,
+                        dp_rank=r, dp_degree=dp, device=torch.device("cpu")) for r in range(dp)]
+
+
+def batch_rows(ranks: list[BatchLoader]) -> np.ndarray:
+    rows = []
+    for loader in ranks:
+        for inputs, labels in loader.next_batch():
+            rows.append(torch.cat([inputs, labels[:, -1:]], dim=1).numpy())
+    return np.concatenate(rows)
+
+
+@pytest.fixture
+def shard_folder(tmp_path, tokenizer_path):
+    write_formats(tmp_path / "corpus")
+    prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), workers=1)
+    return str(tmp_path / "shards")
+
+
+def test_shuffled_shards_read_every_sequence_once_per_epoch_in_every_layout(shard_folder):
+    def source():
+        return ShardSource(shard_folder, "train", shuffle_seed=3)
+
+    per_epoch = source().rows_per_epoch(SEQ + 1)
+    assert per_epoch > 100
+    single = loaders(source, 1, 8, 8)
+    reference = [batch_rows(single) for _ in range(2 * per_epoch // 8)]
+    for dp, local in ((2, 4), (4, 1)):
+        ranks = loaders(source, dp, local, 8)
+        for step, expected in enumerate(reference[:20]):
+            assert np.array_equal(batch_rows(ranks), expected), (dp, local, step)
+    plain = ShardSource(shard_folder, "train")
+    all_sequences = plain.rows(0, per_epoch, SEQ + 1)
+    first_epoch = np.concatenate(reference)[:per_epoch]
+    assert sorted(map(bytes, first_epoch.astype(np.int16))) == sorted(map(bytes, all_sequences.astype(np.int16)))
+    assert not np.array_equal(first_epoch[:8], all_sequences[:8])  # not file order
+    second = np.concatenate(reference)[per_epoch:2 * per_epoch]
+    assert not np.array_equal(second[:8], first_epoch[:8])  # a new order in epoch 2
+
+
+def make_sources(kind: str, shard_folder: str, stream_folder):
+    from trainer.data.text_sources import StreamingTextSource, hub_stream_opener
+
+    if kind == "shards":
+        return lambda: ShardSource(shard_folder, "train", shuffle_seed=1)
+    if kind == "files":
+        tokens = ShardSource(shard_folder, "train").shards.tokens(0, 6000)
+        return lambda: TokenArraySource(tokens, name="files:corpus:train", shuffle_seed=1)
+    tokenizer = Tokenizer(json.loads((stream_folder.parent / "shards" / "manifest.json").read_text())["tokenizer"]["file"])
+    return lambda: StreamingTextSource(hub_stream_opener("c4", str(stream_folder), "train"), tokenizer,
+                                       text_field="text", name="c4:train")
+
+
+@pytest.mark.parametrize("kind", ["files", "shards", "stream"])
+@pytest.mark.parametrize("new_global_batch,new_dp", [(16, 4), (4, 2)])
+def test_resume_with_another_global_batch_continues_after_the_last_sequence(kind, new_global_batch, new_dp,
+                                                                             shard_folder, tmp_path, caplog):
+    (tmp_path / "c4" / "data").mkdir(parents=True)
+    (tmp_path / "c4" / "data" / "train-00000-of-00001.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    make = make_sources(kind, shard_folder, tmp_path / "c4")
+    reference = loaders(make, 1, 8, 8)
+    uninterrupted = np.concatenate([batch_rows(reference) for _ in range(11)])
+    first = loaders(make, 2, 4, 8)
+    for _ in range(5):
+        batch_rows(first)
+    state = json.loads(json.dumps(first[0].state_dict()))
+    assert state["rows_consumed"] == 40 and state["global_batch_size"] == 8
+    resumed = loaders(make, new_dp, new_global_batch // new_dp, new_global_batch)
+    with caplog.at_level(logging.INFO, logger="trainer.data.loader"):
+        for loader in resumed:
+            loader.load_state_dict(state)
+    assert f"global batch was 8 sequences, this run's is {new_global_batch}: continuing after sequence 40" in caplog.text
+    rows = np.concatenate([batch_rows(resumed) for _ in range(48 // new_global_batch)])
+    assert np.array_equal(rows, uninterrupted[40:88])
+
+
+def test_resume_on_other_data_names_the_change_unless_accepted(shard_folder, caplog):
+    saved = loaders(lambda: ShardSource(shard_folder, "train", shuffle_seed=1), 1, 8, 8)[0]
+    saved.next_batch()
+    state = saved.state_dict()
+    reseeded = loaders(lambda: ShardSource(shard_folder, "train", shuffle_seed=2), 1, 8, 8)[0]
+    with pytest.raises(DataError, match="training data differs from the checkpoint's: shuffle_seed 1 -> 2. .*"
+                                        "checkpoint.accept_data_change = true"):
+        reseeded.load_state_dict(state)
+    longer = BatchLoader(ShardSource(shard_folder, "train", shuffle_seed=1), seq_len=SEQ * 2, global_batch_size=8,
+                         local_batch_size=8, dp_rank=0, dp_degree=1, device=torch.device("cpu"),
+                         accept_data_change=True)
+    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
+        longer.load_state_dict(state)
+    assert "seq_len 16 -> 32" in caplog.text and longer.rows_consumed == 8
+
+
+def test_a_checkpoint_of_the_step_counting_loader_still_loads(shard_folder, caplog):
+    loader = loaders(lambda: ShardSource(shard_folder, "train"), 1, 8, 8)[0]
+    loader.expect_saved_keys({"step", "epoch"})
+    assert set(loader.state_dict()) == {"step", "epoch"}  # the template DCP fills
+    with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
+        loader.load_state_dict({"step": 3, "epoch": 0})
+    assert loader.rows_consumed == 24 and "predates data fingerprints" in caplog.text
+    assert "rows_consumed" in loader.state_dict()
+
+
+def test_shards_through_build_source(shard_folder):
+    source = build_source("shards", shard_folder, split="validation", vocab_size=512, seed=0, tokenizer=None,
+                          text_field="text", wrap=True)
+    assert source.describe()["shards"] == 5 and source.shuffle_seed is None
+    with pytest.raises(DataError, match="training.dataset_path: required for dataset 'shards'"):
+        build_source("shards", "", split="train", vocab_size=512, seed=0, tokenizer=None, text_field="text", wrap=True)
