@@ -140,9 +140,9 @@ class Trainer:
             return train, None
         v = config.validation
         validation = BatchLoader(
-            validation_source, seq_len=v.seq_len, global_batch_size=v.local_batch_size * dims.dp,
+            validation_source, seq_len=v.seq_len, global_batch_size=v.global_batch_size,
             local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
-            name="validation",
+            name="validation", pad_uneven=True,
         )
         check_evaluation_fits(validation, v.steps)
         return train, validation
@@ -300,8 +300,11 @@ class Trainer:
         if unchecked is not None:
             self._check_finite(*unchecked)
         trained = self.state.step >= first_step
-        if data_ended and trained and self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
-            self.checkpointer.save(self.state.step, last=True)  # the end of the data is the end of the run
+        if data_ended and trained:  # the end of the data is the end of the run: evaluate and save it
+            if self.val_loader is not None and self.state.step % cfg.validation.freq:
+                self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
+            if self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
+                self.checkpointer.save(self.state.step, last=True)
 
     def _check_finite(self, step: int, result: StepResult) -> None:
         """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from

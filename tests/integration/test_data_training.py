@@ -144,14 +144,15 @@ def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus,
     docs = corpus_ending_mid_batch(tokenizer, global_batch, nproc)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"text": s}) + "\n" for s in docs))
-    result = launch(nproc, [*TEXT_JOB, "--training.dataset", "files",
+    result = launch(nproc, [*TEXT_JOB, *VALIDATION, "--validation.dataset", "files", "--validation.dataset_path",
+                            str(small), "--training.dataset", "files",
                             "--training.dataset_path", str(small), "--training.dataset_end", "stop",
                             "--model.tokenizer_path", str(tokenizer),
                             "--metrics.log_freq", "1", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out")],
                     log_rank=",".join(map(str, range(nproc))))
     assert result.returncode == 0, describe(result)
     whole_batches = len(tokenize_documents(training_documents(docs), Tokenizer(tokenizer))) // 33 // global_batch
-    steps = [r["step"] for r in read_metrics(tmp_path / "out")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "out") if "kind" not in r]
     assert steps == list(range(1, whole_batches + 1))
     assert "the dataset ends after" in result.stdout
     for rank in range(nproc):
@@ -160,3 +161,22 @@ def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus,
     record = json.loads((tmp_path / "out" / "run_meta.json").read_text())
     assert (record["status"], record["last_step"]) == ("data ended", whole_batches)
     assert (tmp_path / "out" / "checkpoint" / f"step-{whole_batches}" / ".metadata").is_file()  # the end is saved
+    validation = [r for r in read_metrics(tmp_path / "out") if r.get("kind") == "validation"]
+    assert [r["step"] for r in validation] == [whole_batches]  # and evaluated
+
+
+def test_validation_loss_is_the_same_in_every_layout(tmp_path):
+    """A validation batch of 6 sequences over 1, 2 and 4 data-parallel ranks (padded where uneven)."""
+    losses = {}
+    for nproc in (1, 2, 4):
+        result = launch(nproc, ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.steps", "2",
+                                "--training.global_batch_size", "8", "--training.local_batch_size", str(8 // nproc),
+                                "--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+                                "--validation.global_batch_size", "6", "--validation.local_batch_size", "2",
+                                "--debug.deterministic", "--metrics.no_enable_tensorboard",
+                                "--job.dump_folder", str(tmp_path / str(nproc))])
+        assert result.returncode == 0, describe(result)
+        losses[nproc] = [r["validation/loss"] for r in read_metrics(tmp_path / str(nproc)) if r.get("kind")]
+    print("validation loss by DP degree:", losses)
+    assert len(losses[1]) == 1
+    assert abs(losses[2][0] - losses[1][0]) < 1e-5 and abs(losses[4][0] - losses[1][0]) < 1e-5

@@ -242,3 +242,27 @@ def test_shards_through_build_source(shard_folder):
     assert source.describe()["shards"] == 5 and source.shuffle_seed is None
     with pytest.raises(DataError, match="training.dataset_path: required for dataset 'shards'"):
         build_source("shards", "", split="train", vocab_size=512, seed=0, tokenizer=None, text_field="text", wrap=True)
+
+
+@pytest.mark.parametrize("dp,local", [(1, 4), (2, 4), (3, 2), (4, 8)])
+def test_a_validation_batch_is_the_same_rows_in_every_layout(dp, local):
+    """10 sequences over any DP degree: each rank's rows in order, the rest padded with ignored labels."""
+    from trainer.loss import IGNORE_INDEX
+
+    tokens = np.arange(40 * (SEQ + 1), dtype=np.int32) % 97
+    ranks = [BatchLoader(TokenArraySource(tokens, name="v"), seq_len=SEQ, global_batch_size=10, local_batch_size=local,
+                         dp_rank=r, dp_degree=dp, device=torch.device("cpu"), name="validation", pad_uneven=True)
+             for r in range(dp)]
+    for batch in range(2):
+        counted = []
+        micro_counts = set()
+        for loader in ranks:
+            microbatches = loader.next_batch()
+            micro_counts.add(len(microbatches))
+            for inputs, labels in microbatches:
+                keep = (labels != IGNORE_INDEX).all(dim=1)
+                assert ((labels == IGNORE_INDEX).all(dim=1) | keep).all()  # a row counts wholly or not at all
+                counted.append(torch.cat([inputs[keep], labels[keep][:, -1:]], dim=1))
+        assert len(micro_counts) == 1  # every rank runs the same number of forward passes
+        expected = TokenArraySource(tokens, name="v").rows(10 * batch, 10, SEQ + 1)
+        assert np.array_equal(torch.cat(counted).numpy(), expected)

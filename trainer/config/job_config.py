@@ -410,8 +410,14 @@ class Validation:
     dataset_path: str = ""
     """Local path for the validation source (as training.dataset_path)."""
 
+    global_batch_size: int = 64
+    """Sequences per validation batch over all ranks: the same rows, and so the same loss, in
+    every parallel layout. Each data-parallel rank evaluates its share (the last ranks' shares
+    padded with sequences that count for nothing when it does not divide evenly)."""
+
     local_batch_size: Optional[int] = None
-    """Sequences per data-parallel rank per validation step. Unset: training.local_batch_size."""
+    """Sequences per forward pass of a data-parallel rank in validation (a memory bound, not a
+    batch definition). Unset: training.local_batch_size."""
 
     seq_len: Optional[int] = None
     """Tokens per validation sequence. Unset: training.seq_len."""

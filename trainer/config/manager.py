@@ -332,7 +332,8 @@ def validate(config: JobConfig) -> None:
     need(p.context_parallel_rotate_method == "allgather",
          f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not available; context "
          "parallelism here gathers keys and values ('allgather')")
-    for key in ("validation.local_batch_size", "validation.seq_len", "validation.freq", "validation.steps"):
+    for key in ("validation.global_batch_size", "validation.local_batch_size", "validation.seq_len", "validation.freq",
+                "validation.steps"):
         section, name = key.split(".")
         need(getattr(getattr(c, section), name) >= 1, f"{key}: must be >= 1, got {getattr(getattr(c, section), name)}")
     if problems:

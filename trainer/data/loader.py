@@ -20,16 +20,21 @@ import logging
 import torch
 
 from trainer.data.documents import DataError
+from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
 
 class BatchLoader:
+    """pad_uneven (evaluation): a global batch that does not split into whole local batches per
+    DP rank is padded with sequences whose labels are ignored, so the same global batch (and
+    loss) serves every layout; every rank still runs the same number of microbatches."""
+
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, device: torch.device, name: str = "training",
-                 accept_data_change: bool = False):
-        rows_per_rank, rest = divmod(global_batch_size, dp_degree)
-        if rest or rows_per_rank % local_batch_size:
+                 accept_data_change: bool = False, pad_uneven: bool = False):
+        rows_per_rank = -(-global_batch_size // dp_degree)
+        if not pad_uneven and (global_batch_size % dp_degree or rows_per_rank % local_batch_size):
             raise ValueError(
                 f"global batch {global_batch_size} does not split into {dp_degree} data-parallel ranks "
                 f"x whole local batches of {local_batch_size}"
@@ -39,6 +44,11 @@ class BatchLoader:
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.rows_per_rank = rows_per_rank
+        self.microbatches = -(-rows_per_rank // local_batch_size)
+        # This rank's rows of a global batch: [own_first, own_stop) (empty for a trailing rank of
+        # a padded batch smaller than the DP degree).
+        self.own_first = min(dp_rank * rows_per_rank, global_batch_size)
+        self.own_stop = min(self.own_first + rows_per_rank, global_batch_size)
         self.dp_rank = dp_rank
         self.device = device
         self.name = name
@@ -50,36 +60,43 @@ class BatchLoader:
 
     @property
     def accumulation_steps(self) -> int:
-        return self.rows_per_rank // self.local_batch_size
+        return self.microbatches
 
     def _rank_rows(self):
-        first = self.rows_consumed
+        first, count = self.rows_consumed, self.own_stop - self.own_first
         if self.source.random_access:
             # Decided on the whole global batch, so every rank stops at the same step (a rank
             # whose own rows still exist must not train on while its peers have stopped).
             self.source.check_available(first + self.global_batch_size - 1, self.row_length)
-            return self.source.rows(first + self.dp_rank * self.rows_per_rank, self.rows_per_rank, self.row_length)
+            return self.source.rows(first + self.own_first, count, self.row_length)
         # A stream is read whole on every rank so its position stays rank-independent.
         rows = self.source.rows(first, self.global_batch_size, self.row_length)
-        return rows[self.dp_rank * self.rows_per_rank:(self.dp_rank + 1) * self.rows_per_rank]
+        return rows[self.own_first:self.own_stop]
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's microbatches (inputs, labels) of the next global batch.
         Raises DataExhausted when a finite source ends and is configured to stop."""
-        tokens = torch.from_numpy(self._rank_rows())
+        rows = self._rank_rows()
         self.rows_consumed += self.global_batch_size
         epoch = self.source.epoch_of(self.rows_consumed - 1, self.row_length)
         if epoch != self.epoch:
             logger.info("%s data: epoch %d begins in the global batch of sequences %d-%d", self.name, epoch,
                         self.rows_consumed - self.global_batch_size, self.rows_consumed - 1)
             self.epoch = epoch
+        tokens = torch.from_numpy(rows)
+        padding = self.microbatches * self.local_batch_size - len(rows)
+        if padding:
+            tokens = torch.cat([tokens, torch.zeros(padding, self.row_length, dtype=tokens.dtype)])
         if self.device.type == "cuda":
             # One asynchronous copy from page-locked memory: the host does not wait for the device.
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
         else:
             tokens = tokens.to(self.device)
-        micro = tokens.split(self.local_batch_size)
-        return [(m[:, :-1], m[:, 1:]) for m in micro]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if padding:
+            labels = labels.clone()
+            labels[len(rows):] = IGNORE_INDEX
+        return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
 
     def _source_state(self) -> dict | None:
         return None if self.source.random_access else self.source.state_dict()
