@@ -66,7 +66,7 @@ def _check_data(c: JobConfig) -> None:
     fraction = c.training.validation_fraction
     if fraction is not None and not 0 <= fraction < 1:
         raise ConfigError(f"training.validation_fraction: {fraction} is not in [0, 1)")
-    sections = [("training", c.training.dataset, c.training.dataset_path)]
+    sections = _check_mixture(c) or [("training", c.training.dataset, c.training.dataset_path)]
     if c.validation.enable and c.validation.dataset:
         sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
     tokenized = {dataset for _, dataset, _ in sections} - {"synthetic", "shards"}
@@ -80,23 +80,50 @@ def _check_data(c: JobConfig) -> None:
         tokenizer = Tokenizer(c.model.tokenizer_path)
         check_vocab_fits(tokenizer, vocab_size)
     for key, dataset, path in sections:
+        path_key = f"{key}.path" if key.startswith("training.datasets") else f"{key}.dataset_path"
         if dataset == "synthetic" and path:
-            raise ConfigError(f"{key}.dataset_path: {path!r} is set but {key}.dataset is 'synthetic', which reads no "
+            raise ConfigError(f"{path_key}: {path!r} is set but {key}.dataset is 'synthetic', which reads no "
                               f"files; set {key}.dataset to 'shards' or 'files', or leave dataset_path empty")
         if dataset in ("files", "shards") and not path:
-            raise ConfigError(f"{key}.dataset_path: required for dataset {dataset!r} "
+            raise ConfigError(f"{path_key}: required for dataset {dataset!r} "
                               + ("(a file, folder or glob)" if dataset == "files" else
                                  "(a folder written by python -m trainer.data.prepare)"))
         if dataset == "files":
-            find_data_files(path, f"{key}.dataset_path")
+            find_data_files(path, path_key)
         if dataset == "shards":
-            _check_shards(read_manifest(path, f"{key}.dataset_path"), path, key, vocab_size, tokenizer, fraction)
+            _check_shards(read_manifest(path, path_key), path, path_key, vocab_size, tokenizer, fraction)
 
 
-def _check_shards(manifest: dict, path: str, key: str, vocab_size: int, tokenizer, fraction) -> None:
+def _check_mixture(c: JobConfig) -> list[tuple[str, str, str]]:
+    """[[training.datasets]]: (key, dataset, path) of each source, after checking the weights
+    and names; an empty list when there is no mixture."""
+    from trainer.data.build import mixture_names
+    from trainer.data.mixture import BLOCK, block_counts
+
+    entries = c.training.datasets
+    if not entries:
+        return []
+    if c.training.dataset != "synthetic" or c.training.dataset_path:
+        raise ConfigError("training.datasets: a mixture replaces training.dataset / training.dataset_path; "
+                          "remove those, or the [[training.datasets]] tables")
+    for index, entry in enumerate(entries):
+        if not entry.weight > 0:
+            raise ConfigError(f"training.datasets[{index}].weight: must be > 0, got {entry.weight}")
+    counts = block_counts([entry.weight for entry in entries])
+    names = mixture_names(entries)
+    for index, (name, count) in enumerate(zip(names, counts)):
+        if count == 0:
+            raise ConfigError(f"training.datasets[{index}].weight: {entries[index].weight} is less than 1/{BLOCK} of "
+                              "the total weight, so no sequence would be drawn from it")
+        if names.count(name) > 1:
+            raise ConfigError(f"training.datasets[{index}].name: {name!r} names two sources; give each a name")
+    return [(f"training.datasets[{index}]", entry.dataset, entry.path) for index, entry in enumerate(entries)]
+
+
+def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, tokenizer, fraction) -> None:
     made_with = manifest["tokenizer"]
     if made_with["vocab_size"] > vocab_size:
-        raise ConfigError(f"{key}.dataset_path: {path} was tokenized with {made_with['vocab_size']} pieces "
+        raise ConfigError(f"{path_key}: {path} was tokenized with {made_with['vocab_size']} pieces "
                           f"({made_with['file']}) but the model's vocabulary has {vocab_size}; use a model.flavor "
                           "with a larger vocabulary")
     if tokenizer is not None and tokenizer.sha256 != made_with["sha256"]:

@@ -290,6 +290,8 @@ class Trainer:
                 ))
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(f"step {step}: loss {loss}; stopping")
+                if hasattr(self.source, "rows_drawn"):  # a mixture: tokens trained on from each source
+                    self.metrics.log_scalars(step, self._tokens_per_source(), prefix="data")
                 last_log_time, last_log_step = now, step
             paused = time.perf_counter()  # evaluation and saving stay out of the training throughput
             if evaluating:
@@ -305,6 +307,10 @@ class Trainer:
                 self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
             if self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
                 self.checkpointer.save(self.state.step, last=True)
+
+    def _tokens_per_source(self) -> dict[str, int]:
+        drawn = self.source.rows_drawn(self.loader.rows_consumed)
+        return {f"{name}_tokens": int(rows) * self.config.training.seq_len for name, rows in zip(self.source.names, drawn)}
 
     def _check_finite(self, step: int, result: StepResult) -> None:
         """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from

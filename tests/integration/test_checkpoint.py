@@ -348,7 +348,7 @@ def test_retention_async_save_and_model_only_export(seed, tmp_path):
     full = torch.load(dcp_to_torch_save(str(tmp_path / "checkpoint" / "step-6"), str(tmp_path / "6.pt")) or
                       tmp_path / "6.pt", weights_only=False)
     assert set(full) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
-    assert full["train_state"] == {"step": 6, "tokens_seen": 6 * 8 * 32} and full["dataloader"]["step"] == 6
+    assert full["train_state"] == {"step": 6, "tokens_seen": 6 * 8 * 32} and full["dataloader"]["rows_consumed"] == 6 * 8
     last = torch.load(dcp_to_torch_save(str(tmp_path / "checkpoint" / "step-8"), str(tmp_path / "8.pt")) or
                       tmp_path / "8.pt", weights_only=False)
     assert set(last) == set(full)  # the last save is full too: raising training.steps continues it

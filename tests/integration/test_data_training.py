@@ -102,6 +102,35 @@ def test_shards_resume_under_another_global_batch_and_refuse_other_data(tmp_path
     assert [r["step"] for r in read_metrics(tmp_path) if "kind" not in r][-2:] == [7, 8]
 
 
+def test_a_weighted_mixture_trains_and_counts_tokens_per_source(tmp_path, text_corpus, shard_folder):
+    folder, tokenizer = text_corpus
+    job = tmp_path / "mixture.toml"
+    job.write_text(f"""
+[[training.datasets]]
+path = "{shard_folder}"
+weight = 3
+
+[[training.datasets]]
+dataset = "files"
+path = "{folder / 'hub' / 'data' / 'validation-00000-of-00001.jsonl'}"
+weight = 1
+name = "small"
+""")
+    result = launch(2, ["--job.config_file", str(job), *TEXT_JOB, *VALIDATION, "--model.tokenizer_path", str(tokenizer),
+                        "--job.dump_folder", str(tmp_path / "out")])
+    assert result.returncode == 0, describe(result)
+    records = read_metrics(tmp_path / "out")
+    data = [r for r in records if r.get("kind") == "data"]
+    assert [r["step"] for r in data] == [1, 10, 20, 30]
+    assert data[-1]["data/shards_tokens"] + data[-1]["data/small_tokens"] == 30 * 8 * 32
+    assert abs(data[-1]["data/small_tokens"] / (30 * 8 * 32) - 0.25) < 0.02
+    assert [r for r in records if r.get("kind") == "validation"]
+    two_names = tmp_path / "twice.toml"
+    two_names.write_text(f'[[training.datasets]]\npath = "{shard_folder}"\n[[training.datasets]]\npath = "{shard_folder}"\n')
+    refused = launch(2, ["--job.config_file", str(two_names)])
+    assert refused.returncode == 2 and "training.datasets[1].name: 'shards' names two sources" in refused.stderr
+
+
 def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     folder, tokenizer = text_corpus
     too_big = launch(2, ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path",

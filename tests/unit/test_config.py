@@ -251,6 +251,32 @@ def test_print_config_round_trips(tmp_path):
     assert again == config
 
 
+def test_a_mixture_is_an_array_of_tables_that_round_trips(tmp_path):
+    path = write(tmp_path, """
+        [[training.datasets]]
+        path = "/data/web"
+        weight = 0.7
+
+        [[training.datasets]]
+        dataset = "files"
+        path = "/data/code/*.jsonl"
+        weight = 0.3
+        name = "code"
+    """)
+    config = load_config(["--job.config_file", path])
+    assert [(d.dataset, d.path, d.weight, d.name) for d in config.training.datasets] == [
+        ("shards", "/data/web", 0.7, ""), ("files", "/data/code/*.jsonl", 0.3, "code")]
+    again = load_config(["--job.config_file", write(tmp_path, to_toml(config), "printed.toml")])
+    assert again.training.datasets == config.training.datasets
+    wrong_key = write(tmp_path, '[[training.datasets]]\npath = "x"\nweigth = 2\n', "bad.toml")
+    assert "training.datasets[0]: unknown key 'weigth'; did you mean 'weight'?" in error_of(["--job.config_file", wrong_key])
+    wrong_kind = write(tmp_path, '[[training.datasets]]\ndataset = "c4"\n', "bad2.toml")
+    assert "training.datasets[0].dataset: 'c4' is not valid; choose one of 'shards', 'files'" in error_of(
+        ["--job.config_file", wrong_kind])
+    assert "a list of tables, set in the TOML file as [[training.datasets]] tables" in error_of(
+        ["--training.datasets", "x"])
+
+
 def test_every_field_has_a_docstring_and_appears_in_help():
     text = help_text()
     for section, cls in sections().items():

@@ -266,3 +266,40 @@ def test_a_validation_batch_is_the_same_rows_in_every_layout(dp, local):
         assert len(micro_counts) == 1  # every rank runs the same number of forward passes
         expected = TokenArraySource(tokens, name="v").rows(10 * batch, 10, SEQ + 1)
         assert np.array_equal(torch.cat(counted).numpy(), expected)
+
+
+def test_mixture_blocks_give_each_source_its_share_in_a_seeded_spread_order():
+    from trainer.data.mixture import block_counts, block_schedule
+
+    counts = block_counts([0.7, 0.2, 0.1], block=100)
+    assert counts.tolist() == [70, 20, 10]
+    assert block_counts([1, 1, 1], block=100).sum() == 100
+    schedule = block_schedule(counts, seed=0)
+    assert np.bincount(schedule).tolist() == [70, 20, 10]
+    assert not np.array_equal(schedule, block_schedule(counts, seed=1))
+
+
+def test_a_mixture_reads_each_source_as_alone_in_every_layout():
+    from trainer.data.mixture import MixtureSource
+
+    web = np.arange(50_000, dtype=np.int32) % 200
+    code = 1000 + np.arange(3_000, dtype=np.int32) % 50  # small: repeats within the run
+
+    def make():
+        return MixtureSource([TokenArraySource(web, name="web", shuffle_seed=4),
+                              TokenArraySource(code, name="code", shuffle_seed=4)],
+                             ["web", "code"], [3.0, 1.0], seed=4, block=40)
+
+    single = loaders(make, 1, 8, 8)
+    rows = np.concatenate([batch_rows(single) for _ in range(30)])  # 240 rows = 6 blocks
+    from_code = rows[:, 0] >= 1000
+    assert from_code.sum() == 60  # a quarter, exactly, block by block
+    alone_web = TokenArraySource(web, name="web", shuffle_seed=4).rows(0, 180, SEQ + 1)
+    alone_code = TokenArraySource(code, name="code", shuffle_seed=4).rows(0, 60, SEQ + 1)
+    assert np.array_equal(rows[~from_code], alone_web) and np.array_equal(rows[from_code], alone_code)
+    assert make().rows_drawn(240).tolist() == [180, 60]
+    for dp, local in ((2, 4), (4, 2)):
+        ranks = loaders(make, dp, local, 8)
+        assert np.array_equal(np.concatenate([batch_rows(ranks) for _ in range(30)]), rows)
+    fingerprint = make().fingerprint()
+    assert fingerprint["weights"] == [3.0, 1.0] and len(fingerprint["parts"]) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import typing
 
 from trainer.config.job_config import IGNORED_KEYS, IGNORED_SECTIONS, JobConfig
 from trainer.config.manager import field_docs, field_types, sections, type_name
@@ -49,6 +50,30 @@ def render() -> str:
             out.append(f"| `{f.name}` | {escape(type_name(field_types(cls)[f.name]))} | `{default!r}` | "
                        f"{escape(docs.get(f.name, ''))} |")
         out.append("")
+        for f in dataclasses.fields(cls):
+            entry = table_entry_type(field_types(cls)[f.name])
+            if entry is not None:
+                out += render_entry(f"{section}.{f.name}", entry)
+    return render_ignored(out)
+
+
+def table_entry_type(tp) -> type | None:
+    """The dataclass of a list-of-tables field, else None."""
+    args = typing.get_args(tp)
+    return args[0] if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
+def render_entry(name: str, cls: type) -> list[str]:
+    out = [f"### [[{name}]]", "", inspect.cleandoc(cls.__doc__ or ""), "",
+           "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    docs, defaults = field_docs(cls), cls()
+    for f in dataclasses.fields(cls):
+        out.append(f"| `{f.name}` | {escape(type_name(field_types(cls)[f.name]))} | `{getattr(defaults, f.name)!r}` | "
+                   f"{escape(docs.get(f.name, ''))} |")
+    return out + [""]
+
+
+def render_ignored(out: list[str]) -> str:
     out += ["## Accepted but ignored", "",
             "These torchtitan v0.2.2 options load without error and are named in one warning:", "",
             "- sections: " + ", ".join(f"`[{s}]`" for s in sorted(IGNORED_SECTIONS))]

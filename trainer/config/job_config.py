@@ -99,6 +99,23 @@ class LRScheduler:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a weighted mixture: a [[training.datasets]] table."""
+
+    dataset: Literal["shards", "files"] = "shards"
+    """Kind of source, as training.dataset: 'shards' (a prepared folder) or 'files'."""
+
+    path: str = ""
+    """Its location, as training.dataset_path."""
+
+    weight: float = 1.0
+    """Share of the training sequences drawn from it, relative to the other sources' weights."""
+
+    name: str = ""
+    """Label in metrics (data/<name>_tokens). Empty: the last part of the path."""
+
+
+@dataclass
 class Training:
     """Data, batch shape, steps and numerics of the training loop."""
 
@@ -118,6 +135,13 @@ class Training:
 
     dataset_end: Literal["wrap", "stop"] = "wrap"
     """At the end of a finite dataset: start the next epoch (logged), or stop training cleanly."""
+
+    datasets: list[MixtureSource] = field(default_factory=list)
+    """A weighted mixture of sources instead of training.dataset: [[training.datasets]] tables
+    (dataset, path, weight, name), set in the TOML file. Every block of 10,000 sequences takes
+    each source's share of it in a seeded interleaved order; each source goes through its own
+    epochs (a small source with a large weight repeats). Validation reads the same mixture of the
+    sources' validation splits."""
 
     shuffle: bool = True
     """Finite sources ('files', 'shards'): read the sequences of every epoch in a new order, a

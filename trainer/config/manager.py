@@ -111,6 +111,8 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{where}: {value!r} is not valid; choose one of {', '.join(map(repr, args))}{hint}")
         return value
+    if origin is list and dataclasses.is_dataclass(args[0]):
+        return convert_tables(value, args[0], where, from_text)
     if origin is list:
         items = [v.strip() for v in value.split(",") if v.strip()] if from_text else value
         if not isinstance(items, list):
@@ -145,6 +147,26 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise TypeError(f"unsupported config field type {tp!r}")  # a bug in job_config.py, not a user error
+
+
+def convert_tables(value: Any, cls: type, where: str, from_text: bool) -> list:
+    """A TOML array of tables ([[section.key]]) -> a list of `cls` dataclasses."""
+    if from_text:
+        name = where.removeprefix("argument --")
+        raise ConfigError(f"{where}: a list of tables, set in the TOML file as [[{name}]] tables, not on the command line")
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ConfigError(f"{where}: expected [[...]] tables, got {value!r}")
+    types_ = field_types(cls)
+    entries = []
+    for index, table in enumerate(value):
+        entry = cls()
+        for key, item in table.items():
+            if key not in types_:
+                raise ConfigError(f"{where}[{index}]: unknown key {key!r}{suggestion(key, list(types_))}; "
+                                  f"valid keys: {', '.join(types_)}")
+            setattr(entry, key, convert(item, types_[key], f"{where}[{index}].{key}"))
+        entries.append(entry)
+    return entries
 
 
 def suggestion(name: str, candidates: list[str]) -> str:

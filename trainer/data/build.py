@@ -14,13 +14,19 @@ raises DataExhausted past the end of a finite source that does not wrap.
 | files          | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
 | hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split          |
+
+[[training.datasets]] mixes files and shards sources by weight (mixture.MixtureSource); its
+validation split is the same mixture of the sources' validation splits.
 """
 
 from __future__ import annotations
 
+import os
+
 from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
 from trainer.data.finite_sources import ShardSource, TokenArraySource
 from trainer.data.hashing import document_unit
+from trainer.data.mixture import MixtureSource
 from trainer.data.synthetic import SyntheticMarkovSource
 
 DEFAULT_VALIDATION_FRACTION = 0.05
@@ -78,6 +84,17 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
     return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap)
 
 
+def mixture_names(entries) -> list[str]:
+    return [entry.name or os.path.basename(os.path.normpath(entry.path)) for entry in entries]
+
+
+def build_mixture(entries, split: str, *, wrap: bool, shuffle: bool, **common) -> MixtureSource:
+    """[[training.datasets]]: each source built as on its own, drawn by weight."""
+    sources = [build_source(entry.dataset, entry.path, split=split, wrap=wrap, shuffle=shuffle,
+                            key="training.datasets", **common) for entry in entries]
+    return MixtureSource(sources, mixture_names(entries), [entry.weight for entry in entries], seed=common["seed"])
+
+
 def build_sources(config, vocab_size: int):
     """(training source, validation source or None) for a JobConfig."""
     tokenizer = None
@@ -89,11 +106,16 @@ def build_sources(config, vocab_size: int):
     t, v = config.training, config.validation
     common = dict(vocab_size=vocab_size, seed=data_seed(config), tokenizer=tokenizer, text_field=t.dataset_text_field,
                   validation_fraction=t.validation_fraction)
-    train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap", shuffle=t.shuffle,
-                         **common)
+    if t.datasets:
+        train = build_mixture(t.datasets, "train", wrap=t.dataset_end == "wrap", shuffle=t.shuffle, **common)
+    else:
+        train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap",
+                             shuffle=t.shuffle, **common)
     if not v.enable:
         return train, None
-    if v.dataset:
+    if t.datasets and not v.dataset:
+        validation = build_mixture(t.datasets, "validation", wrap=True, shuffle=False, **common)
+    elif v.dataset:
         validation = build_source(v.dataset, v.dataset_path, split="validation", wrap=True, key="validation", **common)
     else:
         validation = build_source(t.dataset, t.dataset_path, split="validation", wrap=True, **common)
