@@ -115,7 +115,7 @@ def _check_mixture(c: JobConfig) -> list[tuple[str, str, str]]:
         if count == 0:
             raise ConfigError(f"training.datasets[{index}].weight: {entries[index].weight} is less than 1/{BLOCK} of "
                               "the total weight, so no sequence would be drawn from it")
-        if names.count(name) > 1:
+        if name in names[:index]:
             raise ConfigError(f"training.datasets[{index}].name: {name!r} names two sources; give each a name")
     return [(f"training.datasets[{index}]", entry.dataset, entry.path) for index, entry in enumerate(entries)]
 

@@ -139,9 +139,9 @@ class Training:
     datasets: list[MixtureSource] = field(default_factory=list)
     """A weighted mixture of sources instead of training.dataset: [[training.datasets]] tables
     (dataset, path, weight, name), set in the TOML file. Every block of 10,000 sequences takes
-    each source's share of it in a seeded interleaved order; each source goes through its own
-    epochs (a small source with a large weight repeats). Validation reads the same mixture of the
-    sources' validation splits."""
+    each source's share of it, interleaved so that every global batch holds each share to within
+    one sequence; each source goes through its own (shuffled) epochs, so a small source with a
+    large weight repeats. Validation reads the same mixture of the sources' validation splits."""
 
     shuffle: bool = True
     """Finite sources ('files', 'shards'): read the sequences of every epoch in a new order, a

@@ -92,7 +92,7 @@ def build_mixture(entries, split: str, *, wrap: bool, shuffle: bool, **common) -
     """[[training.datasets]]: each source built as on its own, drawn by weight."""
     sources = [build_source(entry.dataset, entry.path, split=split, wrap=wrap, shuffle=shuffle,
                             key="training.datasets", **common) for entry in entries]
-    return MixtureSource(sources, mixture_names(entries), [entry.weight for entry in entries], seed=common["seed"])
+    return MixtureSource(sources, mixture_names(entries), [entry.weight for entry in entries])
 
 
 def build_sources(config, vocab_size: int):

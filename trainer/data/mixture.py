@@ -2,8 +2,8 @@
 
 The global row stream is cut into blocks of BLOCK rows. Each block gives source k exactly n_k of
 its rows (n_k = BLOCK * w_k / sum(w), rounded so that they add up), in a fixed interleaved order:
-the schedule, built once from the weights (smooth weighted round robin, so every source is spread
-evenly over the block) and then shuffled with the data seed. Global row g = b*BLOCK + s is then
+the schedule, built once from the weights by smooth weighted round robin, so that every stretch
+of rows (every global batch) holds each source's share to within one row. Global row g = b*BLOCK + s is then
 row b*n_k + (rank of slot s among source k's slots) of source k = schedule[s]: any row's source
 and place are computed on their own, and consecutive rows of one source are consecutive in it,
 so each source is read, shuffled and wrapped exactly as when it is trained on alone.
@@ -12,8 +12,6 @@ so each source is read, shuffled and wrapped exactly as when it is trained on al
 from __future__ import annotations
 
 import numpy as np
-
-from trainer.data.shuffle import permute
 
 BLOCK = 10_000
 
@@ -28,8 +26,8 @@ def block_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
     return counts
 
 
-def block_schedule(counts: np.ndarray, seed: int) -> np.ndarray:
-    """Which source each slot of a block reads: spread evenly, then in a seeded order."""
+def block_schedule(counts: np.ndarray) -> np.ndarray:
+    """Which source each slot of a block reads, spread as evenly as the counts allow."""
     total = int(counts.sum())
     credit = np.zeros(len(counts), dtype=np.int64)
     schedule = np.empty(total, dtype=np.int64)
@@ -38,7 +36,7 @@ def block_schedule(counts: np.ndarray, seed: int) -> np.ndarray:
         chosen = int(np.argmax(credit))
         credit[chosen] -= total
         schedule[slot] = chosen
-    return schedule[permute(np.arange(total), total, seed, epoch=0)]
+    return schedule
 
 
 class MixtureSource:
@@ -47,12 +45,11 @@ class MixtureSource:
     random_access = True
     entropy_floor = None
 
-    def __init__(self, sources: list, names: list[str], weights: list[float], *, seed: int, block: int = BLOCK):
+    def __init__(self, sources: list, names: list[str], weights: list[float], *, block: int = BLOCK):
         self.sources, self.names, self.weights = sources, names, weights
         self.counts = block_counts(weights, block)
-        self.schedule = block_schedule(self.counts, seed)
+        self.schedule = block_schedule(self.counts)
         self.block = block
-        self.seed = seed
         # rank[s]: how many earlier slots of the block belong to the same source as slot s.
         self.rank = np.zeros(block, dtype=np.int64)
         seen = np.zeros(len(sources), dtype=np.int64)
@@ -94,7 +91,7 @@ class MixtureSource:
         return min(source.rows_per_epoch(length) for source in self.sources)
 
     def fingerprint(self) -> dict:
-        return {"source": self.name, "weights": list(self.weights), "seed": self.seed,
+        return {"source": self.name, "weights": list(self.weights),
                 "parts": [source.fingerprint() for source in self.sources]}
 
     def describe(self) -> dict:
