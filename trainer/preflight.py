@@ -79,6 +79,9 @@ def _check_data(c: JobConfig) -> None:
 
         tokenizer = Tokenizer(c.model.tokenizer_path)
         check_vocab_fits(tokenizer, vocab_size)
+    if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
+        raise ConfigError("training.document_masking: the synthetic source has no documents; use 'shards', 'files' or "
+                          "a Hugging Face dataset, or turn it off")
     for key, dataset, path in sections:
         path_key = f"{key}.path" if key.startswith("training.datasets") else f"{key}.dataset_path"
         if dataset == "synthetic" and path:

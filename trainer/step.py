@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from trainer.loss import count_targets, cross_entropy_sum
+from trainer.models.llama3.model import document_index
 from trainer.optim import NormReduction
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
@@ -40,6 +41,9 @@ class StepRunner:
         # last microbatch; see `_all_reduce_only_after`.
         self.replicated_roots = [stage for stage in parallel.stages.values() if isinstance(stage, FSDPModule)] \
             if dims.dp_replicate > 1 else []
+        # Document masking (training.document_masking): the EOS id that ends each document.
+        # Pipeline parallelism is refused with it (the stages after the first see no tokens).
+        self.document_eos: int | None = None
         self.pipeline = None
         if parallel.stage_plan is not None:
             n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
@@ -51,29 +55,34 @@ class StepRunner:
         # A vocabulary-sharded loss comes back as a DTensor replicated over the TP ranks.
         return loss.to_local() if hasattr(loss, "to_local") else loss
 
-    def _local_tokens(self, microbatches: Microbatches) -> Microbatches:
-        if self.cp == 1:
-            return microbatches
-        return [(shard_sequence(i, self.cp_rank, self.cp), shard_sequence(l, self.cp_rank, self.cp))
-                for i, l in microbatches]
+    def _local_tokens(self, microbatches: Microbatches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(inputs, labels) of this rank's part of each sequence, with the whole sequence's
+        document indices (None unless document masking is on)."""
+        local = []
+        for inputs, labels in microbatches:
+            documents = None if self.document_eos is None else document_index(inputs, self.document_eos)
+            if self.cp > 1:
+                inputs, labels = shard_sequence(inputs, self.cp_rank, self.cp), shard_sequence(labels, self.cp_rank, self.cp)
+            local.append((inputs, labels, documents))
+        return local
 
     def forward_backward(self, microbatches: Microbatches, loss_scale: float | None = None) -> torch.Tensor:
         """Accumulate the gradients of the global loss (times `loss_scale` when float16 needs it,
         see trainer.loss_scale); returns this rank's share of the unscaled loss (the shares of
         all ranks sum to the global loss, see `global_sum`)."""
         microbatches = self._local_tokens(microbatches)
-        global_targets = sum(count_targets(labels) for _, labels in microbatches).float()
+        global_targets = sum(count_targets(labels) for _, labels, _ in microbatches).float()
         dist.all_reduce(global_targets, group=self.loss_group)
         # Scaling the denominator scales every microbatch's loss and gradient by loss_scale.
         denominator = global_targets if loss_scale is None else global_targets / loss_scale
         share = torch.zeros((), device=self.device)
         with loss_context(self.loss_parallel):
-            for index, (inputs, labels) in enumerate(microbatches):
+            for index, (inputs, labels, documents) in enumerate(microbatches):
                 with self._all_reduce_only_after(last=index == len(microbatches) - 1):
                     if self.pipeline is not None:
                         share += self.pipeline.forward_backward(inputs, labels, denominator)
                         continue
-                    loss = self._loss_sum(self.model(inputs), labels) / denominator
+                    loss = self._loss_sum(self.model(inputs, documents), labels) / denominator
                     loss.backward()
                     share += loss.detach()
         return share if loss_scale is None else share / loss_scale
@@ -101,11 +110,11 @@ class StepRunner:
         microbatches = self._local_tokens(microbatches)
         totals = torch.zeros(2, device=self.device)
         with loss_context(self.loss_parallel):
-            for inputs, labels in microbatches:
+            for inputs, labels, documents in microbatches:
                 if self.pipeline is not None:
                     totals[0] += self.pipeline.evaluate(inputs, labels)
                 else:
-                    totals[0] += self._loss_sum(self.model(inputs), labels)
+                    totals[0] += self._loss_sum(self.model(inputs, documents), labels)
                 totals[1] += count_targets(labels)
         if self.pp_group is not None:
             totals[0] = self._pipeline_sum(totals[0])

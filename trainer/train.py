@@ -33,7 +33,7 @@ from trainer.checkpoint import (
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.data.loader import BatchLoader, check_evaluation_fits
-from trainer.data.build import build_sources
+from trainer.data.build import build_sources, document_eos
 from trainer.data.documents import DataError
 from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
@@ -129,12 +129,14 @@ class Trainer:
     def _build_loaders(self, vocab_size: int) -> tuple[BatchLoader, BatchLoader | None]:
         config, dims = self.config, self.plan.dims
         train_source, validation_source = build_sources(config, vocab_size)
+        eos = document_eos(config, train_source)
+        self.runner.document_eos = eos
         dp_rank = self.mesh["dp"].get_local_rank()
         assert dp_rank == dims.dp_rank_of(self.rank), "device mesh and ParallelDims disagree on the DP rank"
         train = BatchLoader(
             train_source, seq_len=config.training.seq_len, global_batch_size=self.plan.global_batch_size,
             local_batch_size=config.training.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
-            accept_data_change=config.checkpoint.accept_data_change,
+            accept_data_change=config.checkpoint.accept_data_change, document_eos=eos,
         )
         if validation_source is None:
             return train, None
@@ -142,7 +144,7 @@ class Trainer:
         validation = BatchLoader(
             validation_source, seq_len=v.seq_len, global_batch_size=v.global_batch_size,
             local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
-            name="validation", pad_uneven=True,
+            name="validation", pad_uneven=True, document_eos=eos,
         )
         check_evaluation_fits(validation, v.steps)
         return train, validation

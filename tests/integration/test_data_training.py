@@ -131,6 +131,34 @@ name = "small"
     assert refused.returncode == 2 and "training.datasets[1].name: 'shards' names two sources" in refused.stderr
 
 
+def test_document_masking_trains_the_same_in_every_layout(tmp_path, shard_folder):
+    """FSDP 2, TP 2 and CP 2 with attention kept within documents: the same losses (fp32), and
+    other losses than plain packing."""
+    job = [*TEXT_JOB, "--training.steps", "6", "--metrics.log_freq", "1", "--training.dataset", "shards",
+           "--training.dataset_path", str(shard_folder), "--training.global_batch_size", "4",
+           "--debug.deterministic"]
+    layouts = {"FSDP 2": ["--training.local_batch_size", "2"],
+               "TP 2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+               "CP 2": ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+               "FSDP 2, plain packing": ["--training.local_batch_size", "2"]}
+    losses = {}
+    for name, layout in layouts.items():
+        masking = [] if "plain" in name else ["--training.document_masking"]
+        result = launch(2, [*job, *layout, *masking, "--job.dump_folder", str(tmp_path / name.replace(" ", "_"))])
+        assert result.returncode == 0, describe(result)
+        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name.replace(" ", "_")) if "kind" not in r]
+    reference = losses["FSDP 2"]
+    for name in ("TP 2", "CP 2"):
+        diff = max(abs(a - b) for a, b in zip(losses[name], reference))
+        print(f"document masking, {name} vs FSDP 2: max |loss diff| {diff:.1e} over 6 steps")
+        assert len(losses[name]) == 6 and diff < 1e-5
+    assert abs(losses["FSDP 2, plain packing"][0] - reference[0]) > 1e-3  # fewer targets, other attention
+    pipeline = launch(4, [*job, "--parallelism.pipeline_parallel_degree", "2", "--training.document_masking"])
+    assert pipeline.returncode == 2 and "training.document_masking: not available with pipeline" in pipeline.stderr
+    synthetic = launch(2, ["--training.document_masking"])
+    assert synthetic.returncode == 2 and "the synthetic source has no documents" in synthetic.stderr
+
+
 def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     folder, tokenizer = text_corpus
     too_big = launch(2, ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path",

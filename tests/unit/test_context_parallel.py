@@ -4,6 +4,7 @@ The gathered keys and values are kept for backward once, not once per query head
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,7 +26,12 @@ def reference_inputs():
     return q, k, v, upstream
 
 
-def run_rank(rank: int, init_file: str, results) -> None:
+def reference_documents() -> torch.Tensor:
+    """Document indices: row 0 holds documents of 5, 6 and 5 tokens, row 1 one document."""
+    return torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * T])
+
+
+def run_rank(rank: int, init_file: str, results, with_documents: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
     q, k, v, upstream = reference_inputs()
@@ -33,21 +39,22 @@ def run_rank(rank: int, init_file: str, results) -> None:
     core = ContextParallelAttention(mesh)
     saved_shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_shapes.append(tuple(t.shape)) or t, lambda t: t):
-        out = core(*local)
+        out = core(*local, reference_documents() if with_documents else None)
     (out * shard_sequence(upstream, rank, CP)).sum().backward()
     results[rank] = (out.detach(), *(t.grad for t in local), core.positions(T // CP, out.device), saved_shapes)
     dist.destroy_process_group()
     exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
 
 
-def test_cp_attention_matches_full_sequence_attention(tmp_path):
+@pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "document-masked"])
+def test_cp_attention_matches_full_sequence_attention(tmp_path, with_documents):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(run_rank, args=(str(tmp_path / "init"), results), nprocs=CP, join=True)
+        mp.spawn(run_rank, args=(str(tmp_path / "init"), results, with_documents), nprocs=CP, join=True)
         results = dict(results)
 
     q, k, v, upstream = (t.requires_grad_() if i < 3 else t for i, t in enumerate(reference_inputs()))
-    out = CausalAttention()(q, k, v)
+    out = CausalAttention()(q, k, v, reference_documents() if with_documents else None)
     (out * upstream).sum().backward()
 
     for rank in range(CP):

@@ -305,3 +305,19 @@ def test_a_mixture_reads_each_source_as_alone_in_every_layout():
         assert np.array_equal(np.concatenate([batch_rows(ranks) for _ in range(30)]), rows)
     fingerprint = make().fingerprint()
     assert fingerprint["weights"] == [3.0, 1.0] and len(fingerprint["parts"]) == 2
+
+
+def test_document_masking_drops_the_targets_after_each_eos():
+    from trainer.loss import IGNORE_INDEX
+
+    tokens = np.array([1, 5, 6, 2, 1, 7, 2, 1, 8, 9, 10, 2, 1, 4, 4, 4, 4, 2] * 4, dtype=np.int32)
+    plain, masked = (BatchLoader(TokenArraySource(tokens, name="t", eos_id=2), seq_len=8, global_batch_size=2,
+                                 local_batch_size=2, dp_rank=0, dp_degree=1, device=torch.device("cpu"),
+                                 document_eos=eos) for eos in (None, 2))
+    (inputs, labels), = plain.next_batch()
+    (masked_inputs, masked_labels), = masked.next_batch()
+    assert torch.equal(inputs, masked_inputs)
+    after_eos = inputs == 2
+    assert after_eos.sum() == 3  # rows 1 5 6 [2] 1 7 [2] 1 | 9 10 [2] 1 4 4 4 4
+    assert (masked_labels[after_eos] == IGNORE_INDEX).all() and torch.equal(labels[after_eos], torch.ones(3).long())
+    assert torch.equal(masked_labels[~after_eos], labels[~after_eos])

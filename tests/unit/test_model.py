@@ -132,7 +132,7 @@ def test_grouped_query_attention_matches_naive_reference():
 class RepeatedKVAttention(CausalAttention):
     """The attention core before enable_gqa: every query head gets its own copy of its K/V head."""
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, documents=None):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         copies = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
@@ -269,3 +269,26 @@ if __name__ == "__main__":
         before, after, kv_once, _ = gqa_saved_bytes(dim, heads, kv_heads)
         print(f"| {dim} | {heads} | {kv_heads} | {before / 2**10:.0f} KiB | {after / 2**10:.0f} KiB "
               f"| {100 * (after - before) / before:.1f}% | {kv_once / 2**10:.0f} KiB |")
+
+
+def test_document_masking_makes_each_document_its_own_sequence():
+    """Attention within documents: a document's logits in a packed row equal its logits alone
+    (RoPE sees only relative positions), whatever precedes it."""
+    from trainer.models.llama3.model import document_index
+
+    torch.manual_seed(0)
+    args = get_flavor("debugmodel")
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    eos = 2
+    first, second = torch.randint(3, args.vocab_size, (1, 9)), torch.randint(3, args.vocab_size, (1, 12))
+    first[0, -1], second[0, -1] = eos, eos
+    packed = torch.cat([first, second, torch.randint(3, args.vocab_size, (1, 11))], dim=1)
+    documents = document_index(packed, eos)
+    assert documents[0].tolist() == [0] * 9 + [1] * 12 + [2] * 11
+    with torch.no_grad():
+        masked = model(packed, documents)
+        torch.testing.assert_close(masked[:, 9:21], model(second), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(masked[:, :9], model(first), rtol=1e-5, atol=1e-5)
+        plain = model(packed)
+    assert (plain[:, 9:21] - model(second)).abs().max() > 1e-2  # without masking, the first document is seen

@@ -143,6 +143,12 @@ class Training:
     one sequence; each source goes through its own (shuffled) epochs, so a small source with a
     large weight repeats. Validation reads the same mixture of the sources' validation splits."""
 
+    document_masking: bool = False
+    """Keep each document to itself: attention sees only earlier tokens of the same document, and
+    the token after each EOS (the next document's first) is not a prediction target. false: plain
+    packing, attention across the documents of a sequence and the EOS -> BOS transition trained.
+    Needs a source made of documents (not 'synthetic'); not available with pipeline parallelism."""
+
     shuffle: bool = True
     """Finite sources ('files', 'shards'): read the sequences of every epoch in a new order, a
     seeded permutation of (data seed, epoch) that is the same in every parallel layout. false:

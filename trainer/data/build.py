@@ -52,7 +52,7 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
                         + (f" (validation takes {validation_fraction:.3g} of the documents by a hash of their text: "
                            "add documents or raise training.validation_fraction)" if want_validation else ""))
     source = TokenArraySource(tokenize_documents(documents, tokenizer), name=f"files:{path}:{split}", wrap=wrap,
-                              shuffle_seed=shuffle_seed)
+                              shuffle_seed=shuffle_seed, eos_id=tokenizer.eos_id)
     source.skipped_records = sum(counts.skipped.values())
     return source
 
@@ -82,6 +82,16 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
                             shuffle_seed=shuffle_seed, validation_fraction=fraction, key=f"{key}.dataset_path")
     opener = text.hub_stream_opener(dataset, dataset_path, split)
     return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap)
+
+
+def document_eos(config, source) -> int | None:
+    """The EOS id that ends documents when training.document_masking is on, else None."""
+    if not config.training.document_masking:
+        return None
+    if source.eos_id is None:
+        raise DataError(f"training.document_masking: {source.describe()['source']} has no documents with a known EOS "
+                        "token (the synthetic source, or a mixture of sources prepared with different tokenizers)")
+    return int(source.eos_id)
 
 
 def mixture_names(entries) -> list[str]:

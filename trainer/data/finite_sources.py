@@ -31,8 +31,9 @@ class FiniteTokenSource:
     random_access = True
     entropy_floor = None
 
-    def __init__(self, *, name: str, wrap: bool, shuffle_seed: int | None):
+    def __init__(self, *, name: str, wrap: bool, shuffle_seed: int | None, eos_id: int | None = None):
         self.name, self.wrap, self.shuffle_seed = name, wrap, shuffle_seed
+        self.eos_id = eos_id  # the token that ends each document (None: unknown)
 
     token_count: int
 
@@ -81,8 +82,9 @@ class FiniteTokenSource:
 class TokenArraySource(FiniteTokenSource):
     """A token array in memory (local files tokenized at start, or a test's own tokens)."""
 
-    def __init__(self, tokens: np.ndarray, *, name: str, wrap: bool = True, shuffle_seed: int | None = None):
-        super().__init__(name=name, wrap=wrap, shuffle_seed=shuffle_seed)
+    def __init__(self, tokens: np.ndarray, *, name: str, wrap: bool = True, shuffle_seed: int | None = None,
+                 eos_id: int | None = None):
+        super().__init__(name=name, wrap=wrap, shuffle_seed=shuffle_seed, eos_id=eos_id)
         self.tokens = tokens
         self.token_count = len(tokens)
 
@@ -103,7 +105,8 @@ class ShardSource(FiniteTokenSource):
     def __init__(self, folder: str, split: str, *, wrap: bool = True, shuffle_seed: int | None = None,
                  key: str = "training.dataset_path"):
         self.shards = ShardSet(folder, split, key)
-        super().__init__(name=f"shards:{folder}:{split}", wrap=wrap, shuffle_seed=shuffle_seed)
+        super().__init__(name=f"shards:{folder}:{split}", wrap=wrap, shuffle_seed=shuffle_seed,
+                         eos_id=self.shards.manifest["tokenizer"]["eos_id"])
         self.token_count = self.shards.token_count
 
     def _read(self, start: int, stop: int) -> np.ndarray:

@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 class BatchLoader:
     """pad_uneven (evaluation): a global batch that does not split into whole local batches per
     DP rank is padded with sequences whose labels are ignored, so the same global batch (and
-    loss) serves every layout; every rank still runs the same number of microbatches."""
+    loss) serves every layout; every rank still runs the same number of microbatches.
+    document_eos (document masking): labels following this token (EOS) are ignored."""
 
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, device: torch.device, name: str = "training",
-                 accept_data_change: bool = False, pad_uneven: bool = False):
+                 accept_data_change: bool = False, pad_uneven: bool = False, document_eos: int | None = None):
         rows_per_rank = -(-global_batch_size // dp_degree)
         if not pad_uneven and (global_batch_size % dp_degree or rows_per_rank % local_batch_size):
             raise ValueError(
@@ -55,6 +56,7 @@ class BatchLoader:
         self.rows_consumed = 0
         self.epoch = 0
         self.accept_data_change = accept_data_change
+        self.document_eos = document_eos  # document masking: the token after an EOS is no target
         self._initial_source_state = self._source_state()
         self._legacy_keys: set[str] | None = None  # a checkpoint written before rows_consumed existed
 
@@ -93,9 +95,11 @@ class BatchLoader:
         else:
             tokens = tokens.to(self.device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        if padding:
+        if padding or self.document_eos is not None:
             labels = labels.clone()
             labels[len(rows):] = IGNORE_INDEX
+            if self.document_eos is not None:  # the next document's first token follows the EOS
+                labels[inputs == self.document_eos] = IGNORE_INDEX
         return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
 
     def _source_state(self) -> dict | None:

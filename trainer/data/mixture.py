@@ -57,6 +57,12 @@ class MixtureSource:
             self.rank[slot], seen[source] = seen[source], seen[source] + 1
         self.name = "mixture:" + ",".join(names)
 
+    @property
+    def eos_id(self) -> int | None:
+        """The parts' common EOS id (None when they differ or one is unknown)."""
+        ids = {source.eos_id for source in self.sources}
+        return ids.pop() if len(ids) == 1 else None
+
     def rows_drawn(self, rows: int) -> np.ndarray:
         """How many rows each source gave to the first `rows` global rows."""
         blocks, rest = divmod(rows, self.block)

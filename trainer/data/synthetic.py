@@ -33,6 +33,7 @@ class SyntheticMarkovSource:
     branching: int = 16
     zipf_exponent: float = 1.2
     random_access = True
+    eos_id = None  # no documents
 
     def __post_init__(self) -> None:
         if self.vocab_size <= self.branching:

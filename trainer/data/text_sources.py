@@ -109,6 +109,10 @@ class StreamingTextSource:
     def epoch_of(self, row: int, length: int) -> int:
         return self.epoch
 
+    @property
+    def eos_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_id", None)
+
     def state_dict(self) -> dict:
         return {"next_row": self.next_row, "epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
                 "carry": self.carry.tolist()}

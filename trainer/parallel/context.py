@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.models.llama3.model import grouped_query_attention
+from trainer.models.llama3.model import document_causal_mask, grouped_query_attention
 
 
 def load_balanced_positions(cp_rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
@@ -77,7 +77,8 @@ class ContextParallelAttention:
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return load_balanced_positions(self.rank, self.degree, local_len * self.degree, device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
         local_len = q.shape[1]
         # Keys and values of all CP ranks, concatenated in rank order along the sequence.
         k = GatherSequence.apply(k, self.group, self.reduce_dtype)
@@ -85,6 +86,9 @@ class ContextParallelAttention:
         query_positions = self.positions(local_len, q.device)
         key_positions = torch.cat([load_balanced_positions(r, self.degree, local_len * self.degree, q.device)
                                    for r in range(self.degree)])
+        if documents is not None:  # the whole sequence's document indices
+            return grouped_query_attention(q, k, v, attn_mask=document_causal_mask(documents, query_positions,
+                                                                                   key_positions))
         visible = query_positions[:, None] >= key_positions[None, :]  # causal, by true positions
         return grouped_query_attention(q, k, v, attn_mask=visible)
 

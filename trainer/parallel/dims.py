@@ -196,4 +196,7 @@ def pipeline_problems(config, dims: ParallelDims) -> list[str]:
         problems.append("validation.local_batch_size / validation.seq_len: under pipeline parallelism validation runs "
                         "through the training pipeline, so they must equal training.local_batch_size "
                         f"({c.training.local_batch_size}) and training.seq_len ({c.training.seq_len})")
+    if c.training.document_masking:
+        problems.append("training.document_masking: not available with pipeline parallelism (the stages after the "
+                        "first do not see the tokens that mark documents); set pipeline_parallel_degree 1 or turn it off")
     return problems

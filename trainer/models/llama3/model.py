@@ -83,9 +83,28 @@ class CausalAttention:
         """Sequence positions of the local query rows (they index the RoPE table)."""
         return torch.arange(local_len, device=device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, T, H, D), k and v (B, T, H_kv, D) -> (B, T, H, D)."""
-        return grouped_query_attention(q, k, v, is_causal=True)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, T, H_kv, D) -> (B, T, H, D). documents (B, T): each
+        position's document index; given, a position sees only earlier ones of its document."""
+        if documents is None:
+            return grouped_query_attention(q, k, v, is_causal=True)
+        positions = torch.arange(q.shape[1], device=q.device)
+        return grouped_query_attention(q, k, v, attn_mask=document_causal_mask(documents, positions, positions))
+
+
+def document_causal_mask(documents: torch.Tensor, query_positions: torch.Tensor,
+                         key_positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T_q, T_k) boolean: the key is at or before the query and in the same document."""
+    causal = query_positions[:, None] >= key_positions[None, :]
+    same = documents[:, query_positions, None] == documents[:, None, key_positions]
+    return (causal & same).unsqueeze(1)
+
+
+def document_index(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) index of the document each position belongs to: a document ends with its EOS."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(ends, dim=1) - ends
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -120,15 +139,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim); rope is the whole RoPE table, indexed by the core's positions."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, dim) -> (B, T, dim); rope is the whole RoPE table, indexed by the core's
+        positions; documents (B, T over the whole sequence), when given, masks attention to
+        each position's own document."""
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         freqs = rope[self.core.positions(seq, rope.device)]
-        out = self.core(apply_rope(q, freqs), apply_rope(k, freqs), v)
+        out = self.core(apply_rope(q, freqs), apply_rope(k, freqs), v, documents)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -156,13 +177,13 @@ class TransformerBlock(nn.Module):
         # (all of) its activations for backward (trainer/parallel/checkpointing.py).
         self.recompute = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute is not None:
-            return self.recompute(self.compute, x, rope)
-        return self.compute(x, rope)
+            return self.recompute(self.compute, x, rope, documents)
+        return self.compute(x, rope, documents)
 
-    def compute(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def compute(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -184,12 +205,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). A pipeline stage without the embedding takes the
-        hidden state (B, T, dim) instead, and one without the output returns it."""
+        hidden state (B, T, dim) instead, and one without the output returns it. documents
+        (B, T, the whole sequence under context parallelism; see document_index): attention
+        within documents only."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, self.freqs_cis)
+            h = block(h, self.freqs_cis, documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
