@@ -9,10 +9,11 @@ speed of preparing them.
    For each, a fresh process opens the training split with shuffling, builds the loader of a
    real job (sequences of 2048, global batch 64, DP rank 0 of 8) and reads 200 global batches;
    the table gives the time to open the set, to the first batch, the process's resident memory
-   growth (RSS after reading minus before opening) and the loader's tokens/s.
-2. Preparing: a generated jsonl corpus of --text-mb MB is tokenized with 1 and 2 worker
-   processes (tokens/s of the whole command), and SentencePiece's batch encode is timed with
-   one thread against its default thread pool.
+   growth (RSS after 201 batches minus before opening) and the loader's tokens/s (DP rank 0's
+   rows, 8 x 2048 tokens per batch).
+2. Preparing: a generated jsonl corpus of --text-mb MB in 4 files is tokenized with 1 worker
+   process and one per core, each encoding with 1 SentencePiece thread or all cores (tokens/s
+   of the whole command); and one process's batch encode, 1 thread against all cores.
 
 Generated data is kept under --folder (removed with --clean); a size already generated is reused.
 """
@@ -25,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from trainer.data.shards import FORMAT, MANIFEST, VERSION, manifest_digest  # no
 
 TOKENS_PER_GB_OF_TEXT = 250_000_000
 SHARD_TOKENS = 100_000_000  # 200 MB shard files
-VOCAB = 32_000
+VOCAB = 2048  # the debug model's, so that the trainer can run on the generated sets
 
 
 def generate_shards(folder: Path, gigabytes: float) -> Path:
@@ -130,22 +132,36 @@ def measure_preparing(folder: Path, text_mb: float) -> list[tuple[str, float]]:
     tokenizer = folder / "tok.model"
     if not tokenizer.is_file():
         (folder / "tok.txt").write_text("\n".join(sentences(5000, seed=2)) + "\n")
-        train_tokenizer([str(folder / "tok.txt")], str(folder / "tok"), 2048)
+        train_tokenizer([str(folder / "tok.txt")], str(folder / "tok"), 512)
     rows = []
-    for workers in (1, 2):
+    cores = os.cpu_count() or 1
+    for workers, threads in ((1, 1), (1, -1), (cores, 1), (cores, -1)):
         started = time.perf_counter()
-        manifest = prepare([str(corpus)], str(tokenizer), str(folder / f"prepared-{workers}"), workers=workers,
-                           overwrite=True)
+        manifest = prepare([str(corpus)], str(tokenizer), str(folder / "prepared"), workers=workers,
+                           encode_threads=threads, overwrite=True)
         seconds = time.perf_counter() - started
         tokens = sum(manifest["totals"][s]["tokens"] for s in ("train", "validation"))
-        rows.append((f"prepare, {workers} worker{'s' if workers > 1 else ''} ({text_mb:g} MB jsonl)", tokens / seconds))
+        label = "threads on all cores" if threads == -1 else "1 thread"
+        rows.append((f"prepare ({text_mb:g} MB jsonl): {workers} worker{'s' if workers > 1 else ''} x {label}",
+                     tokens / seconds))
     model = Tokenizer(str(tokenizer))
     batch = [json.loads(line)["text"] for line in open(corpus / "part-0.jsonl")][:4000]
-    for threads, label in ((1, "1 thread"), (-1, "default thread pool")):
+    for threads, label in ((1, "1 thread"), (-1, "all cores")):
         started = time.perf_counter()
         tokens = sum(len(ids) for ids in model.encode_batch_documents(batch, num_threads=threads))
-        rows.append((f"SentencePiece batch encode, {label}", tokens / (time.perf_counter() - started)))
+        rows.append((f"one process, SentencePiece batch encode, {label}", tokens / (time.perf_counter() - started)))
     return rows
+
+
+def measure_trainer_start(shards: Path | None) -> float:
+    """Wall seconds of a 2-process, 2-step debug-model run (start-up included)."""
+    data = ["--training.dataset", "shards", "--training.dataset_path", str(shards)] if shards else []
+    with tempfile.TemporaryDirectory() as dump:
+        started = time.perf_counter()
+        subprocess.run(["./torchrun_launch.sh", "--training.steps", "2", "--metrics.no_enable_tensorboard",
+                        "--job.dump_folder", dump, *data], check=True, cwd=REPO, capture_output=True,
+                       env=dict(os.environ, NGPU="2", PYTHON=sys.executable))
+        return time.perf_counter() - started
 
 
 def main() -> None:
@@ -166,6 +182,11 @@ def main() -> None:
         m = measure_reading(out)
         print(f"{f'{size:g} GB text-equiv.':>20} {m['tokens']:>14,} {files_gb:>9.2f} {generated:>10.1f} "
               f"{m['open_s']:>8.3f} {m['first_batch_s']:>13.4f} {m['rss_growth_mb']:>13.1f} {m['tokens_per_s']:>13,.0f}")
+    print()
+    print(f"{'trainer, 2 processes, debug model, 2 steps':<55} {'wall s':>12}")
+    print(f"{'synthetic data':<55} {measure_trainer_start(None):>12.1f}")
+    largest = folder / f"{max(args.sizes_gb):g}gb"
+    print(f"{f'{max(args.sizes_gb):g} GB text-equivalent shards':<55} {measure_trainer_start(largest):>12.1f}")
     print()
     print(f"{'tokenizing':<55} {'tokens/s':>12}")
     for label, rate in measure_preparing(folder, args.text_mb):

@@ -121,7 +121,7 @@ class Training:
 
     dataset: str = "synthetic"
     """Data source: 'synthetic' (built in: a random Markov chain with a known best loss), 'shards'
-    (a folder of token shards written by `python -m trainer.data.prepare`, read by memory map: the
+    (a folder of token shards written by `python -m trainer.data.prepare`, read from disk as needed: the
     format for real corpora), 'files' (local .jsonl/.json/.parquet/.txt at dataset_path,
     tokenized into memory at every start: small corpora), or a Hugging Face dataset streamed by
     name ('c4', 'fineweb', 'fineweb-edu' or a hub id 'org/name')."""

@@ -1,5 +1,5 @@
 """Finite token sources with random access: documents tokenized in memory (`files`) and
-pre-tokenized shards read by memory map (`shards`).
+pre-tokenized shards read from disk as needed (`shards`).
 
 A split's documents, each [BOS] text [EOS], are concatenated in a fixed order and cut into
 sequences of `length` tokens (non-overlapping; the tail shorter than one sequence is not read).
@@ -100,7 +100,7 @@ class TokenArraySource(FiniteTokenSource):
 
 
 class ShardSource(FiniteTokenSource):
-    """A split of a prepared shard folder, read by memory map."""
+    """A split of a prepared shard folder, read sequence by sequence from disk."""
 
     def __init__(self, folder: str, split: str, *, wrap: bool = True, shuffle_seed: int | None = None,
                  key: str = "training.dataset_path"):

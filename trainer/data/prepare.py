@@ -1,4 +1,4 @@
-"""Tokenize a text corpus once into memory-mapped token shards (format: trainer.data.shards).
+"""Tokenize a text corpus once into token shards (format: trainer.data.shards).
 
     python -m trainer.data.prepare --input /data/corpus --tokenizer tok.model --output /data/corpus-shards
 
@@ -86,7 +86,7 @@ def prepare_file(task: dict) -> dict:
     counts, batch = ReadCounts(), []
 
     def flush():
-        for text, ids in zip(batch, _tokenizer.encode_batch_documents(batch)):
+        for text, ids in zip(batch, _tokenizer.encode_batch_documents(batch, task["encode_threads"])):
             split = "validation" if document_unit(text) < task["validation_fraction"] else "train"
             writers[split].add(ids)
         batch.clear()
@@ -137,7 +137,8 @@ def _check_output(output: Path, settings: dict, overwrite: bool) -> None:
 
 
 def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: str = "text",
-            validation_fraction: float = 0.05, workers: int = 1, overwrite: bool = False) -> dict:
+            validation_fraction: float = 0.05, workers: int = 1, encode_threads: int = 1,
+            overwrite: bool = False) -> dict:
     """Prepare (or complete) a shard folder; returns its manifest."""
     if not 0 <= validation_fraction < 1:
         raise DataError(f"--validation-fraction: {validation_fraction} is not in [0, 1)")
@@ -154,7 +155,8 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
     todo = sorted((p for p in files if p not in records), key=os.path.getsize, reverse=True)
     logger.info("%d files: %d prepared earlier, %d to tokenize with %d workers", len(files), len(records), len(todo), workers)
     tasks = [{"path": p, "output": str(out), "name": names[p], "dtype": settings["dtype"], "text_field": text_field,
-              "validation_fraction": validation_fraction, "settings": settings} for p in todo]
+              "validation_fraction": validation_fraction, "settings": settings, "encode_threads": encode_threads}
+             for p in todo]
     with ProcessPoolExecutor(max_workers=max(1, workers), initializer=_load_tokenizer,
                              initargs=(tokenizer_path,)) as pool:
         for path, record in zip(todo, pool.map(prepare_file, tasks)):
@@ -194,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validation-fraction", type=float, default=0.05,
                         help="share of documents held out for validation, chosen by a hash of their text (default 0.05)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
+    parser.add_argument("--encode-threads", type=int, default=1,
+                        help="SentencePiece threads per worker (default 1: the workers use the cores; -1: all cores)")
     parser.add_argument("--overwrite", action="store_true", help="prepare every file again, whatever the folder holds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.perf_counter()
     try:
         manifest = prepare(args.input, args.tokenizer, args.output, text_field=args.text_field,
-                           validation_fraction=args.validation_fraction, workers=args.workers, overwrite=args.overwrite)
+                           validation_fraction=args.validation_fraction, workers=args.workers,
+                           encode_threads=args.encode_threads, overwrite=args.overwrite)
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Pre-tokenized token shards: the on-disk format, and reading it by memory map.
+"""Pre-tokenized token shards: the on-disk format, and reading it.
 
 A prepared folder (written by `python -m trainer.data.prepare`) holds, per split:
 
@@ -9,15 +9,21 @@ A prepared folder (written by `python -m trainer.data.prepare`) holds, per split
 
 The manifest names the format version, the token dtype, the tokenizer (file, SHA-256, size, BOS
 and EOS ids), the held-out fraction, and per source file its size, SHA-256, documents, tokens and
-records skipped. A split is the concatenation of its shards in the manifest's order; it is read
-through np.memmap, so opening it costs the same for a megabyte and a terabyte and a rank's memory
-holds only the pages it touches.
+records skipped. A split is the concatenation of its shards in the manifest's order. Opening it
+reads the manifest and checks each shard's size, so it costs the same for a megabyte and a
+terabyte. Sequences are read with positional reads (os.pread) rather than a memory map: on Linux
+with large page-cache folios, every page fault of a map brings up to 2 MB into the process's
+resident set, so a rank reading random sequences of a 5 GB shard set grew by 2.4 GB after 1,600
+sequences (benchmarks/data_shards.py); positional reads keep it flat, the page cache shared by
+all ranks of a machine holding what is read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +34,7 @@ FORMAT = "llama-pretrain-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
+OPEN_FILES = 64  # shard files a reader keeps open
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -69,6 +76,7 @@ class ShardSet:
     shard boundaries."""
 
     def __init__(self, folder: str | Path, split: str, key: str = "training.dataset_path"):
+        self._files: OrderedDict[int, int] = OrderedDict()  # shard index -> open file descriptor
         self.folder, self.split = Path(folder), split
         self.manifest = read_manifest(folder, key)
         self.dtype = np.dtype(self.manifest["dtype"])
@@ -80,7 +88,6 @@ class ShardSet:
                 self.names.append(source["name"])
                 counts.append(count)
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-        self._maps: dict[int, np.ndarray] = {}
         for index, name in enumerate(self.names):
             tokens_path, docs_path = shard_paths(self.folder, split, name)
             expected = counts[index] * self.dtype.itemsize
@@ -95,11 +102,27 @@ class ShardSet:
     def token_count(self) -> int:
         return int(self.offsets[-1])
 
-    def _shard(self, index: int) -> np.ndarray:
-        if index not in self._maps:
-            path, _ = shard_paths(self.folder, self.split, self.names[index])
-            self._maps[index] = np.memmap(path, dtype=self.dtype, mode="r")
-        return self._maps[index]
+    def _descriptor(self, index: int) -> int:
+        """An open file of shard `index` (at most OPEN_FILES stay open)."""
+        if index in self._files:
+            self._files.move_to_end(index)
+            return self._files[index]
+        if len(self._files) >= OPEN_FILES:
+            os.close(self._files.popitem(last=False)[1])
+        path, _ = shard_paths(self.folder, self.split, self.names[index])
+        self._files[index] = os.open(path, os.O_RDONLY)
+        return self._files[index]
+
+    def _read(self, index: int, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of shard `index`."""
+        size = self.dtype.itemsize
+        wanted, data = (stop - start) * size, b""
+        while len(data) < wanted:  # pread may return less than asked
+            chunk = os.pread(self._descriptor(index), wanted - len(data), start * size + len(data))
+            if not chunk:
+                raise DataError(f"shard {self.names[index]} of {self.folder} ended early: the folder is damaged")
+            data += chunk
+        return np.frombuffer(data, dtype=self.dtype)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split, as int64."""
@@ -108,9 +131,16 @@ class ShardSet:
         while position < stop:
             shard_start, shard_stop = int(self.offsets[first]), int(self.offsets[first + 1])
             end = min(stop, shard_stop)
-            pieces.append(self._shard(first)[position - shard_start:end - shard_start])
+            pieces.append(self._read(first, position - shard_start, end - shard_start))
             position, first = end, first + 1
-        return np.concatenate(pieces).astype(np.int64) if len(pieces) != 1 else pieces[0].astype(np.int64)
+        return np.concatenate(pieces).astype(np.int64)
+
+    def close(self) -> None:
+        while self._files:
+            os.close(self._files.popitem()[1])
+
+    def __del__(self):
+        self.close()
 
     def describe(self) -> dict:
         return {"shards": len(self.names), "tokens": self.token_count, "dtype": self.dtype.name,

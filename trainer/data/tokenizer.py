@@ -56,9 +56,10 @@ class Tokenizer:
         return self._wrap(self._sp.EncodeAsIds(text))
 
     def encode_batch_documents(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """One thread by default: SentencePiece's own thread pool (all cores) encoded at 1.75M
-        tokens/s against 3.66M on one thread (benchmarks/tokenize_throughput.py); the data
-        pipeline runs in parallel over processes instead."""
+        """One thread by default: the data pipeline runs one process per core (prepare's
+        workers, the training ranks), where each process's own thread pool gained nothing
+        (prepare with 2 workers on 2 cores: 2.76M tokens/s with 1 thread each, 2.84M with a pool
+        each) and would compete with its neighbours (benchmarks/data_shards.py)."""
         return [self._wrap(ids) for ids in self._sp.Encode(list(texts), num_threads=num_threads)]
 
     @property
