@@ -67,3 +67,24 @@ def test_memory_phases_reads_the_resident_set_after_each_phase():
     resident, high_water = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
     assert all(0 < rss <= hwm for rss, hwm in zip(resident, high_water))
     assert high_water == sorted(high_water)  # a high-water mark never falls
+
+
+def test_shard_reading_keeps_memory_flat_and_the_data_costs_no_start_up(tmp_path, measured):
+    out = run_script("data_shards.py", "--sizes-gb", "0.04", "--folder", str(tmp_path), "--text-mb", "1")
+    reading = [line.split() for line in out.splitlines() if "GB text-equiv." in line]
+    assert len(reading) == 1
+    tokens, rss_growth = int(reading[0][3].replace(",", "")), float(reading[0][-2])
+    assert tokens == 10_000_000 and rss_growth < 32  # 1,608 sequences of 2049 tokens read: 6.6 MB as int16
+    start = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in out.splitlines()
+             if line.startswith(("synthetic data", "0.04 GB text-equivalent shards"))}
+    assert len(start) == 2
+    prepare = [line for line in out.splitlines() if line.startswith("prepare (1 MB jsonl)")]
+    assert len(prepare) == 4
+    measured(f"data_shards (0.04 GB): resident memory growth {rss_growth} MB; trainer start {start}")
+
+
+def test_document_masking_benchmark_runs(measured):
+    out = run_script("document_masking.py", "--seq-len", "128", "--steps", "4")
+    row = out.strip().splitlines()[-1].split()
+    assert row[0] == "128" and float(row[4]) > 0 and float(row[5]) > 0
+    measured(f"document_masking (seq 128, 4 steps): masked/plain tokens/s {row[3]}")
