@@ -98,7 +98,7 @@ def test_prepare_resumes_and_refuses_to_mix_settings(tmp_path, tokenizer_path, c
         ShardSource(str(tmp_path / "shards"), "train")
     with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
         again = prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), **args)
-    assert "5 files: 3 prepared earlier, 2 to tokenize" in caplog.text
+    assert "5 parts: 3 prepared earlier, 2 to tokenize" in caplog.text
     assert again["totals"]["train"]["documents"] + again["totals"]["validation"]["documents"] == 401
     assert [s["sha256"] for s in again["sources"]][2:] == [s["sha256"] for s in first["sources"]][2:]
     (tmp_path / "t.txt").write_text("\n".join(sentences(800, seed=9)) + "\n")
@@ -321,3 +321,24 @@ def test_document_masking_drops_the_targets_after_each_eos():
     assert after_eos.sum() == 3  # rows 1 5 6 [2] 1 7 [2] 1 | 9 10 [2] 1 4 4 4 4
     assert (masked_labels[after_eos] == IGNORE_INDEX).all() and torch.equal(labels[after_eos], torch.ones(3).long())
     assert torch.equal(masked_labels[~after_eos], labels[~after_eos])
+
+
+def test_prepare_streams_a_hugging_face_dataset_in_parts(tmp_path, tokenizer_path, caplog):
+    """A dataset folder laid out like the hub's, split among 2 workers by its 3 data files."""
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for index in range(3):
+        records = [{"text": d} for d in DOCS[index * 100:(index + 1) * 100]] + [{"text": None}]
+        (tmp_path / "hub" / "data" / f"train-0000{index}-of-00003.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records))
+    args = dict(workers=2, dataset="c4", dataset_path=str(tmp_path / "hub"), validation_fraction=0.1)
+    manifest = prepare([], tokenizer_path, str(tmp_path / "shards"), **args)
+    assert [s["name"] for s in manifest["sources"]] == ["c4-train-00000-of-00002", "c4-train-00001-of-00002"]
+    assert manifest["skipped_records"] == 3
+    train = ShardSource(str(tmp_path / "shards"), "train")
+    expected = expected_tokens(tokenizer_path, [d for d in DOCS[:300] if document_unit(d) >= 0.1])
+    assert np.array_equal(train.shards.tokens(0, train.token_count), expected)
+    with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
+        again = prepare([], tokenizer_path, str(tmp_path / "shards"), **args)
+    assert "2 parts: 2 prepared earlier, 0 to tokenize" in caplog.text and again["digest"] == manifest["digest"]
+    with pytest.raises(DataError, match="give either --input .* or --dataset"):
+        prepare([str(tmp_path)], tokenizer_path, str(tmp_path / "other"), dataset="c4")

@@ -1,13 +1,16 @@
 """Tokenize a text corpus once into token shards (format: trainer.data.shards).
 
     python -m trainer.data.prepare --input /data/corpus --tokenizer tok.model --output /data/corpus-shards
+    python -m trainer.data.prepare --dataset fineweb-edu --tokenizer tok.model --output /data/fineweb-shards
 
-Every input file becomes one shard per split, tokenized by a pool of worker processes (one file
-each at a time, largest first). Each document goes to the validation split when the hash of its
+Every input file becomes one part (one shard per split), tokenized by a pool of worker processes
+(one file each at a time, largest first); a Hugging Face dataset is streamed, its data files split
+into one part per worker. Each document goes to the validation split when the hash of its
 text falls below --validation-fraction, so adding files never moves a document between splits.
-A file's shards and its record (`parts/<name>.json`) are written when the file is done; running
-the same command again skips the files already done (a source file that changed is tokenized
-again) and writes the manifest, which marks the folder complete, last.
+A part's shards and its record (`parts/<name>.json`) are written when the part is done; running
+the same command again skips the parts already done (a source file that changed is tokenized
+again; a dataset's parts are kept as they are, --overwrite prepares them again) and writes the
+manifest, which marks the folder complete, last.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
-from trainer.data.documents import DataError, ReadCounts, find_data_files, read_file
+from trainer.data.documents import DataError, ReadCounts, find_data_files, read_file, record_text
 from trainer.data.hashing import document_unit
 from trainer.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, token_dtype
 from trainer.data.tokenizer import Tokenizer, TokenizerError
@@ -77,9 +81,39 @@ def _load_tokenizer(path: str) -> None:
     _tokenizer = Tokenizer(path)
 
 
+def stream_part_name(dataset: str, split: str, index: int, count: int) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', dataset)}-{split}-{index:05d}-of-{count:05d}"
+
+
+def _stream_texts(task: dict, counts: ReadCounts, digest) -> Iterator[str]:
+    """The documents of one part of a Hugging Face dataset (its data files are split among the
+    parts), hashing their text as they pass: the part's identity."""
+    from trainer.data.text_sources import hub_stream_opener
+
+    stream = hub_stream_opener(task["dataset"], task["dataset_path"], task["split"])()
+    where = f"{task['dataset']}:{task['split']} part {task['index']}"
+    for number, record in enumerate(stream.shard(num_shards=task["count"], index=task["index"]), 1):
+        text = record_text(record, task["text_field"], f"{where} record {number}", counts, where)
+        if text is not None:
+            digest.update(text.encode("utf-8", "surrogatepass"))
+            counts.documents += 1
+            yield text
+
+
+def _source_identity(task: dict, counts: ReadCounts, digest) -> dict:
+    if "dataset" in task:
+        where = f"{task['dataset']}:{task['split']} part {task['index']}"
+        return {"path": f"hf:{task['dataset']}" + (f" ({task['dataset_path']})" if task["dataset_path"] else ""),
+                "size": counts.documents, "sha256": digest.hexdigest(), "skipped_records": counts.skipped.get(where, 0)}
+    path = task["path"]
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": file_sha256(path),
+            "skipped_records": counts.skipped.get(path, 0)}
+
+
 def prepare_file(task: dict) -> dict:
-    """Tokenize one source file into its shards; returns the file's record (worker process)."""
-    path, output, name = task["path"], Path(task["output"]), task["name"]
+    """Tokenize one part (a source file, or a part of a dataset's stream) into its shards;
+    returns its record (worker process)."""
+    output, name = Path(task["output"]), task["name"]
     started = time.perf_counter()
     dtype = np.dtype(task["dtype"])
     writers = {split: _SplitWriter(shard_paths(output, split, name)[0], dtype) for split in SPLITS}
@@ -91,14 +125,16 @@ def prepare_file(task: dict) -> dict:
             writers[split].add(ids)
         batch.clear()
 
-    for text in read_file(path, task["text_field"], counts):
+    digest = hashlib.sha256()
+    texts = _stream_texts(task, counts, digest) if "dataset" in task else read_file(task["path"], task["text_field"],
+                                                                                    counts)
+    for text in texts:
         batch.append(text)
         if len(batch) == ENCODE_BATCH:
             flush()
     flush()
     record = {
-        "name": name, "path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": file_sha256(path),
-        "skipped_records": counts.skipped.get(path, 0), "settings": task["settings"],
+        "name": name, **_source_identity(task, counts, digest), "settings": task["settings"],
         "splits": {split: writers[split].finish(shard_paths(output, split, name)[1]) for split in SPLITS},
         "seconds": round(time.perf_counter() - started, 3),
     }
@@ -108,15 +144,20 @@ def prepare_file(task: dict) -> dict:
     return record
 
 
-def _done_record(output: Path, name: str, path: str, settings: dict) -> dict | None:
-    """The record of a file prepared by an earlier run with the same settings and content."""
+def _done_record(output: Path, name: str, path: str | None, settings: dict) -> dict | None:
+    """The record of a part prepared by an earlier run with the same settings (and, for a file,
+    the same content; a dataset's part cannot be checked without reading it again)."""
     part = output / "parts" / f"{name}.json"
     if not part.is_file():
         return None
     record = json.loads(part.read_text())
-    if record.get("settings") != settings or record.get("size") != os.path.getsize(path):
+    if record.get("settings") != settings:
         return None
     if any(not p.is_file() for split in SPLITS for p in shard_paths(output, split, name)):
+        return None
+    if path is None:
+        return record
+    if record.get("size") != os.path.getsize(path):
         return None
     if record["sha256"] != file_sha256(path):
         return None
@@ -138,33 +179,54 @@ def _check_output(output: Path, settings: dict, overwrite: bool) -> None:
 
 def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: str = "text",
             validation_fraction: float = 0.05, workers: int = 1, encode_threads: int = 1,
-            overwrite: bool = False) -> dict:
-    """Prepare (or complete) a shard folder; returns its manifest."""
+            overwrite: bool = False, dataset: str = "", dataset_path: str = "", split: str = "train") -> dict:
+    """Prepare (or complete) a shard folder from local files (`inputs`) or a Hugging Face
+    dataset (`dataset`, read from `dataset_path` when given); returns its manifest."""
     if not 0 <= validation_fraction < 1:
         raise DataError(f"--validation-fraction: {validation_fraction} is not in [0, 1)")
+    if bool(inputs) == bool(dataset):
+        raise DataError("give either --input (local files) or --dataset (a Hugging Face dataset)")
     tokenizer = Tokenizer(tokenizer_path)
-    files = sorted({f for path in inputs for f in find_data_files(path, key="--input")})
     out = Path(output)
     settings = {"tokenizer_sha256": tokenizer.sha256, "text_field": text_field, "validation_fraction": validation_fraction,
                 "dtype": token_dtype(tokenizer.vocab_size).str}
     _check_output(out, settings, overwrite)
+    common = {"output": str(out), "dtype": settings["dtype"], "text_field": text_field, "settings": settings,
+              "validation_fraction": validation_fraction, "encode_threads": encode_threads}
+    tasks = (_dataset_tasks(dataset, dataset_path, split, workers) if dataset else _file_tasks(inputs))
+    tasks = [{**task, **common} for task in tasks]
     for folder in (*SPLITS, "parts"):
         (out / folder).mkdir(parents=True, exist_ok=True)
-    names = {path: shard_name(path) for path in files}
-    records = {} if overwrite else {path: r for path in files if (r := _done_record(out, names[path], path, settings))}
-    todo = sorted((p for p in files if p not in records), key=os.path.getsize, reverse=True)
-    logger.info("%d files: %d prepared earlier, %d to tokenize with %d workers", len(files), len(records), len(todo), workers)
-    tasks = [{"path": p, "output": str(out), "name": names[p], "dtype": settings["dtype"], "text_field": text_field,
-              "validation_fraction": validation_fraction, "settings": settings, "encode_threads": encode_threads}
-             for p in todo]
+    records = {} if overwrite else {
+        t["name"]: r for t in tasks if (r := _done_record(out, t["name"], t.get("path"), settings))}
+    todo = [t for t in tasks if t["name"] not in records]
+    logger.info("%d parts: %d prepared earlier, %d to tokenize with %d workers", len(tasks), len(records), len(todo),
+                workers)
     with ProcessPoolExecutor(max_workers=max(1, workers), initializer=_load_tokenizer,
                              initargs=(tokenizer_path,)) as pool:
-        for path, record in zip(todo, pool.map(prepare_file, tasks)):
-            records[path] = record
+        for task, record in zip(todo, pool.map(prepare_file, todo)):
+            records[task["name"]] = record
             logger.info("%s: %d documents, %d tokens in %.1f s", record["path"], sum(
                 s["documents"] for s in record["splits"].values()), sum(s["tokens"] for s in record["splits"].values()),
                 record["seconds"])
-    return _write_manifest(out, tokenizer, settings, [records[p] for p in files])
+    return _write_manifest(out, tokenizer, settings, [records[t["name"]] for t in sorted(tasks, key=lambda t: t["order"])])
+
+
+def _file_tasks(inputs: list[str]) -> list[dict]:
+    """One part per file; the largest first (they take longest), the manifest in path order."""
+    files = sorted({f for path in inputs for f in find_data_files(path, key="--input")})
+    by_size = sorted(files, key=os.path.getsize, reverse=True)
+    return [{"path": path, "name": shard_name(path), "order": files.index(path)} for path in by_size]
+
+
+def _dataset_tasks(dataset: str, dataset_path: str, split: str, workers: int) -> list[dict]:
+    """One part per worker, each reading its share of the dataset's data files."""
+    from trainer.data.text_sources import hub_stream_opener
+
+    files = hub_stream_opener(dataset, dataset_path, split)().n_shards
+    count = max(1, min(workers, files))
+    return [{"dataset": dataset, "dataset_path": dataset_path, "split": split, "index": index, "count": count,
+             "name": stream_part_name(dataset, split, index, count), "order": index} for index in range(count)]
 
 
 def _write_manifest(out: Path, tokenizer: Tokenizer, settings: dict, sources: list[dict]) -> dict:
@@ -188,8 +250,12 @@ def _write_manifest(out: Path, tokenizer: Tokenizer, settings: dict, sources: li
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True,
+    parser.add_argument("--input", nargs="+", default=[],
                         help="data files, folders or globs (.jsonl/.json/.parquet/.txt, optionally .gz/.bz2/.xz/.zst)")
+    parser.add_argument("--dataset", default="", help="instead of --input: a Hugging Face dataset (hub id, or c4, "
+                        "fineweb, fineweb-edu), streamed; its data files are split among the workers")
+    parser.add_argument("--dataset-path", default="", help="with --dataset: a local copy (folder of data files)")
+    parser.add_argument("--split", default="train", help="with --dataset: the split to read (default train)")
     parser.add_argument("--tokenizer", required=True, help="SentencePiece model (.model)")
     parser.add_argument("--output", required=True, help="folder for the shards and manifest.json")
     parser.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet records (default: text)")
@@ -205,13 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = prepare(args.input, args.tokenizer, args.output, text_field=args.text_field,
                            validation_fraction=args.validation_fraction, workers=args.workers,
-                           encode_threads=args.encode_threads, overwrite=args.overwrite)
+                           encode_threads=args.encode_threads, overwrite=args.overwrite, dataset=args.dataset,
+                           dataset_path=args.dataset_path, split=args.split)
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
     totals = manifest["totals"]
-    print(f"wrote {args.output}: {len(manifest['sources'])} files; train {totals['train']['documents']} documents, "
+    print(f"wrote {args.output}: {len(manifest['sources'])} parts; train {totals['train']['documents']} documents, "
           f"{totals['train']['tokens']} tokens; validation {totals['validation']['documents']} documents, "
           f"{totals['validation']['tokens']} tokens; {manifest['skipped_records']} records skipped; {seconds:.1f} s")
     return 0
