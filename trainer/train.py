@@ -85,6 +85,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)
+        self.runner.document_eos = self.loader.document_eos  # document masking: where documents end
         self.source = self.loader.source
         self.loss_scaler = build_loss_scaler(config, resolve_param_dtype(config.training.mixed_precision_param, self.device))
         self.state = TrainState(loss_scaler=self.loss_scaler)
@@ -130,7 +131,6 @@ class Trainer:
         config, dims = self.config, self.plan.dims
         train_source, validation_source = build_sources(config, vocab_size)
         eos = document_eos(config, train_source)
-        self.runner.document_eos = eos
         dp_rank = self.mesh["dp"].get_local_rank()
         assert dp_rank == dims.dp_rank_of(self.rank), "device mesh and ParallelDims disagree on the DP rank"
         train = BatchLoader(
