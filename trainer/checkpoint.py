@@ -214,7 +214,7 @@ class CheckpointManager:
         if missing and "train_state" in present:
             logger.warning("%s has no %s; starting those fresh", path, ", ".join(missing))
         if "dataloader" in items:
-            self.loader.expect_saved_keys({key.split(".")[1] for key in keys if key.startswith("dataloader.")})
+            self.loader.expect_saved_keys({key.split(".", 1)[1] for key in keys if key.startswith("dataloader.")})
         dcp.load(self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys)), checkpoint_id=str(path))
         if "lr_scheduler" in items:
             self._continue_schedule(path)

@@ -330,3 +330,22 @@ def test_a_finite_source_ends_on_every_rank_at_the_same_global_batch(dp):
         loader.next_batch()
         with pytest.raises(DataExhausted, match="ends after 11 sequences"):
             loader.next_batch()
+
+
+def test_a_resumed_stream_starts_at_its_record_without_reading_the_files_before(tmp_path):
+    (tmp_path / "c4" / "data").mkdir(parents=True)
+    for index in range(4):
+        (tmp_path / "c4" / "data" / f"train-0000{index}-of-00004.jsonl").write_text(
+            "".join(json.dumps({"text": d}) + "\n" for d in DOCS[index * 15:(index + 1) * 15]))
+    whole_rows = sum(len(d) + 2 for d in DOCS) // 20  # one epoch: the test stays inside it
+    expected = streamed(tmp_path / "c4").rows(0, whole_rows, 20)
+    first = streamed(tmp_path / "c4")
+    first.rows(0, 170, 20)  # into the fourth file
+    state = json.loads(json.dumps(first.state_dict()))
+    assert 45 < state["docs_in_epoch"] < 60 and state["stream_position"]
+    # The second file is damaged after the save: a resume that read it again would fail. (The
+    # first one is read by `datasets` to learn the records' fields whenever a stream opens.)
+    (tmp_path / "c4" / "data" / "train-00001-of-00004.jsonl").write_text("not json\n" * 15)
+    resumed = streamed(tmp_path / "c4")
+    resumed.load_state_dict(state)
+    assert np.array_equal(resumed.rows(170, whole_rows - 170, 20), expected[170:])

@@ -58,7 +58,7 @@ class BatchLoader:
         self.accept_data_change = accept_data_change
         self.document_eos = document_eos  # document masking: the token after an EOS is no target
         self._initial_source_state = self._source_state()
-        self._legacy_keys: set[str] | None = None  # a checkpoint written before rows_consumed existed
+        self._saved_keys: set[str] | None = None  # the keys of the checkpoint about to be loaded
 
     @property
     def accumulation_steps(self) -> int:
@@ -110,15 +110,17 @@ class BatchLoader:
         return {**self.source.fingerprint(), "seq_len": self.row_length - 1}
 
     def expect_saved_keys(self, keys: set[str]) -> None:
-        """Before loading: the keys the checkpoint holds for the loader (a checkpoint of an
-        earlier version has `step` where this one has `rows_consumed`)."""
-        self._legacy_keys = keys if "rows_consumed" not in keys else None
+        """Before loading: the checkpoint's keys for the loader, flattened ("source.carry"). The
+        next state_dict, which DCP fills, holds only those: a checkpoint of an earlier version
+        has `step` where this one has `rows_consumed`, and may lack keys added since."""
+        self._saved_keys = keys
 
     def state_dict(self) -> dict:
-        if self._legacy_keys is not None:
-            return {key: 0 for key in ("step", "epoch") if key in self._legacy_keys} | self._stream_state()
-        return {"rows_consumed": self.rows_consumed, "epoch": self.epoch, "global_batch_size": self.global_batch_size,
-                "fingerprint": json.dumps(self.fingerprint(), sort_keys=True)} | self._stream_state()
+        state = {"rows_consumed": self.rows_consumed, "epoch": self.epoch, "global_batch_size": self.global_batch_size,
+                 "fingerprint": json.dumps(self.fingerprint(), sort_keys=True)} | self._stream_state()
+        if self._saved_keys is None:
+            return state
+        return only_saved({**state, "step": 0}, self._saved_keys)
 
     def _stream_state(self) -> dict:
         return {} if self.source.random_access else {"source": self.source.state_dict()}
@@ -131,7 +133,7 @@ class BatchLoader:
             logger.warning("%s data: the checkpoint predates data fingerprints and records global batches, not "
                            "sequences; assuming it used this run's data and global batch size", self.name)
             rows, saved_batch = int(state["step"]) * self.global_batch_size, self.global_batch_size
-        self._legacy_keys = None
+        self._saved_keys = None
         self.rows_consumed = rows
         if not self.source.random_access:
             self.source.load_state_dict(state["source"])
@@ -157,6 +159,20 @@ class BatchLoader:
         self.rows_consumed, self.epoch = 0, 0
         if not self.source.random_access:
             self.source.load_state_dict(self._initial_source_state)
+
+
+def only_saved(state: dict, saved: set[str], prefix: str = "") -> dict:
+    """The part of a nested state dict whose flattened keys a checkpoint holds."""
+    kept = {}
+    for key, value in state.items():
+        name = prefix + key
+        if isinstance(value, dict):
+            inner = only_saved(value, saved, name + ".")
+            if inner:
+                kept[key] = inner
+        elif name in saved:
+            kept[key] = value
+    return kept
 
 
 def check_evaluation_fits(loader: BatchLoader, steps: int) -> None:

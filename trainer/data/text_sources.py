@@ -15,6 +15,7 @@ length, whatever the parallel layout.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -61,6 +62,8 @@ class StreamingTextSource:
         self.docs_in_epoch = 0  # records of this epoch read
         self.carry = np.zeros(0, dtype=np.int32)  # their tokens not yet in a row
         self.counts = ReadCounts()
+        self.stream_position = ""  # the dataset's own state (JSON) after docs_in_epoch records
+        self._stream = None
         self._iterator = None
 
     def _documents(self):
@@ -68,8 +71,11 @@ class StreamingTextSource:
         the records read (skipped ones too), up to the document last handed out."""
         while True:
             stream = self.open_stream()
-            if self.docs_in_epoch:
-                stream = stream.skip(self.docs_in_epoch)
+            if self.docs_in_epoch and self.stream_position and hasattr(stream, "load_state_dict"):
+                stream.load_state_dict(json.loads(self.stream_position))  # straight to the record
+            elif self.docs_in_epoch:
+                stream = stream.skip(self.docs_in_epoch)  # a checkpoint without the stream's position
+            self._stream = stream
             seen_any = self.docs_in_epoch > 0
             for record in stream:
                 self.docs_in_epoch += 1
@@ -86,7 +92,7 @@ class StreamingTextSource:
                 raise DataError(f"{self.name}: the dataset has no documents")
             if not self.wrap:
                 raise DataExhausted(f"{self.name}: the stream ended (training.dataset_end = 'stop')")
-            self.epoch, self.docs_in_epoch = self.epoch + 1, 0
+            self.epoch, self.docs_in_epoch, self.stream_position = self.epoch + 1, 0, ""
             logger.info("%s: starting epoch %d", self.name, self.epoch)
 
     def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
@@ -114,14 +120,20 @@ class StreamingTextSource:
         return getattr(self.tokenizer, "eos_id", None)
 
     def state_dict(self) -> dict:
+        """The position: rows and records consumed, tokens carried into the next row, and the
+        dataset's own state, from which a resume opens the stream at the next record (in the
+        middle of a data file, without reading the files before it)."""
+        if self._stream is not None and self._iterator is not None and hasattr(self._stream, "state_dict"):
+            self.stream_position = json.dumps(self._stream.state_dict())
         return {"next_row": self.next_row, "epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
-                "carry": self.carry.tolist()}
+                "carry": self.carry.tolist(), "stream_position": self.stream_position}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_row, self.epoch = int(state["next_row"]), int(state["epoch"])
         self.docs_in_epoch = int(state["docs_in_epoch"])
         self.carry = np.asarray(state["carry"], dtype=np.int32)
-        self._iterator = None
+        self.stream_position = state.get("stream_position", "")
+        self._stream, self._iterator = None, None
 
     def describe(self) -> dict:
         return {"source": self.name, "streaming": True, "skipped_records": sum(self.counts.skipped.values())}
