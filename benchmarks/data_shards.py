@@ -116,7 +116,7 @@ def measure_preparing(folder: Path, text_mb: float) -> list[tuple[str, float]]:
     from trainer.data.prepare import prepare
     from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
-    corpus = folder / "text"
+    corpus = folder / f"text-{text_mb:g}mb"
     corpus.mkdir(parents=True, exist_ok=True)
     files = 4
     if not (corpus / "part-3.jsonl").is_file():

@@ -185,6 +185,8 @@ class _Colors:
 
 
 def _fmt(value: float) -> str:
+    if isinstance(value, int):  # counts (tokens per source)
+        return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value == 0 or 1e-3 <= abs(value) < 1e5:
@@ -339,11 +341,11 @@ class MetricsLogger:
         and keys "<prefix>/<name>", and TensorBoard tags "<prefix>/<name>"."""
         self._check_open()
         c = self.colors
-        body = "  ".join(f"{name} {_fmt(float(v))}" for name, v in values.items())
+        body = "  ".join(f"{name} {_fmt(v if isinstance(v, int) else float(v))}" for name, v in values.items())
         logger.info("%s%s step %d%s  %s", c.step, prefix, step, c.reset, body)
         if self.is_log_rank:
             record: dict[str, Any] = {"step": int(step), "kind": prefix}
-            record.update({f"{prefix}/{name}": float(v) for name, v in values.items()})
+            record.update({f"{prefix}/{name}": v if isinstance(v, int) else float(v) for name, v in values.items()})
             record["time"] = time.time()
             self._write(record)
         if self._tb is not None:

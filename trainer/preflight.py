@@ -94,7 +94,19 @@ def _check_data(c: JobConfig) -> None:
         if dataset == "files":
             find_data_files(path, path_key)
         if dataset == "shards":
-            _check_shards(read_manifest(path, path_key), path, path_key, vocab_size, tokenizer, fraction)
+            manifest = read_manifest(path, path_key)
+            _check_shards(manifest, path, path_key, vocab_size, tokenizer, fraction)
+            if key == "training" and c.validation.enable and not c.validation.dataset:
+                _check_held_out(manifest, path, c.validation.seq_len or c.training.seq_len)
+
+
+def _check_held_out(manifest: dict, path: str, seq_len: int) -> None:
+    tokens = manifest["totals"]["validation"]["tokens"]
+    if tokens < seq_len + 1:
+        raise ConfigError(f"validation.enable: {path} holds {tokens} validation tokens, fewer than one sequence of "
+                          f"{seq_len + 1}; prepare it with a larger --validation-fraction (it has "
+                          f"{manifest['validation_fraction']}), set validation.dataset to another source, or lower "
+                          "validation.seq_len")
 
 
 def _check_mixture(c: JobConfig) -> list[tuple[str, str, str]]:

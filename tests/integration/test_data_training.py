@@ -175,6 +175,12 @@ def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     assert "training.dataset_path: " in ignored_path.stderr and "training.dataset is 'synthetic'" in ignored_path.stderr
     not_prepared = launch(2, ["--training.dataset", "shards", "--training.dataset_path", str(folder)])
     assert not_prepared.returncode == 2 and "has no manifest.json" in not_prepared.stderr
+    prepare([str(folder / "docs.jsonl")], str(tokenizer), str(tmp_path / "all-train"), validation_fraction=0.0)
+    no_validation = launch(2, ["--training.dataset", "shards", "--training.dataset_path", str(tmp_path / "all-train"),
+                               "--validation.enable"])
+    assert no_validation.returncode == 2
+    assert "holds 0 validation tokens, fewer than one sequence of 129; prepare it with a larger " \
+           "--validation-fraction (it has 0.0)" in no_validation.stderr  # the debug model's seq_len 128
 
 
 def training_documents(docs: list[str]) -> list[str]:

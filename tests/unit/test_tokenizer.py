@@ -100,3 +100,22 @@ def test_command_line(tmp_path):
                              "--output", str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO)
     assert failed.returncode == 2 and failed.stderr.startswith("error: --input")
     assert "Traceback" not in failed.stderr
+
+
+def test_training_reads_folders_and_compressed_files_and_refuses_others(tmp_path):
+    import gzip
+    import json
+
+    (tmp_path / "corpus").mkdir()
+    with gzip.open(tmp_path / "corpus" / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": s}) + "\n" for s in sentences(800))
+    (tmp_path / "corpus" / "b.txt").write_text("\n\n".join(sentences(400, seed=1)))
+    path = train_tokenizer([str(tmp_path / "corpus")], str(tmp_path / "tok"), 300, text_field="body")
+    tokenizer = Tokenizer(path)
+    assert tokenizer.vocab_size == 300
+    assert tokenizer.decode(tokenizer.encode("The quick model.")) == "The quick model."
+    (tmp_path / "corpus" / "README.md").write_text("notes")
+    with pytest.raises(TokenizerError, match="README.md is not a supported data file"):
+        train_tokenizer([str(tmp_path / "corpus")], str(tmp_path / "tok2"), 300, text_field="body")
+    with pytest.raises(TokenizerError, match="--text-field: .*a.jsonl.gz line 1 has no field 'text'"):
+        train_tokenizer([str(tmp_path / "corpus" / "a.jsonl.gz")], str(tmp_path / "tok3"), 300)

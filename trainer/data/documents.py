@@ -97,12 +97,15 @@ class ReadCounts:
         return ", ".join(f"{path}: {n}" for path, n in sorted(self.skipped.items()))
 
 
+FIELD_KEY = "training.dataset_text_field"  # the key messages name (command-line tools name their flag)
+
+
 def record_text(record, text_field: str, where: str, counts: ReadCounts, path: str) -> str | None:
     """The text of one record, or None (counted) when it is null, not a string or blank."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record must be a JSON object with field {text_field!r}, not {type(record).__name__}")
     if text_field not in record:
-        raise DataError(f"training.dataset_text_field: {where} has no field {text_field!r}; "
+        raise DataError(f"{FIELD_KEY}: {where} has no field {text_field!r}; "
                         f"its fields are {', '.join(map(str, record)) or 'none'}")
     text = record[text_field]
     if not isinstance(text, str) or not text.strip():
@@ -161,7 +164,7 @@ def _parquet(path: str, text_field: str, counts: ReadCounts) -> Iterator[str]:
     except Exception as e:  # pyarrow raises several types for files that are not parquet
         raise DataError(f"{path}: cannot read as parquet: {e}") from None
     if text_field not in table.schema_arrow.names:
-        raise DataError(f"training.dataset_text_field: {path} has no field {text_field!r}; "
+        raise DataError(f"{FIELD_KEY}: {path} has no field {text_field!r}; "
                         f"its fields are {', '.join(table.schema_arrow.names)}")
     row = 0
     for batch in table.iter_batches(columns=[text_field], batch_size=4096):

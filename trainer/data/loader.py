@@ -181,7 +181,12 @@ def check_evaluation_fits(loader: BatchLoader, steps: int) -> None:
     if not hasattr(loader.source, "rows_per_epoch"):  # endless, or a stream of unknown length
         return
     available = loader.source.rows_per_epoch(loader.row_length)
-    loader.source.check_available(0, loader.row_length)  # DataError when it holds no whole sequence
+    try:
+        loader.source.check_available(0, loader.row_length)  # DataError when it holds no whole sequence
+    except DataError as e:
+        raise DataError(f"{e}: the validation split is empty for this sequence length; lower validation.seq_len, "
+                        "hold out more documents (training.validation_fraction, or prepare --validation-fraction), "
+                        "or set validation.dataset") from None
     needed = steps * loader.global_batch_size
     if needed > available:
         logger.warning("%s data: one evaluation reads %d sequences of %d tokens but the split holds %d, so some are "

@@ -29,7 +29,7 @@ from typing import Iterator
 
 import numpy as np
 
-from trainer.data.documents import DataError, ReadCounts, find_data_files, read_file, record_text
+from trainer.data.documents import FIELD_KEY, DataError, ReadCounts, find_data_files, read_file, record_text
 from trainer.data.hashing import document_unit
 from trainer.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, token_dtype
 from trainer.data.tokenizer import Tokenizer, TokenizerError
@@ -200,6 +200,7 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
     records = {} if overwrite else {
         t["name"]: r for t in tasks if (r := _done_record(out, t["name"], t.get("path"), settings))}
     todo = [t for t in tasks if t["name"] not in records]
+    _warn_of_stale_parts(out, {t["name"] for t in tasks})
     logger.info("%d parts: %d prepared earlier, %d to tokenize with %d workers", len(tasks), len(records), len(todo),
                 workers)
     with ProcessPoolExecutor(max_workers=max(1, workers), initializer=_load_tokenizer,
@@ -210,6 +211,15 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
                 s["documents"] for s in record["splits"].values()), sum(s["tokens"] for s in record["splits"].values()),
                 record["seconds"])
     return _write_manifest(out, tokenizer, settings, [records[t["name"]] for t in sorted(tasks, key=lambda t: t["order"])])
+
+
+def _warn_of_stale_parts(out: Path, current: set[str]) -> None:
+    """Parts of inputs no longer given stay on disk (nothing prepared is deleted) but leave the
+    manifest: say which, so that the user can remove them."""
+    stale = sorted(p.stem for p in (out / "parts").glob("*.json") if p.stem not in current)
+    if stale:
+        logger.warning("%d parts in %s are not among the inputs and leave the manifest (their files stay; delete "
+                       "them if unwanted): %s", len(stale), out, ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else ""))
 
 
 def _file_tasks(inputs: list[str]) -> list[dict]:
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                            encode_threads=args.encode_threads, overwrite=args.overwrite, dataset=args.dataset,
                            dataset_path=args.dataset_path, split=args.split)
     except (DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {str(e).replace(FIELD_KEY, '--text-field')}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
     totals = manifest["totals"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -81,21 +80,16 @@ def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 
 
 def _training_lines(inputs: list[str], text_field: str):
-    """Text of the input files, line by line: .txt as is, .jsonl/.json records' text_field."""
-    for name in inputs:
-        path = Path(name)
-        if not path.is_file():
-            raise TokenizerError(f"--input: {name!r} does not exist")
-        if path.suffix in (".jsonl", ".json"):
-            with open(path) as f:
-                records = json.load(f) if path.suffix == ".json" else (json.loads(line) for line in f if line.strip())
-                for record in records:
-                    if text_field not in record:
-                        raise TokenizerError(f"--input: {name} has a record without field {text_field!r}")
-                    yield from (line for line in str(record[text_field]).splitlines() if line.strip())
-        else:
-            with open(path, errors="replace") as f:
-                yield from (line.rstrip("\n") for line in f if line.strip())
+    """The text of the input files, line by line: files, folders and globs of every format the
+    data pipeline reads (trainer.data.documents), compressed or not."""
+    from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
+
+    try:
+        files = sorted({f for path in inputs for f in find_data_files(path, key="--input")})
+        for document in read_files(files, text_field, ReadCounts()):
+            yield from (line for line in document.splitlines() if line.strip())
+    except DataError as e:
+        raise TokenizerError(str(e).replace("training.dataset_text_field", "--text-field")) from None
 
 
 def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int, *, model_type: str = "bpe",
@@ -129,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a SentencePiece model on local text")
-    train.add_argument("--input", nargs="+", required=True, help=".txt, .jsonl or .json files")
+    train.add_argument("--input", nargs="+", required=True,
+                       help="files, folders or globs: .jsonl/.json/.parquet/.txt, optionally .gz/.bz2/.xz/.zst")
     train.add_argument("--vocab-size", type=int, required=True)
     train.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
     train.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    train.add_argument("--text-field", default="text", help="field of .jsonl/.json records")
+    train.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet records")
     train.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model")
     encode = commands.add_parser("encode", help="print the token ids of a text")
     encode.add_argument("--model", required=True)
