@@ -342,3 +342,19 @@ def test_prepare_streams_a_hugging_face_dataset_in_parts(tmp_path, tokenizer_pat
     assert "2 parts: 2 prepared earlier, 0 to tokenize" in caplog.text and again["digest"] == manifest["digest"]
     with pytest.raises(DataError, match="give either --input .* or --dataset"):
         prepare([str(tmp_path)], tokenizer_path, str(tmp_path / "other"), dataset="c4")
+
+
+def test_files_count_the_records_without_text(tmp_path, caplog):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["One.", None, " ", "Two.", 3]))
+
+    class Bytes:
+        vocab_size, bos_id, eos_id = 259, 1, 2
+
+        def encode_batch_documents(self, texts):
+            return [[1, *(b + 3 for b in t.encode()), 2] for t in texts]
+
+    with caplog.at_level(logging.WARNING, logger="trainer.data.build"):
+        source = build_source("files", str(tmp_path / "a.jsonl"), split="train", vocab_size=259, seed=0,
+                              tokenizer=Bytes(), text_field="text", wrap=True, validation_fraction=0.0)
+    assert source.describe()["skipped_records"] == 3 and source.token_count == 2 * 2 + 4 + 4
+    assert "a.jsonl: 3" in caplog.text

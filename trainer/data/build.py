@@ -21,6 +21,7 @@ validation split is the same mixture of the sources' validation splits.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
@@ -28,6 +29,8 @@ from trainer.data.finite_sources import ShardSource, TokenArraySource
 from trainer.data.hashing import document_unit
 from trainer.data.mixture import MixtureSource
 from trainer.data.synthetic import SyntheticMarkovSource
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FRACTION = 0.05
 FINITE = ("files", "shards")
@@ -51,10 +54,12 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
         raise DataError(f"{key}: {path!r} holds no {split} documents"
                         + (f" (validation takes {validation_fraction:.3g} of the documents by a hash of their text: "
                            "add documents or raise training.validation_fraction)" if want_validation else ""))
-    source = TokenArraySource(tokenize_documents(documents, tokenizer), name=f"files:{path}:{split}", wrap=wrap,
-                              shuffle_seed=shuffle_seed, eos_id=tokenizer.eos_id)
-    source.skipped_records = sum(counts.skipped.values())
-    return source
+    if counts.skipped:
+        logger.warning("%s: records without text (null, not a string, or blank) skipped: %s", key,
+                       counts.describe_skipped())
+    return TokenArraySource(tokenize_documents(documents, tokenizer), name=f"files:{path}:{split}", wrap=wrap,
+                            shuffle_seed=shuffle_seed, eos_id=tokenizer.eos_id,
+                            skipped_records=sum(counts.skipped.values()))
 
 
 def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,

@@ -83,9 +83,10 @@ class TokenArraySource(FiniteTokenSource):
     """A token array in memory (local files tokenized at start, or a test's own tokens)."""
 
     def __init__(self, tokens: np.ndarray, *, name: str, wrap: bool = True, shuffle_seed: int | None = None,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, skipped_records: int = 0):
         super().__init__(name=name, wrap=wrap, shuffle_seed=shuffle_seed, eos_id=eos_id)
         self.tokens = tokens
+        self.skipped_records = skipped_records  # records without text, for the run record
         self.token_count = len(tokens)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
@@ -96,7 +97,8 @@ class TokenArraySource(FiniteTokenSource):
         return {**super().fingerprint(), "tokens_sha256": digest}
 
     def describe(self) -> dict:
-        return {"source": self.name, "tokens": int(self.token_count), "shuffle_seed": self.shuffle_seed}
+        return {"source": self.name, "tokens": int(self.token_count), "shuffle_seed": self.shuffle_seed,
+                "skipped_records": self.skipped_records}
 
 
 class ShardSource(FiniteTokenSource):
