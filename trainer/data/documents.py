@@ -18,6 +18,7 @@ import bz2
 import glob
 import gzip
 import io
+import itertools
 import json
 import lzma
 import os
@@ -131,8 +132,8 @@ def _json_file(handle, path: str, text_field: str, counts: ReadCounts) -> Iterat
     head = handle.read(1)
     while head and head.isspace():
         head = handle.read(1)
-    if head != "[":  # records one per line, as .jsonl
-        yield from _json_lines(io.StringIO(head + handle.read()), path, text_field, counts)
+    if head != "[":  # records one per line, as .jsonl: read on line by line, not held whole
+        yield from _json_lines(itertools.chain([head + handle.readline()], handle), path, text_field, counts)
         return
     try:
         records = json.loads(head + handle.read())
