@@ -22,6 +22,8 @@ from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.parallel.dims import ParallelDims, layout_problems
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -175,7 +177,25 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
             f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size {local} x "
             f"data-parallel degree {dims.dp} = {per_pass}; use a multiple of {per_pass} or -1"
         )
+    check_stream_lanes(config, dims, global_batch)
     return RunPlan(dims=dims, global_batch_size=global_batch, accumulation_steps=global_batch // per_pass)
+
+
+def check_stream_lanes(config: JobConfig, dims: ParallelDims, global_batch: int) -> None:
+    """A streamed dataset's lanes must split every global batch; they share the reading evenly
+    only as a multiple of the data-parallel degree (else some ranks read lanes they share)."""
+    from trainer.data.build import is_streamed
+
+    lanes = config.training.stream_lanes
+    if not is_streamed(config.training.dataset) or config.training.datasets:
+        return
+    if global_batch % lanes:
+        raise ConfigError(f"training.stream_lanes: {lanes} lanes do not split the global batch of {global_batch} "
+                          f"sequences; use a divisor of it (a multiple of the data-parallel degree {dims.dp} shares "
+                          "the reading evenly)")
+    if lanes % dims.dp:
+        logger.info("training.stream_lanes: %d lanes over %d data-parallel ranks: ranks read whole lanes even where "
+                    "they train on part of one; a multiple of %d shares the reading evenly", lanes, dims.dp, dims.dp)
 
 
 def describe_degrees(dims: ParallelDims) -> str:

@@ -32,7 +32,7 @@ from trainer.checkpoint import (
 )
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
-from trainer.data.loader import BatchLoader, check_evaluation_fits
+from trainer.data.loader import BatchLoader, ProcessGroupPeers, check_evaluation_fits
 from trainer.data.build import build_sources, document_eos
 from trainer.data.documents import DataError
 from trainer.data.finite_sources import DataExhausted
@@ -137,6 +137,7 @@ class Trainer:
             train_source, seq_len=config.training.seq_len, global_batch_size=self.plan.global_batch_size,
             local_batch_size=config.training.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
             accept_data_change=config.checkpoint.accept_data_change, document_eos=eos,
+            peers=ProcessGroupPeers(self.device),
         )
         if validation_source is None:
             return train, None
@@ -325,6 +326,9 @@ class Trainer:
 
     def close(self) -> None:
         gc.enable()
+        for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None)):
+            if loader is not None:
+                loader.close()  # a streamed source's reading threads and tokenizer processes
         self.checkpointer.wait()
         self.metrics.close()
         if self.record is not None:

@@ -52,6 +52,11 @@ def text_corpus(tmp_path_factory):
         with open(folder / "hub" / "data" / f"{split}-00000-of-00001.jsonl", "w") as f:
             for doc in part:
                 f.write(json.dumps({"text": doc}) + "\n")
+    (folder / "hub4" / "data").mkdir(parents=True)  # four data files: four lanes
+    for index in range(4):
+        with open(folder / "hub4" / "data" / f"train-{index:05d}-of-00004.jsonl", "w") as f:
+            for doc in docs[index * 700:(index + 1) * 700]:
+                f.write(json.dumps({"text": doc}) + "\n")
     tokenizer = train_tokenizer([str(folder / "docs.jsonl")], str(folder / "tok"), 512)
     return folder, tokenizer
 
@@ -100,6 +105,29 @@ def test_shards_resume_under_another_global_batch_and_refuse_other_data(tmp_path
     assert resumed.returncode == 0, describe(resumed)
     assert "global batch was 8 sequences, this run's is 4: continuing after sequence 48" in resumed.stdout
     assert [r["step"] for r in read_metrics(tmp_path) if "kind" not in r][-2:] == [7, 8]
+
+
+def test_a_stream_read_in_lanes_resumes_exactly_under_another_layout(tmp_path, text_corpus):
+    """Two ranks read two lanes each (in tokenizer processes); their positions, gathered into the
+    checkpoint, let one process continue all four lanes where they were."""
+    folder, tokenizer = text_corpus
+    job = [*TEXT_JOB, "--training.dataset", "c4", "--training.dataset_path", str(folder / "hub4"),
+           "--training.stream_lanes", "4", "--training.global_batch_size", "8", "--model.tokenizer_path",
+           str(tokenizer), "--metrics.log_freq", "1",
+           "--lr_scheduler.warmup_steps", "10"]  # step s has the same learning rate in a 5- and an 8-step run
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only", "false",
+              "--job.dump_folder", str(tmp_path / "split")]
+    whole = launch(2, [*job, "--training.steps", "8", "--job.dump_folder", str(tmp_path / "whole")])
+    assert whole.returncode == 0, describe(whole)
+    first = launch(2, [*job, *saving, "--training.steps", "5"])
+    assert first.returncode == 0, describe(first)
+    resumed = launch(1, [*job, *saving, "--training.steps", "8"])
+    assert resumed.returncode == 0, describe(resumed)
+    expected = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole") if "kind" not in r}
+    continued = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split") if "kind" not in r}
+    assert sorted(continued) == list(range(1, 9))
+    for step in range(6, 9):  # fp32: the layouts differ by summation order only
+        assert abs(continued[step] - expected[step]) < 1e-4, (step, continued[step], expected[step])
 
 
 def test_a_weighted_mixture_trains_and_counts_tokens_per_source(tmp_path, text_corpus, shard_folder):

@@ -18,7 +18,6 @@ from trainer.data.documents import DataError, ReadCounts, find_data_files, read_
 from trainer.data.finite_sources import DataExhausted, TokenArraySource
 from trainer.data.hashing import document_unit
 from trainer.data.synthetic import SyntheticMarkovSource
-from trainer.data.text_sources import StreamingTextSource, hub_stream_opener
 from trainer.parallel.dims import ParallelDims
 
 SEQ = 16
@@ -243,60 +242,6 @@ def test_file_errors(tmp_path):
                      text_field="text", wrap=True)
 
 
-def make_hub_folder(folder):
-    """A dataset folder laid out like a hub repository: data/<split>-*.jsonl."""
-    (folder / "data").mkdir(parents=True)
-    for split, docs in (("train", DOCS[:50]), ("validation", DOCS[50:])):
-        with open(folder / "data" / f"{split}-00000-of-00001.jsonl", "w") as f:
-            for doc in docs:
-                f.write(json.dumps({"text": doc}) + "\n")
-
-
-def streamed(folder, split="train", wrap=True):
-    return StreamingTextSource(hub_stream_opener("c4", str(folder), split), ByteTokenizer(), text_field="text",
-                               name=f"c4:{split}", wrap=wrap)
-
-
-def test_hub_dataset_from_local_folder_streams_in_order(tmp_path):
-    make_hub_folder(tmp_path / "c4")
-    stream = np.concatenate([ByteTokenizer().encode_document(d) for d in DOCS[:50]])
-    source = streamed(tmp_path / "c4")
-    assert np.array_equal(source.rows(0, 3, 20), stream[:60].reshape(3, 20))
-    assert np.array_equal(source.rows(5, 2, 20), stream[100:140].reshape(2, 20))  # rows 3, 4 skipped
-    validation = streamed(tmp_path / "c4", split="validation")
-    first_val = ByteTokenizer().encode_document(DOCS[50])
-    assert validation.rows(0, 1, 10).tolist() == [first_val[:10]]
-
-
-def test_hub_stream_resumes_exactly_under_another_layout(tmp_path):
-    make_hub_folder(tmp_path / "c4")
-    uninterrupted = loaders(lambda: streamed(tmp_path / "c4"), 2, 4)
-    expected = [global_batch_rows(uninterrupted) for _ in range(40)]  # 50 documents ~ 3.4k tokens: wraps
-    first = loaders(lambda: streamed(tmp_path / "c4"), 2, 4)
-    for _ in range(30):
-        global_batch_rows(first)
-    state = json.loads(json.dumps(first[1].state_dict()))  # survives serialization
-    assert state == first[0].state_dict()
-    resumed = loaders(lambda: streamed(tmp_path / "c4"), 4, 2)
-    for loader in resumed:
-        loader.load_state_dict(state)
-    assert state["source"]["epoch"] == 1  # resumed inside the second pass over the stream
-    for step in range(30, 40):
-        assert torch.equal(global_batch_rows(resumed), expected[step]), step
-
-
-def test_hub_stream_errors(tmp_path):
-    make_hub_folder(tmp_path / "c4")
-    source = StreamingTextSource(hub_stream_opener("c4", str(tmp_path / "c4"), "train"), ByteTokenizer(),
-                                 text_field="body", name="c4:train")
-    with pytest.raises(DataError, match="no field 'body'; its fields are text"):
-        source.rows(0, 1, 10)
-    with pytest.raises(DataExhausted, match="stream ended"):
-        streamed(tmp_path / "c4", wrap=False).rows(0, 1000, 20)
-    with pytest.raises(DataError, match="cannot open"):
-        hub_stream_opener("c4", str(tmp_path / "nothing-here"), "train")()
-
-
 def test_entropy_floor_is_ln_branching_bound():
     assert SyntheticMarkovSource(vocab_size=300, seed=0).entropy_floor < math.log(16)
 
@@ -330,22 +275,3 @@ def test_a_finite_source_ends_on_every_rank_at_the_same_global_batch(dp):
         loader.next_batch()
         with pytest.raises(DataExhausted, match="ends after 11 sequences"):
             loader.next_batch()
-
-
-def test_a_resumed_stream_starts_at_its_record_without_reading_the_files_before(tmp_path):
-    (tmp_path / "c4" / "data").mkdir(parents=True)
-    for index in range(4):
-        (tmp_path / "c4" / "data" / f"train-0000{index}-of-00004.jsonl").write_text(
-            "".join(json.dumps({"text": d}) + "\n" for d in DOCS[index * 15:(index + 1) * 15]))
-    whole_rows = sum(len(d) + 2 for d in DOCS) // 20  # one epoch: the test stays inside it
-    expected = streamed(tmp_path / "c4").rows(0, whole_rows, 20)
-    first = streamed(tmp_path / "c4")
-    first.rows(0, 170, 20)  # into the fourth file
-    state = json.loads(json.dumps(first.state_dict()))
-    assert 45 < state["docs_in_epoch"] < 60 and state["stream_position"]
-    # The second file is damaged after the save: a resume that read it again would fail. (The
-    # first one is read by `datasets` to learn the records' fields whenever a stream opens.)
-    (tmp_path / "c4" / "data" / "train-00001-of-00004.jsonl").write_text("not json\n" * 15)
-    resumed = streamed(tmp_path / "c4")
-    resumed.load_state_dict(state)
-    assert np.array_equal(resumed.rows(170, whole_rows - 170, 20), expected[170:])

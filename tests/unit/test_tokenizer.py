@@ -58,6 +58,16 @@ def test_document_encoding(tokenizer_path):
     assert tok.encode_batch_documents(docs) == [tok.encode_document(d) for d in docs]
 
 
+def test_a_pickled_tokenizer_loads_its_file_again(tokenizer_path):
+    """Tokenizer worker processes receive the tokenizer pickled."""
+    import pickle
+
+    tokenizer = Tokenizer(tokenizer_path)
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    assert copy.path == tokenizer.path and copy.sha256 == tokenizer.sha256
+    assert copy.encode_batch_documents(["hello world", "again"]) == tokenizer.encode_batch_documents(["hello world", "again"])
+
+
 def test_vocab_must_fit_the_model(tokenizer_path):
     tok = Tokenizer(tokenizer_path)
     check_vocab_fits(tok, 400)

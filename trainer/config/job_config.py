@@ -150,9 +150,25 @@ class Training:
     Needs a source made of documents (not 'synthetic'); not available with pipeline parallelism."""
 
     shuffle: bool = True
-    """Finite sources ('files', 'shards'): read the sequences of every epoch in a new order, a
-    seeded permutation of (data seed, epoch) that is the same in every parallel layout. false:
-    in file order, every epoch alike. Streams are read in their own order."""
+    """Read every epoch in a new order, a seeded permutation of (data seed, epoch) that is the
+    same in every parallel layout: the sequences of 'files' and 'shards'; the order of each
+    lane's data files for streamed datasets (documents within a file stay in file order).
+    false: in file order, every epoch alike."""
+
+    stream_lanes: int = 1
+    """Streamed datasets: the number of lanes, independent streams over disjoint sets of the
+    dataset's data files (file i in lane i mod lanes). Lane j fills rows [j*G/lanes,
+    (j+1)*G/lanes) of every global batch of G rows, so each data-parallel rank reads and
+    tokenizes only the lanes of its own rows: a multiple of the data-parallel degree shares the
+    work evenly (1: every rank reads the whole stream). Must divide the global batch size, be at
+    most the number of data files, and stay the same for a whole run (it decides the rows)."""
+
+    stream_workers: int = 1
+    """Streamed datasets: tokenizer processes per lane (each rank runs them for its own lanes),
+    fed by a reading thread. 0: tokenize in the training process, as rows are needed."""
+
+    stream_prefetch: int = 4
+    """Streamed datasets: chunks (~256 KB of text each) per lane held tokenized ahead of use."""
 
     data_seed: Optional[int] = None
     """Seed of the data: the shuffled order of files and shards, and the synthetic source's chain

@@ -294,6 +294,9 @@ def validate(config: JobConfig) -> None:
         f"training.global_batch_size: must be -1 (local x data-parallel degree) or >= 1, got {c.training.global_batch_size}",
     )
     need(c.training.seq_len >= 2, f"training.seq_len: must be >= 2, got {c.training.seq_len}")
+    need(c.training.stream_lanes >= 1, f"training.stream_lanes: must be >= 1, got {c.training.stream_lanes}")
+    need(c.training.stream_workers >= 0, f"training.stream_workers: must be >= 0, got {c.training.stream_workers}")
+    need(c.training.stream_prefetch >= 1, f"training.stream_prefetch: must be >= 1, got {c.training.stream_prefetch}")
     for key in ("loss_scale_initial", "loss_scale_min"):
         value = getattr(c.training, key)
         need(value > 0 and math.frexp(value)[0] == 0.5, f"training.{key}: must be a power of two (so that unscaling "

@@ -13,7 +13,7 @@ raises DataExhausted past the end of a finite source that does not wrap.
 | synthetic      | synthetic.SyntheticMarkovSource         | other walks of the same chain             |
 | files          | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
-| hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split          |
+| hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split (one lane, in order) |
 
 [[training.datasets]] mixes files and shards sources by weight (mixture.MixtureSource); its
 validation split is the same mixture of the sources' validation splits.
@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FRACTION = 0.05
 FINITE = ("files", "shards")
+
+
+def is_streamed(dataset: str) -> bool:
+    """A Hugging Face dataset by name or id, read as a stream."""
+    return dataset not in ("synthetic", "files", "shards")
 
 
 def data_seed(config) -> int:
@@ -64,8 +69,9 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
 
 def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,
                  text_field: str, wrap: bool, shuffle: bool = False, validation_fraction: float | None = None,
-                 key: str = "training"):
-    """The token source of one split of `dataset` (key: the config section, for messages)."""
+                 key: str = "training", stream: dict | None = None):
+    """The token source of one split of `dataset` (key: the config section, for messages; stream:
+    lanes, workers and prefetch of a streamed dataset, by default one lane read inline)."""
     from trainer.data import text_sources as text
 
     shuffle_seed = seed if shuffle else None
@@ -86,7 +92,8 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
         return files_source(dataset_path, split, tokenizer=tokenizer, text_field=text_field, wrap=wrap,
                             shuffle_seed=shuffle_seed, validation_fraction=fraction, key=f"{key}.dataset_path")
     opener = text.hub_stream_opener(dataset, dataset_path, split)
-    return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap)
+    return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap,
+                                    shuffle_seed=shuffle_seed, **(stream or {}))
 
 
 def document_eos(config, source) -> int | None:
@@ -124,8 +131,9 @@ def build_sources(config, vocab_size: int):
     if t.datasets:
         train = build_mixture(t.datasets, "train", wrap=t.dataset_end == "wrap", shuffle=t.shuffle, **common)
     else:
+        stream = dict(lanes=t.stream_lanes, workers=t.stream_workers, prefetch=t.stream_prefetch)
         train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap",
-                             shuffle=t.shuffle, **common)
+                             shuffle=t.shuffle, stream=stream, **common)
     if not v.enable:
         return train, None
     if t.datasets and not v.dataset:

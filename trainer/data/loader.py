@@ -5,8 +5,8 @@ far and G the global batch size. DP rank r takes the contiguous block [c + r*G/d
 and splits it into microbatches of the local batch size (gradient accumulation). Tensor-,
 pipeline- and context-parallel ranks of the same DP rank get the same rows.
 
-The loader's state is the rows consumed (plus, for streamed sources, the stream position), the
-same on every rank: a run resumes under any layout and any global batch size exactly after the
+The loader's state is the rows consumed (plus, for streamed sources, every lane's position,
+gathered from the ranks that read them), the same on every rank: a run resumes under any layout and any global batch size exactly after the
 last row it trained on. It also holds the data's fingerprint (source, its size and content hash,
 tokenizer, sequence length, shuffling seed): resuming on other data is an error unless
 checkpoint.accept_data_change says it is meant.
@@ -20,9 +20,45 @@ import logging
 import torch
 
 from trainer.data.documents import DataError
+from trainer.data.finite_sources import DataExhausted
 from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
+
+
+class LocalPeers:
+    """The other data-parallel readers, seen from a single process: there are none."""
+
+    @staticmethod
+    def gather(obj) -> list:
+        return [obj]
+
+    @staticmethod
+    def any(flag: bool) -> bool:
+        return flag
+
+
+class ProcessGroupPeers:
+    """Every rank of the job: streamed lanes are read by some ranks only, so their positions are
+    gathered for checkpoints, and the end of a lane is agreed on before anyone stops."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @staticmethod
+    def gather(obj) -> list:
+        import torch.distributed as dist
+
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def any(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
 
 class BatchLoader:
@@ -33,13 +69,18 @@ class BatchLoader:
 
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, device: torch.device, name: str = "training",
-                 accept_data_change: bool = False, pad_uneven: bool = False, document_eos: int | None = None):
+                 accept_data_change: bool = False, pad_uneven: bool = False, document_eos: int | None = None,
+                 peers=LocalPeers()):
         rows_per_rank = -(-global_batch_size // dp_degree)
         if not pad_uneven and (global_batch_size % dp_degree or rows_per_rank % local_batch_size):
             raise ValueError(
                 f"global batch {global_batch_size} does not split into {dp_degree} data-parallel ranks "
                 f"x whole local batches of {local_batch_size}"
             )
+        if not source.random_access and global_batch_size % source.lanes:
+            raise ValueError(f"{name}: global batch {global_batch_size} does not split into the stream's "
+                             f"{source.lanes} lanes (training.stream_lanes)")
+        self.peers = peers
         self.source = source
         self.row_length = seq_len + 1  # inputs and labels are the row shifted by one token
         self.global_batch_size = global_batch_size
@@ -57,7 +98,7 @@ class BatchLoader:
         self.epoch = 0
         self.accept_data_change = accept_data_change
         self.document_eos = document_eos  # document masking: the token after an EOS is no target
-        self._initial_source_state = self._source_state()
+        self._initial_source_state = None if source.random_access else source.state_dict()
         self._saved_keys: set[str] | None = None  # the keys of the checkpoint about to be loaded
 
     @property
@@ -71,9 +112,21 @@ class BatchLoader:
             # whose own rows still exist must not train on while its peers have stopped).
             self.source.check_available(first + self.global_batch_size - 1, self.row_length)
             return self.source.rows(first + self.own_first, count, self.row_length)
-        # A stream is read whole on every rank so its position stays rank-independent.
-        rows = self.source.rows(first, self.global_batch_size, self.row_length)
-        return rows[self.own_first:self.own_stop]
+        return self._agreed(lambda: self.source.batch_rows(first, self.global_batch_size, self.own_first,
+                                                           self.own_stop, self.row_length))
+
+    def _agreed(self, read):
+        """A stream's rows, once every rank knows whether all of them got theirs: a lane that does
+        not wrap may end on one rank while the others still read."""
+        if self.source.wrap:
+            return read()
+        try:
+            rows, ended = read(), None
+        except DataExhausted as e:
+            rows, ended = None, e
+        if self.peers.any(ended is not None):
+            raise ended or DataExhausted(f"{self.name} data: a stream lane read by another rank ended")
+        return rows
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's microbatches (inputs, labels) of the next global batch.
@@ -102,9 +155,6 @@ class BatchLoader:
                 labels[inputs == self.document_eos] = IGNORE_INDEX
         return list(zip(inputs.split(self.local_batch_size), labels.split(self.local_batch_size)))
 
-    def _source_state(self) -> dict | None:
-        return None if self.source.random_access else self.source.state_dict()
-
     def fingerprint(self) -> dict:
         """What decides the rows: the source's identity and the sequence length."""
         return {**self.source.fingerprint(), "seq_len": self.row_length - 1}
@@ -123,7 +173,9 @@ class BatchLoader:
         return only_saved({**state, "step": 0}, self._saved_keys)
 
     def _stream_state(self) -> dict:
-        return {} if self.source.random_access else {"source": self.source.state_dict()}
+        if self.source.random_access:
+            return {}
+        return {"source": self.source.merge_states(self.peers.gather(self.source.state_dict()))}
 
     def load_state_dict(self, state: dict) -> None:
         if "rows_consumed" in state:
@@ -153,6 +205,10 @@ class BatchLoader:
             raise DataError(f"{message}. Resume with the data it was trained on, or set "
                             "checkpoint.accept_data_change = true to go on with this data on purpose")
         logger.warning("%s (checkpoint.accept_data_change): continuing after the same number of sequences", message)
+
+    def close(self) -> None:
+        if hasattr(self.source, "close"):
+            self.source.close()
 
     def reset(self) -> None:
         """Back to the first batch (validation reads the same batches at every evaluation)."""

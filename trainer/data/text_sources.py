@@ -7,21 +7,19 @@ length, whatever the parallel layout.
 - Local files (`training.dataset = "files"`) are tokenized once at start into memory
   (trainer.data.finite_sources.TokenArraySource): for small corpora; large ones are prepared
   into shards once (trainer.data.prepare).
-- Hugging Face datasets by name are streamed: rows come in order, and every data-parallel rank
-  reads the whole stream (keeping only its rows), so the stream position is the same on all
-  ranks and a run resumes under any layout. That costs each rank the tokenization of the global
-  batch.
+- Hugging Face datasets by name are streamed in lanes (trainer.data.stream_lanes): each
+  data-parallel rank reads and tokenizes (in worker processes, ahead of use) only the lanes its
+  rows come from; the rows do not depend on the layout, and a run resumes under any layout.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
 
-from trainer.data.documents import DataError, ReadCounts, record_text
-from trainer.data.finite_sources import DataExhausted
+from trainer.data.documents import DataError, ReadCounts
+from trainer.data.stream_lanes import Lane, LaneState, StreamFiles
 
 logger = logging.getLogger(__name__)
 
@@ -48,98 +46,98 @@ def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np
 
 
 class StreamingTextSource:
-    """Rows from a stream of documents, in order only. State: documents consumed and the tokens
-    carried over into the next row, so a restored source continues with the same rows."""
+    """Rows of a streamed dataset read in lanes (trainer.data.stream_lanes): lane j holds rows
+    [j*G/L, (j+1)*G/L) of every global batch of G rows, so a data-parallel rank reads only the
+    lanes its rows fall in. Rows come in order only. State: every lane's position."""
 
     random_access = False
     entropy_floor = None
 
-    def __init__(self, open_stream, tokenizer, *, text_field: str, name: str, wrap: bool = True):
+    def __init__(self, open_stream, tokenizer, *, text_field: str, name: str, wrap: bool = True, lanes: int = 1,
+                 shuffle_seed: int | None = None, workers: int = 0, prefetch: int = 4):
         self.open_stream, self.tokenizer, self.text_field = open_stream, tokenizer, text_field
-        self.name, self.wrap = name, wrap
-        self.next_row = 0
-        self.epoch = 0
-        self.docs_in_epoch = 0  # records of this epoch read
-        self.carry = np.zeros(0, dtype=np.int32)  # their tokens not yet in a row
+        self.name, self.wrap, self.lanes, self.shuffle_seed = name, wrap, lanes, shuffle_seed
+        self.workers, self.prefetch = workers, prefetch
         self.counts = ReadCounts()
-        self.stream_position = ""  # the dataset's own state (JSON) after docs_in_epoch records
-        self._stream = None
-        self._iterator = None
+        self.states = {lane: LaneState() for lane in range(lanes)}  # this rank's lanes are current
+        self._open: dict[int, Lane] = {}
+        self._files: StreamFiles | None = None
 
-    def _documents(self):
-        """Document texts from the current position on, epoch after epoch. docs_in_epoch counts
-        the records read (skipped ones too), up to the document last handed out."""
-        while True:
-            stream = self.open_stream()
-            if self.docs_in_epoch and self.stream_position and hasattr(stream, "load_state_dict"):
-                stream.load_state_dict(json.loads(self.stream_position))  # straight to the record
-            elif self.docs_in_epoch:
-                stream = stream.skip(self.docs_in_epoch)  # a checkpoint without the stream's position
-            self._stream = stream
-            seen_any = self.docs_in_epoch > 0
-            for record in stream:
-                self.docs_in_epoch += 1
-                seen_any = True
-                text = record_text(record, self.text_field, f"{self.name} record {self.docs_in_epoch}",
-                                   self.counts, self.name)
-                if text is None:
-                    if self.counts.skipped[self.name] == 1:
-                        logger.warning("%s: record %d has no text (null, not a string, or blank): skipped; such "
-                                       "records are skipped and counted in run_meta.json", self.name, self.docs_in_epoch)
-                    continue
-                yield text
-            if not seen_any:
-                raise DataError(f"{self.name}: the dataset has no documents")
-            if not self.wrap:
-                raise DataExhausted(f"{self.name}: the stream ended (training.dataset_end = 'stop')")
-            self.epoch, self.docs_in_epoch, self.stream_position = self.epoch + 1, 0, ""
-            logger.info("%s: starting epoch %d", self.name, self.epoch)
+    def files(self) -> StreamFiles:
+        if self._files is None:
+            self._files = StreamFiles(self.open_stream(), lanes=self.lanes, shuffle_seed=self.shuffle_seed,
+                                      name=self.name)
+        return self._files
 
-    def rows(self, first_row: int, count: int, length: int) -> np.ndarray:
-        if first_row < self.next_row:
-            raise ValueError(f"{self.name}: streamed rows must be read in order (asked {first_row}, at {self.next_row})")
-        if self._iterator is None:
-            self._iterator = self._documents()
-        skipped = (first_row - self.next_row) * length
-        needed = skipped + count * length
-        parts, have = [self.carry], len(self.carry)
-        while have < needed:
-            ids = np.asarray(self.tokenizer.encode_document(next(self._iterator)), dtype=np.int32)
-            parts.append(ids)
-            have += len(ids)
-        tokens = np.concatenate(parts)
-        self.carry = tokens[needed:]
-        self.next_row = first_row + count
-        return tokens[skipped:needed].reshape(count, length).astype(np.int64)
+    def _lane(self, lane: int) -> Lane:
+        if lane not in self._open:
+            self._open[lane] = Lane(self.files(), lane, self.tokenizer, self.states[lane], text_field=self.text_field,
+                                    wrap=self.wrap, counts=self.counts, workers=self.workers, prefetch=self.prefetch)
+        return self._open[lane]
+
+    def batch_rows(self, rows_consumed: int, global_batch: int, first: int, stop: int, length: int) -> np.ndarray:
+        """Rows [first, stop) of the global batch that starts after `rows_consumed` rows."""
+        if stop <= first:
+            return np.zeros((0, length), dtype=np.int64)
+        per_lane = global_batch // self.lanes
+        lanes = range(first // per_lane, (stop - 1) // per_lane + 1)
+        parts = []
+        for index in lanes:
+            lane = self._lane(index)
+            if lane.state.rows * self.lanes != rows_consumed:
+                raise ValueError(f"{self.name}: streamed rows must be read in order (lane {index} is at row "
+                                 f"{lane.state.rows}, asked for the batch after {rows_consumed} rows)")
+            parts.append(lane.take(per_lane, length))
+            self.states[index] = lane.state
+        return np.concatenate(parts)[first - lanes[0] * per_lane:stop - lanes[0] * per_lane]
 
     def epoch_of(self, row: int, length: int) -> int:
-        return self.epoch
+        return max((self.states[lane].position.epoch for lane in self._open), default=0)
 
     @property
     def eos_id(self) -> int | None:
         return getattr(self.tokenizer, "eos_id", None)
 
     def state_dict(self) -> dict:
-        """The position: rows and records consumed, tokens carried into the next row, and the
-        dataset's own state, from which a resume opens the stream at the next record (in the
-        middle of a data file, without reading the files before it)."""
-        if self._stream is not None and self._iterator is not None and hasattr(self._stream, "state_dict"):
-            self.stream_position = json.dumps(self._stream.state_dict())
-        return {"next_row": self.next_row, "epoch": self.epoch, "docs_in_epoch": self.docs_in_epoch,
-                "carry": self.carry.tolist(), "stream_position": self.stream_position}
+        """Every lane's position as this rank knows it: its own lanes' current ones (the loader
+        merges the ranks' states, keeping each lane's most advanced)."""
+        return {"lanes": {str(lane): state.to_dict() for lane, state in self.states.items()}}
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """One state from the ranks' states: each lane's from the rank that read furthest in it."""
+        lanes = {}
+        for state in states:
+            for lane, lane_state in state["lanes"].items():
+                if lane not in lanes or lane_state["rows"] > lanes[lane]["rows"]:
+                    lanes[lane] = lane_state
+        return {"lanes": lanes}
 
     def load_state_dict(self, state: dict) -> None:
-        self.next_row, self.epoch = int(state["next_row"]), int(state["epoch"])
-        self.docs_in_epoch = int(state["docs_in_epoch"])
-        self.carry = np.asarray(state["carry"], dtype=np.int32)
-        self.stream_position = state.get("stream_position", "")
-        self._stream, self._iterator = None, None
+        self.close()
+        if "lanes" not in state:  # an earlier version's single stream: reachable only with accept_data_change
+            logger.warning("%s: the checkpoint holds a stream position of an earlier version, which lanes cannot "
+                           "continue from: the stream starts over", self.name)
+            self.states = {lane: LaneState() for lane in range(self.lanes)}
+            return
+        if len(state["lanes"]) != self.lanes:
+            raise DataError(f"training.stream_lanes: the checkpoint's stream was read in {len(state['lanes'])} lanes, "
+                            f"this run reads {self.lanes}; lanes cannot change within a run")
+        self.states = {int(lane): LaneState.from_dict(s) for lane, s in state["lanes"].items()}
+
+    def close(self) -> None:
+        """Stop the open lanes' reading threads and tokenizer processes."""
+        for lane in self._open.values():
+            lane.close()
+        self._open = {}
 
     def describe(self) -> dict:
-        return {"source": self.name, "streaming": True, "skipped_records": sum(self.counts.skipped.values())}
+        return {"source": self.name, "streaming": True, "lanes": self.lanes,
+                "skipped_records": sum(self.counts.skipped.values())}
 
     def fingerprint(self) -> dict:
-        return {"source": self.name, "tokenizer_sha256": getattr(self.tokenizer, "sha256", None)}
+        return {"source": self.name, "tokenizer_sha256": getattr(self.tokenizer, "sha256", None),
+                "data_files": self.files().count, "stream_lanes": self.lanes, "shuffle_seed": self.shuffle_seed}
 
 
 def hub_stream_opener(dataset: str, dataset_path: str, split: str):

@@ -41,6 +41,13 @@ class Tokenizer:
             raise TokenizerError(f"model.tokenizer_path: {self.path!r} defines no end-of-sequence piece, "
                                  "which separates documents")
 
+    def __getstate__(self) -> dict:  # pickled for tokenizer worker processes: they load the file
+        return {"path": self.path, "sha256": self._sha256}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+        self._sha256 = state["sha256"]
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._sp.EncodeAsIds(text)
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
