@@ -88,3 +88,16 @@ def test_document_masking_benchmark_runs(measured):
     row = out.strip().splitlines()[-1].split()
     assert row[0] == "128" and float(row[4]) > 0 and float(row[5]) > 0
     measured(f"document_masking (seq 128, 4 steps): masked/plain tokens/s {row[3]}")
+
+
+def test_data_streams_benchmark_reads_each_ranks_lanes_only(tmp_path, measured):
+    out = run_script("data_streams.py", "--text-mb", "2", "--files", "8", "--batches", "5", "--step-ms", "5",
+                     "--folder", str(tmp_path))
+    rows = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
+            if len(line.split()) == 6 and line.split()[0].isdigit()}
+    assert [rows[key][3] for key in (("1", "2", "0"), ("2", "2", "0"), ("4", "2", "1"), ("8", "1", "1"))] == \
+        ["1", "1", "2", "8"]  # lanes a DP rank reads: all with one lane, its own otherwise
+    assert all(float(row[4].replace(",", "")) > 0 for row in rows.values())
+    waits = [line for line in out.splitlines() if line.startswith(("in the training process", "1 worker process"))]
+    assert len(waits) == 2
+    measured(f"data_streams (2 MB): {len(rows)} configurations; {waits}")
