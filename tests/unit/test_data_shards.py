@@ -109,6 +109,32 @@ def test_prepare_resumes_and_refuses_to_mix_settings(tmp_path, tokenizer_path, c
                    **args)["tokenizer"]["vocab_size"] == 300
 
 
+def test_a_large_jsonl_file_is_cut_into_ranges_that_workers_share(tmp_path, tokenizer_path, monkeypatch, caplog):
+    import trainer.data.prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "RANGE_BYTES", 4000)  # 400 documents, ~30 KB: 8 ranges
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    manifest = prepare([str(corpus)], tokenizer_path, str(tmp_path / "shards"), workers=2, validation_fraction=0.0)
+    ranges = [source["range"] for source in manifest["sources"]]
+    assert len(ranges) == -(-corpus.stat().st_size // 4000)
+    assert ranges[0][0] == 0 and ranges[-1][1] == corpus.stat().st_size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in file order
+    data = corpus.read_bytes()
+    assert all(data[start - 1:start] == b"\n" for start, _ in ranges[1:])  # cut at line starts
+    train = ShardSource(str(tmp_path / "shards"), "train")
+    assert np.array_equal(train.shards.tokens(0, train.token_count), expected_tokens(tokenizer_path, DOCS))
+    with open(corpus, "a") as f:  # appended: only the last range changes
+        f.write(json.dumps({"text": "One more document."}) + "\n")
+    with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
+        again = prepare([str(corpus)], tokenizer_path, str(tmp_path / "shards"), workers=2, validation_fraction=0.0)
+    assert f"{len(ranges)} parts: {len(ranges) - 1} prepared earlier, 1 to tokenize" in caplog.text
+    assert again["totals"]["train"]["documents"] == 401
+    corpus.write_text(corpus.read_text().replace('{"text": "One more', '{"text": One more'))
+    with pytest.raises(DataError, match=f"{corpus} byte {len(data)}: not JSON"):
+        prepare([str(corpus)], tokenizer_path, str(tmp_path / "shards"), workers=1, validation_fraction=0.0)
+
+
 def test_a_damaged_shard_folder_is_named(tmp_path, tokenizer_path):
     write_formats(tmp_path / "corpus")
     manifest = prepare([str(tmp_path / "corpus")], tokenizer_path, str(tmp_path / "shards"), workers=1)

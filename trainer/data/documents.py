@@ -208,6 +208,39 @@ def _read_text_format(path: str, fmt: str, compression: str, text_field: str, co
         raise DataError(f"{path}: cannot read: {type(e).__name__}: {e}") from None
 
 
+def line_start(path: str, offset: int) -> int:
+    """The first line start at or after byte `offset` of a file (its size when there is none)."""
+    if offset <= 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        f.readline()  # to the end of the line holding byte offset - 1
+        return f.tell()
+
+
+def read_jsonl_range(path: str, start: int, stop: int, text_field: str, counts: ReadCounts) -> Iterator[str]:
+    """The documents of the lines of an uncompressed .jsonl file from byte `start` (a line start)
+    up to `stop` (a line start or the end): a part of a file too large for one worker."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        position = start
+        while position < stop:
+            line = f.readline()
+            if not line:
+                break
+            where, position = position, position + len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"{path} byte {where}: not JSON ({getattr(e, 'msg', e)})") from None
+            text = record_text(record, text_field, f"{path} byte {where}", counts, path)
+            if text is not None:
+                counts.documents += 1
+                yield text
+
+
 def read_files(files: list[str], text_field: str, counts: ReadCounts) -> Iterator[str]:
     for path in files:
         yield from read_file(path, text_field, counts)

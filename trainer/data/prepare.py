@@ -4,8 +4,9 @@
     python -m trainer.data.prepare --dataset fineweb-edu --tokenizer tok.model --output /data/fineweb-shards
 
 Every input file becomes one part (one shard per split), tokenized by a pool of worker processes
-(one file each at a time, largest first); a Hugging Face dataset is streamed, its data files split
-into one part per worker. Each document goes to the validation split when the hash of its
+(one part each at a time, largest first); an uncompressed .jsonl file larger than RANGE_BYTES
+(256 MiB) is cut at line starts into parts of about that size, so that one huge file keeps every
+worker busy. A Hugging Face dataset is streamed, its data files split into one part per worker. Each document goes to the validation split when the hash of its
 text falls below --validation-fraction, so adding files never moves a document between splits.
 A part's shards and its record (`parts/<name>.json`) are written when the part is done; running
 the same command again skips the parts already done (a source file that changed is tokenized
@@ -29,7 +30,8 @@ from typing import Iterator
 
 import numpy as np
 
-from trainer.data.documents import FIELD_KEY, DataError, ReadCounts, find_data_files, read_file, record_text
+from trainer.data.documents import (FIELD_KEY, DataError, ReadCounts, file_format, find_data_files, line_start,
+                                    read_file, read_jsonl_range, record_text)
 from trainer.data.hashing import document_unit
 from trainer.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, token_dtype
 from trainer.data.tokenizer import Tokenizer, TokenizerError
@@ -37,6 +39,21 @@ from trainer.data.tokenizer import Tokenizer, TokenizerError
 logger = logging.getLogger(__name__)
 
 ENCODE_BATCH = 512  # documents per SentencePiece call
+RANGE_BYTES = 256 << 20  # an uncompressed .jsonl file is cut into parts of about this size
+
+
+def range_sha256(path: str, start: int, stop: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        remaining = stop - start
+        while remaining > 0:
+            block = f.read(min(1 << 22, remaining))
+            if not block:
+                break
+            digest.update(block)
+            remaining -= len(block)
+    return digest.hexdigest()
 
 
 def file_sha256(path: str) -> str:
@@ -106,8 +123,17 @@ def _source_identity(task: dict, counts: ReadCounts, digest) -> dict:
         return {"path": f"hf:{task['dataset']}" + (f" ({task['dataset_path']})" if task["dataset_path"] else ""),
                 "size": counts.documents, "sha256": digest.hexdigest(), "skipped_records": counts.skipped.get(where, 0)}
     path = task["path"]
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path), "sha256": file_sha256(path),
-            "skipped_records": counts.skipped.get(path, 0)}
+    identity = _file_identity(task)
+    return {"path": os.path.abspath(path), **identity, "skipped_records": counts.skipped.get(path, 0)}
+
+
+def _file_identity(task: dict) -> dict:
+    """Size and SHA-256 of a task's file, or of its byte range (with the range)."""
+    path = task["path"]
+    if "range" not in task:
+        return {"size": os.path.getsize(path), "sha256": file_sha256(path)}
+    start, stop = task["range"]
+    return {"range": [start, stop], "size": stop - start, "sha256": range_sha256(path, start, stop)}
 
 
 def prepare_file(task: dict) -> dict:
@@ -126,8 +152,12 @@ def prepare_file(task: dict) -> dict:
         batch.clear()
 
     digest = hashlib.sha256()
-    texts = _stream_texts(task, counts, digest) if "dataset" in task else read_file(task["path"], task["text_field"],
-                                                                                    counts)
+    if "dataset" in task:
+        texts = _stream_texts(task, counts, digest)
+    elif "range" in task:
+        texts = read_jsonl_range(task["path"], *task["range"], task["text_field"], counts)
+    else:
+        texts = read_file(task["path"], task["text_field"], counts)
     for text in texts:
         batch.append(text)
         if len(batch) == ENCODE_BATCH:
@@ -144,9 +174,10 @@ def prepare_file(task: dict) -> dict:
     return record
 
 
-def _done_record(output: Path, name: str, path: str | None, settings: dict) -> dict | None:
-    """The record of a part prepared by an earlier run with the same settings (and, for a file,
-    the same content; a dataset's part cannot be checked without reading it again)."""
+def _done_record(output: Path, task: dict, settings: dict) -> dict | None:
+    """The record of a part prepared by an earlier run with the same settings (and, for a file or
+    a range of one, the same content; a dataset's part cannot be checked without reading it again)."""
+    name, path = task["name"], task.get("path")
     part = output / "parts" / f"{name}.json"
     if not part.is_file():
         return None
@@ -157,9 +188,10 @@ def _done_record(output: Path, name: str, path: str | None, settings: dict) -> d
         return None
     if path is None:
         return record
-    if record.get("size") != os.path.getsize(path):
+    size = task["range"][1] - task["range"][0] if "range" in task else os.path.getsize(path)
+    if record.get("size") != size or record.get("range") != task.get("range"):
         return None
-    if record["sha256"] != file_sha256(path):
+    if record["sha256"] != _file_identity(task)["sha256"]:
         return None
     return record
 
@@ -198,7 +230,7 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
     for folder in (*SPLITS, "parts"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     records = {} if overwrite else {
-        t["name"]: r for t in tasks if (r := _done_record(out, t["name"], t.get("path"), settings))}
+        t["name"]: r for t in tasks if (r := _done_record(out, t, settings))}
     todo = [t for t in tasks if t["name"] not in records]
     _warn_of_stale_parts(out, {t["name"] for t in tasks})
     logger.info("%d parts: %d prepared earlier, %d to tokenize with %d workers", len(tasks), len(records), len(todo),
@@ -223,10 +255,20 @@ def _warn_of_stale_parts(out: Path, current: set[str]) -> None:
 
 
 def _file_tasks(inputs: list[str]) -> list[dict]:
-    """One part per file; the largest first (they take longest), the manifest in path order."""
+    """One part per file, or per range of a large .jsonl file; the largest first (they take
+    longest), the manifest in path order."""
     files = sorted({f for path in inputs for f in find_data_files(path, key="--input")})
-    by_size = sorted(files, key=os.path.getsize, reverse=True)
-    return [{"path": path, "name": shard_name(path), "order": files.index(path)} for path in by_size]
+    tasks = []
+    for order, path in enumerate(files):
+        size = os.path.getsize(path)
+        if file_format(path) != (".jsonl", "") or size <= RANGE_BYTES:
+            tasks.append({"path": path, "name": shard_name(path), "order": (order, 0), "bytes": size})
+            continue
+        starts = sorted({line_start(path, offset) for offset in range(0, size, RANGE_BYTES)} - {size})
+        for index, (start, stop) in enumerate(zip(starts, [*starts[1:], size])):
+            tasks.append({"path": path, "range": [start, stop], "name": f"{shard_name(path)}-bytes-{index:05d}",
+                          "order": (order, index), "bytes": stop - start})
+    return sorted(tasks, key=lambda task: task["bytes"], reverse=True)
 
 
 def _dataset_tasks(dataset: str, dataset_path: str, split: str, workers: int) -> list[dict]:
@@ -246,7 +288,8 @@ def _write_manifest(out: Path, tokenizer: Tokenizer, settings: dict, sources: li
                       "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
         "tokenizer_sha256": tokenizer.sha256, "validation_fraction": settings["validation_fraction"],
         "text_field": settings["text_field"],
-        "sources": [{k: r[k] for k in ("name", "path", "size", "sha256", "skipped_records", "splits")} for r in sources],
+        "sources": [{k: r[k] for k in ("name", "path", "range", "size", "sha256", "skipped_records", "splits") if k in r}
+                    for r in sources],
         "totals": {split: {k: sum(r["splits"][split][k] for r in sources) for k in ("documents", "tokens")}
                    for split in SPLITS},
         "skipped_records": sum(r["skipped_records"] for r in sources),
