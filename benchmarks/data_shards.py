@@ -13,7 +13,8 @@ speed of preparing them.
    rows, 8 x 2048 tokens per batch).
 2. Preparing: a generated jsonl corpus of --text-mb MB in 4 files is tokenized with 1 worker
    process and one per core, each encoding with 1 SentencePiece thread or all cores (tokens/s
-   of the whole command); and one process's batch encode, 1 thread against all cores.
+   of the whole command); the same text as one file, as one part and cut into 8 ranges; and one
+   process's batch encode, 1 thread against all cores.
 
 Generated data is kept under --folder (removed with --clean); a size already generated is reused.
 """
@@ -144,12 +145,39 @@ def measure_preparing(folder: Path, text_mb: float) -> list[tuple[str, float]]:
         label = "threads on all cores" if threads == -1 else "1 thread"
         rows.append((f"prepare ({text_mb:g} MB jsonl): {workers} worker{'s' if workers > 1 else ''} x {label}",
                      tokens / seconds))
+    rows += measure_one_large_file(folder, corpus, tokenizer, text_mb, cores)
     model = Tokenizer(str(tokenizer))
     batch = [json.loads(line)["text"] for line in open(corpus / "part-0.jsonl")][:4000]
     for threads, label in ((1, "1 thread"), (-1, "all cores")):
         started = time.perf_counter()
         tokens = sum(len(ids) for ids in model.encode_batch_documents(batch, num_threads=threads))
         rows.append((f"one process, SentencePiece batch encode, {label}", tokens / (time.perf_counter() - started)))
+    return rows
+
+
+def measure_one_large_file(folder: Path, corpus: Path, tokenizer: Path, text_mb: float, cores: int):
+    """The same text as one .jsonl file, prepared with one worker per core: as one part, and cut
+    into 8 ranges (prepare.RANGE_BYTES lowered to an eighth of the file, as 256 MiB is for larger files)."""
+    import trainer.data.prepare as prepare_module
+
+    single = folder / f"single-{text_mb:g}mb" / "all.jsonl"
+    if not single.is_file():
+        single.parent.mkdir(parents=True, exist_ok=True)
+        with open(single, "wb") as out:
+            for part in sorted(corpus.glob("part-*.jsonl")):
+                out.write(part.read_bytes())
+    rows, default = [], prepare_module.RANGE_BYTES
+    for label, range_bytes in (("one part", single.stat().st_size + 1), ("8 ranges", single.stat().st_size // 8 + 1)):
+        prepare_module.RANGE_BYTES = range_bytes
+        try:
+            started = time.perf_counter()
+            manifest = prepare_module.prepare([str(single)], str(tokenizer), str(folder / f"prepared-{label[0]}"),
+                                              workers=cores, overwrite=True)
+        finally:
+            prepare_module.RANGE_BYTES = default
+        tokens = sum(manifest["totals"][s]["tokens"] for s in ("train", "validation"))
+        rows.append((f"prepare (one {text_mb:g} MB jsonl file, {cores} workers): {label}",
+                     tokens / (time.perf_counter() - started)))
     return rows
 
 

@@ -80,6 +80,8 @@ def test_shard_reading_keeps_memory_flat_and_the_data_costs_no_start_up(tmp_path
     assert len(start) == 2
     prepare = [line for line in out.splitlines() if line.startswith("prepare (1 MB jsonl)")]
     assert len(prepare) == 4
+    single = [line for line in out.splitlines() if line.startswith("prepare (one 1 MB jsonl file")]
+    assert [line.split(":")[1].split()[0:2] for line in single] == [["one", "part"], ["8", "ranges"]]
     measured(f"data_shards (0.04 GB): resident memory growth {rss_growth} MB; trainer start {start}")
 
 
