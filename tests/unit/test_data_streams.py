@@ -210,6 +210,9 @@ def test_records_without_text_are_skipped_and_counted(tmp_path):
     rows = source.batch_rows(0, 1, 0, 1, 9)  # within the first pass (the next one counts them again)
     assert rows.tolist() == [tokens_of(["one", "two"])[:9].tolist()]
     assert source.describe()["skipped_records"] == 2
+    (tmp_path / "c4" / "data" / "train-00000-of-00001.jsonl").write_text(json.dumps({"text": None}) + "\n")
+    with pytest.raises(DataError, match="lane 0 found no document .* in a whole pass over its data files \\[0\\]"):
+        stream(tmp_path / "c4").batch_rows(0, 1, 0, 1, 9)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

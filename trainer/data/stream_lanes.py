@@ -109,7 +109,7 @@ def read_chunks(files: StreamFiles, lane: int, start: Position, *, text_field: s
 def _chunks(files: StreamFiles, lane: int, start: Position, *, text_field, wrap, counts):
     epoch, file, records, file_state = start.epoch, start.file, start.records, start.file_state
     while True:
-        order, read_any = files.order(lane, epoch), False
+        order, found_any = files.order(lane, epoch), False
         for place in range(file, len(order)):
             stream = files.open(order[place])
             if file_state:
@@ -119,12 +119,12 @@ def _chunks(files: StreamFiles, lane: int, start: Position, *, text_field, wrap,
             chunk_start, texts, size = Position(epoch, place, records, file_state), [], 0
             for record in stream:
                 records += 1
-                read_any = True
                 text = record_text(record, text_field, f"{files.name} file {order[place]} record {records}",
                                    counts, files.name)
                 if text is not None:
                     texts.append(text)
                     size += len(text)
+                    found_any = True
                 if size >= CHUNK_CHARS or len(texts) >= CHUNK_DOCUMENTS:
                     yield ("chunk", chunk_start, texts)
                     state = json.dumps(stream.state_dict()) if hasattr(stream, "state_dict") else ""
@@ -132,13 +132,13 @@ def _chunks(files: StreamFiles, lane: int, start: Position, *, text_field, wrap,
             if texts:
                 yield ("chunk", chunk_start, texts)
             records, file_state = 0, ""
-        if not read_any and file == 0:
-            raise DataError(f"{files.name}: lane {lane} read no records in a whole pass over its files")
+        if not found_any and file == 0:  # else wrapping would read on forever without a row
+            raise DataError(f"{files.name}: lane {lane} found no document (a record with text) in a whole pass "
+                            f"over its data files {files.lane_files(lane)}")
         if not wrap:
             yield ("end", f"{files.name}: the stream ended (training.dataset_end = 'stop')")
             return
         epoch, file = epoch + 1, 0
-        logger.info("%s lane %d: starting epoch %d", files.name, lane, epoch)
 
 
 class TokenizeChunk:
@@ -236,6 +236,8 @@ class Lane:
             consumed -= len(self._buffer.popleft()[1])
         self._skip = consumed
         position = self._buffer[0][0] if self._buffer else self._next_position()
+        if position.epoch > self.epoch:  # told when used: the reading runs chunks ahead
+            logger.info("%s lane %d: epoch %d begins", self.files.name, self.lane, position.epoch)
         self.state = LaneState(self.state.rows + count, position, consumed)
         return joined.reshape(count, length).astype(np.int64)
 
