@@ -170,3 +170,39 @@ if __name__ == "__main__":
     from trainer.process_exit import run_process
 
     run_process(_worker_main)
+
+
+def generated_jsonl_corpus(folder: Path, text_mb: float, names: list[str]) -> list[Path]:
+    """jsonl files of generated English-like sentences, text_mb MB in all, under `folder`
+    (reused when present): the text the data benchmarks tokenize."""
+    from tests.unit.test_tokenizer import sentences
+
+    paths = [folder / name for name in names]
+    if all(path.is_file() for path in paths):
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = sentences(20_000, seed=1)
+    per_file = int(text_mb * 2**20 / len(paths))
+    for index, path in enumerate(paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            written, i = 0, index
+            while written < per_file:
+                line = json.dumps({"text": " ".join(documents[(i + k) % len(documents)] for k in range(8))}) + "\n"
+                f.write(line)
+                written, i = written + len(line), i + 8
+    return paths
+
+
+def generated_tokenizer(folder: Path) -> Path:
+    """A 512-piece SentencePiece model of the same sentences, under `folder` (reused when present)."""
+    from tests.unit.test_tokenizer import sentences
+    from trainer.data.tokenizer import train_tokenizer
+
+    model = folder / "tok.model"
+    if not model.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tok.txt").write_text("\n".join(sentences(5000, seed=2)) + "\n")
+        train_tokenizer([str(folder / "tok.txt")], str(folder / "tok"), 512)
+    return model
+

@@ -113,27 +113,13 @@ def measure_reading(folder: Path) -> dict:
 
 
 def measure_preparing(folder: Path, text_mb: float) -> list[tuple[str, float]]:
-    from tests.unit.test_tokenizer import sentences
+    from common import generated_jsonl_corpus, generated_tokenizer
     from trainer.data.prepare import prepare
-    from trainer.data.tokenizer import Tokenizer, train_tokenizer
+    from trainer.data.tokenizer import Tokenizer
 
     corpus = folder / f"text-{text_mb:g}mb"
-    corpus.mkdir(parents=True, exist_ok=True)
-    files = 4
-    if not (corpus / "part-3.jsonl").is_file():
-        documents = sentences(20_000, seed=1)
-        per_file = int(text_mb * 2**20 / files)
-        for index in range(files):
-            with open(corpus / f"part-{index}.jsonl", "w") as f:
-                written, i = 0, index
-                while written < per_file:
-                    line = json.dumps({"text": " ".join(documents[(i + k) % len(documents)] for k in range(8))}) + "\n"
-                    f.write(line)
-                    written, i = written + len(line), i + 8
-    tokenizer = folder / "tok.model"
-    if not tokenizer.is_file():
-        (folder / "tok.txt").write_text("\n".join(sentences(5000, seed=2)) + "\n")
-        train_tokenizer([str(folder / "tok.txt")], str(folder / "tok"), 512)
+    generated_jsonl_corpus(corpus, text_mb, [f"part-{index}.jsonl" for index in range(4)])
+    tokenizer = generated_tokenizer(folder)
     rows = []
     cores = os.cpu_count() or 1
     for workers, threads in ((1, 1), (1, -1), (cores, 1), (cores, -1)):

@@ -20,7 +20,6 @@ Hugging Face dataset from that folder.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,28 +33,11 @@ SEQ_LEN, GLOBAL_BATCH = 1024, 16
 
 def generate(folder: Path, text_mb: float, files: int) -> tuple[Path, Path]:
     """(dataset folder, tokenizer model), reused when present."""
-    from tests.unit.test_tokenizer import sentences
-    from trainer.data.tokenizer import train_tokenizer
+    from common import generated_jsonl_corpus, generated_tokenizer
 
     dataset = folder / f"hub-{text_mb:g}mb-{files}"
-    data = dataset / "data"
-    last = data / f"train-{files - 1:05d}-of-{files:05d}.jsonl"
-    if not last.is_file():
-        data.mkdir(parents=True, exist_ok=True)
-        documents = sentences(20_000, seed=1)
-        per_file = int(text_mb * 2**20 / files)
-        for index in range(files):
-            with open(data / f"train-{index:05d}-of-{files:05d}.jsonl", "w") as f:
-                written, i = 0, index
-                while written < per_file:
-                    line = json.dumps({"text": " ".join(documents[(i + k) % len(documents)] for k in range(8))}) + "\n"
-                    f.write(line)
-                    written, i = written + len(line), i + 8
-    tokenizer = folder / "tok.model"
-    if not tokenizer.is_file():
-        (folder / "tok.txt").write_text("\n".join(sentences(5000, seed=2)) + "\n")
-        train_tokenizer([str(folder / "tok.txt")], str(folder / "tok"), 512)
-    return dataset, tokenizer
+    generated_jsonl_corpus(dataset / "data", text_mb, [f"train-{i:05d}-of-{files:05d}.jsonl" for i in range(files)])
+    return dataset, generated_tokenizer(folder)
 
 
 def rank_zero_loader(dataset: Path, tokenizer: Path, *, lanes: int, dp: int, workers: int):
