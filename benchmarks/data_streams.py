@@ -1,20 +1,24 @@
 """Streamed datasets: what one data-parallel rank pays for its rows, by lanes and tokenizer workers.
 
-    python benchmarks/data_streams.py [--text-mb 40] [--files 8] [--batches 200] [--step-ms 40]
-                                      [--folder /tmp/stream-bench]
+    python benchmarks/data_streams.py [--text-mb 40] [--files 8] [--tokens 6000000]
+                                      [--warmup-tokens 1000000] [--step-ms 40] [--folder /tmp/stream-bench]
 
 A hub-style folder of --files jsonl files (--text-mb MB of text in all) and a 512-piece
 SentencePiece model are generated (kept under --folder). Every configuration builds the loader of
 data-parallel rank 0 of a job with global batches of 16 sequences of 1024 tokens, read as a
-Hugging Face dataset from that folder.
+Hugging Face dataset from that folder (wrapping around as needed).
 
-1. Reading as fast as it can, `--batches` global batches: the rank's tokens/s (its own rows) and
+Steady state only: before timing, every lane the rank reads uses --warmup-tokens, more than the
+~6 chunks (~450k tokens) a lane with workers holds tokenized ahead; otherwise the timing would
+measure the prefetched buffer, not the rate the pipeline sustains.
+
+1. Reading as fast as it can until the rank has --tokens of its own rows: the rank's tokens/s and
    what the whole job gets if every rank reads as fast (x DP degree). One lane read by every rank
    (stream_lanes = 1) is the design that tokenizes the global batch on every rank.
 2. Inside a training loop that computes for --step-ms per step (a sleep: on GPUs the host is free
-   while the device computes): the time the loop waits for data per step, with tokenization in
-   the training process (stream_workers = 0) or in worker processes ahead of use, and the time to
-   the first batch (worker start-up included).
+   while the device computes): the time the loop waits for data per step over 100 steps, with
+   tokenization in the training process (stream_workers = 0) or in worker processes ahead of use,
+   and the time to the first batch (worker start-up included).
 """
 
 from __future__ import annotations
@@ -53,33 +57,42 @@ def rank_zero_loader(dataset: Path, tokenizer: Path, *, lanes: int, dp: int, wor
                        dp_rank=0, dp_degree=dp, device=torch.device("cpu"))
 
 
-def read_rate(loader, batches: int) -> float:
-    """Tokens/s of the rank's own rows, after a first batch that starts the pipeline."""
-    loader.next_batch()
-    started = time.perf_counter()
-    tokens = sum(inputs.numel() for _ in range(batches) for inputs, _ in loader.next_batch())
-    return tokens / (time.perf_counter() - started)
-
-
-def training_loop_wait(loader, batches: int, step_s: float) -> tuple[float, float]:
-    """(seconds to the first batch, mean seconds waiting for data per step after it)."""
+def warm_up(loader, lanes: int, tokens_per_lane: int) -> float:
+    """Read until every lane has used `tokens_per_lane`; returns the seconds to the first batch."""
     started = time.perf_counter()
     loader.next_batch()
     first = time.perf_counter() - started
+    per_batch = GLOBAL_BATCH // lanes * (SEQ_LEN + 1)
+    for _ in range(-(-tokens_per_lane // per_batch) - 1):
+        loader.next_batch()
+    return first
+
+
+def read_rate(loader, tokens: int) -> float:
+    """Tokens/s of the rank's own rows while it reads `tokens` of them."""
+    started, read = time.perf_counter(), 0
+    while read < tokens:
+        read += sum(inputs.numel() for inputs, _ in loader.next_batch())
+    return read / (time.perf_counter() - started)
+
+
+def training_loop_wait(loader, step_s: float, steps: int = 100) -> float:
+    """Mean seconds the loop waits for data per step."""
     waited = 0.0
-    for _ in range(batches):
+    for _ in range(steps):
         time.sleep(step_s)
         started = time.perf_counter()
         loader.next_batch()
         waited += time.perf_counter() - started
-    return first, waited / batches
+    return waited / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text-mb", type=float, default=40)
     parser.add_argument("--files", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=6_000_000)
+    parser.add_argument("--warmup-tokens", type=int, default=1_000_000)
     parser.add_argument("--step-ms", type=float, default=40)
     parser.add_argument("--folder", default="/tmp/stream-bench")
     args = parser.parse_args()
@@ -92,7 +105,8 @@ def main() -> None:
     for lanes, dp, workers in ((1, 1, 0), (1, 2, 0), (2, 2, 0), (2, 2, 1), (4, 2, 1), (8, 1, 1)):
         loader = rank_zero_loader(dataset, tokenizer, lanes=lanes, dp=dp, workers=workers)
         try:
-            rate = read_rate(loader, args.batches)
+            warm_up(loader, lanes, args.warmup_tokens)
+            rate = read_rate(loader, args.tokens)
             read = len(loader.source._open)
         finally:
             loader.close()
@@ -104,7 +118,8 @@ def main() -> None:
     for workers, label in ((0, "in the training process"), (1, "1 worker process per lane")):
         loader = rank_zero_loader(dataset, tokenizer, lanes=2, dp=2, workers=workers)
         try:
-            first, wait = training_loop_wait(loader, min(args.batches, 100), args.step_ms / 1000)
+            first = warm_up(loader, 2, args.warmup_tokens)
+            wait = training_loop_wait(loader, args.step_ms / 1000)
         finally:
             loader.close()
         print(f"{label:<30} {first:>13.3f} {wait * 1000:>16.2f}")

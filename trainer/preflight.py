@@ -393,7 +393,7 @@ def main(argv: list[str]) -> int:
 
 
 def describe_run(config: JobConfig, plan: RunPlan, nproc: int, device_type: str) -> str:
-    return (f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {nproc} processes "
+    return (f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; {nproc} process{'es' if nproc != 1 else ''} "
             f"on {device_type} {describe_degrees(plan.dims)}")
 
 

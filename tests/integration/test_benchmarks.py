@@ -93,8 +93,8 @@ def test_document_masking_benchmark_runs(measured):
 
 
 def test_data_streams_benchmark_reads_each_ranks_lanes_only(tmp_path, measured):
-    out = run_script("data_streams.py", "--text-mb", "2", "--files", "8", "--batches", "5", "--step-ms", "5",
-                     "--folder", str(tmp_path))
+    out = run_script("data_streams.py", "--text-mb", "2", "--files", "8", "--tokens", "20000", "--warmup-tokens",
+                     "20000", "--step-ms", "5", "--folder", str(tmp_path))
     rows = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
             if len(line.split()) == 6 and line.split()[0].isdigit()}
     assert [rows[key][3] for key in (("1", "2", "0"), ("2", "2", "0"), ("4", "2", "1"), ("8", "1", "1"))] == \

@@ -226,7 +226,7 @@ def test_a_record_without_the_text_field_is_named(tmp_path, workers):
         source.close()
 
 
-def test_stream_mistakes_are_named(tmp_path):
+def test_stream_mistakes_are_named(tmp_path, caplog):
     write_hub(tmp_path / "c4", files=2)
     with pytest.raises(DataError, match="training.stream_lanes: 4 lanes, but c4:train has 2 data files"):
         stream(tmp_path / "c4", lanes=4).batch_rows(0, 4, 0, 4, 10)
@@ -240,6 +240,15 @@ def test_stream_mistakes_are_named(tmp_path):
     [other_lanes] = ranks(lambda: stream(tmp_path / "c4", lanes=1), 1)
     with pytest.raises(DataError, match="stream_lanes 2 -> 1"):
         other_lanes.load_state_dict(saved.state_dict())
+    accepted = BatchLoader(stream(tmp_path / "c4", lanes=1), seq_len=SEQ, global_batch_size=4, local_batch_size=4,
+                           dp_rank=0, dp_degree=1, device=torch.device("cpu"), accept_data_change=True)
+    with caplog.at_level(logging.WARNING):
+        accepted.load_state_dict(saved.state_dict())
+    assert "the saved stream positions do not apply (stream_lanes): the lanes start at the beginning" in caplog.text
+    [fresh] = ranks(lambda: stream(tmp_path / "c4", lanes=1), 1, global_batch=4)
+    for _ in range(2):  # the data from its start, counted after the 8 sequences trained
+        assert torch.equal(global_batch_rows([accepted]), global_batch_rows([fresh]))
+    assert accepted.state_dict()["rows_consumed"] == 16 and accepted.state_dict()["source"]["row_base"] == 8
     (tmp_path / "c4" / "data" / "train-00002-of-00002.jsonl").write_text(json.dumps({"text": "new"}) + "\n")
     [more_files] = ranks(lambda: stream(tmp_path / "c4", lanes=2), 1)
     with pytest.raises(DataError, match="data_files 2 -> 3"):

@@ -178,8 +178,9 @@ class BatchLoader:
         return {"source": self.source.merge_states(self.peers.gather(self.source.state_dict()))}
 
     def load_state_dict(self, state: dict) -> None:
+        changed: set[str] = set()
         if "rows_consumed" in state:
-            self._check_same_data(json.loads(state["fingerprint"]))
+            changed = self._check_same_data(json.loads(state["fingerprint"]))
             rows, saved_batch = int(state["rows_consumed"]), int(state["global_batch_size"])
         else:
             logger.warning("%s data: the checkpoint predates data fingerprints and records global batches, not "
@@ -188,23 +189,25 @@ class BatchLoader:
         self._saved_keys = None
         self.rows_consumed = rows
         if not self.source.random_access:
-            self.source.load_state_dict(state["source"])
+            self.source.load_state_dict(state.get("source", {}), rows_consumed=rows, changed=changed)
         self.epoch = self.source.epoch_of(rows - 1, self.row_length) if rows else 0
         if saved_batch != self.global_batch_size:
             logger.info("%s data: the checkpoint's global batch was %d sequences, this run's is %d: continuing after "
                         "sequence %d, the last one trained", self.name, saved_batch, self.global_batch_size, rows)
 
-    def _check_same_data(self, saved: dict) -> None:
+    def _check_same_data(self, saved: dict) -> set[str]:
+        """The fingerprint keys that changed (accepted), or DataError."""
         current = self.fingerprint()
-        changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
-                   if saved.get(key) != current.get(key)]
-        if not changed:
-            return
+        keys = {key for key in set(saved) | set(current) if saved.get(key) != current.get(key)}
+        if not keys:
+            return keys
+        changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(keys)]
         message = f"{self.name} data differs from the checkpoint's: {'; '.join(changed)}"
         if not self.accept_data_change:
             raise DataError(f"{message}. Resume with the data it was trained on, or set "
                             "checkpoint.accept_data_change = true to go on with this data on purpose")
         logger.warning("%s (checkpoint.accept_data_change): continuing after the same number of sequences", message)
+        return keys
 
     def close(self) -> None:
         if hasattr(self.source, "close"):

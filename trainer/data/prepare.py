@@ -239,7 +239,8 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
                              initargs=(tokenizer_path,)) as pool:
         for task, record in zip(todo, pool.map(prepare_file, todo)):
             records[task["name"]] = record
-            logger.info("%s: %d documents, %d tokens in %.1f s", record["path"], sum(
+            where = record["path"] + (" bytes %d-%d" % tuple(record["range"]) if "range" in record else "")
+            logger.info("%s: %d documents, %d tokens in %.1f s", where, sum(
                 s["documents"] for s in record["splits"].values()), sum(s["tokens"] for s in record["splits"].values()),
                 record["seconds"])
     return _write_manifest(out, tokenizer, settings, [records[t["name"]] for t in sorted(tasks, key=lambda t: t["order"])])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -163,6 +164,23 @@ def worker_context() -> str:
     """forkserver where there is one: workers start from a clean process, not a copy of a trainer
     holding communicators and device contexts."""
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def start_worker_server() -> None:
+    """Start the fork server now, with what a worker needs already imported, so that the first
+    lane's workers start at once. A worker runs the program's main module again (multiprocessing
+    does that): when it is a module run by name (`python -m trainer.train`), the server imports
+    it once, and each worker re-runs it with every import in place (a few ms, not seconds)."""
+    if worker_context() != "forkserver":
+        return
+    modules = ["torchdata.nodes", "trainer.data.stream_lanes", "trainer.data.tokenizer"]
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name and not spec.name.endswith("__main__"):
+        modules.append(spec.name)
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+    forkserver.ensure_running()  # returns at once; the server imports in the background
 
 
 def tokenized_chunks(chunks, tokenize: TokenizeChunk, *, workers: int, prefetch: int):

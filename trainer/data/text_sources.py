@@ -19,7 +19,7 @@ import logging
 import numpy as np
 
 from trainer.data.documents import DataError, ReadCounts
-from trainer.data.stream_lanes import Lane, LaneState, StreamFiles
+from trainer.data.stream_lanes import Lane, LaneState, StreamFiles, start_worker_server
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,12 @@ class StreamingTextSource:
         self.workers, self.prefetch = workers, prefetch
         self.counts = ReadCounts()
         self.states = {lane: LaneState() for lane in range(lanes)}  # this rank's lanes are current
+        self.row_base = 0  # rows consumed when the lanes (re)started at the beginning of the data
         self._open: dict[int, Lane] = {}
         self._files: StreamFiles | None = None
+        self._logged = False  # how the stream is read, said once
+        if workers:
+            start_worker_server()
 
     def files(self) -> StreamFiles:
         if self._files is None:
@@ -81,15 +85,26 @@ class StreamingTextSource:
             return np.zeros((0, length), dtype=np.int64)
         per_lane = global_batch // self.lanes
         lanes = range(first // per_lane, (stop - 1) // per_lane + 1)
+        if not self._logged:
+            self._log_reading(lanes)
         parts = []
         for index in lanes:
             lane = self._lane(index)
-            if lane.state.rows * self.lanes != rows_consumed:
+            if self.row_base + lane.state.rows * self.lanes != rows_consumed:
                 raise ValueError(f"{self.name}: streamed rows must be read in order (lane {index} is at row "
                                  f"{lane.state.rows}, asked for the batch after {rows_consumed} rows)")
             parts.append(lane.take(per_lane, length))
             self.states[index] = lane.state
         return np.concatenate(parts)[first - lanes[0] * per_lane:stop - lanes[0] * per_lane]
+
+    def _log_reading(self, lanes: range) -> None:
+        self._logged = True
+        count = self.files().count
+        own = f"lane {lanes[0]}" if len(lanes) == 1 else f"lanes {lanes[0]}-{lanes[-1]}"
+        how = (f"by {self.workers} worker process{'es' if self.workers > 1 else ''} per lane" if self.workers
+               else "in the training process")
+        logger.info("%s: %d data files in %d lanes (file i in lane i mod %d); this rank reads %s, tokenized %s",
+                    self.name, count, self.lanes, self.lanes, own, how)
 
     def epoch_of(self, row: int, length: int) -> int:
         return max((self.states[lane].position.epoch for lane in self._open), default=0)
@@ -101,7 +116,7 @@ class StreamingTextSource:
     def state_dict(self) -> dict:
         """Every lane's position as this rank knows it: its own lanes' current ones (the loader
         merges the ranks' states, keeping each lane's most advanced)."""
-        return {"lanes": {str(lane): state.to_dict() for lane, state in self.states.items()}}
+        return {"lanes": {str(lane): state.to_dict() for lane, state in self.states.items()}, "row_base": self.row_base}
 
     @staticmethod
     def merge_states(states: list[dict]) -> dict:
@@ -111,19 +126,23 @@ class StreamingTextSource:
             for lane, lane_state in state["lanes"].items():
                 if lane not in lanes or lane_state["rows"] > lanes[lane]["rows"]:
                     lanes[lane] = lane_state
-        return {"lanes": lanes}
+        return {"lanes": lanes, "row_base": states[0].get("row_base", 0)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, rows_consumed: int = 0, changed: set[str] = frozenset()) -> None:
+        """Restore the lanes' positions. When the data changed on purpose (checkpoint.accept_data_change)
+        in a way that moves files between lanes or reorders them, the saved positions point into
+        other files: the lanes then start at the beginning of the data, counting rows on."""
         self.close()
-        if "lanes" not in state:  # an earlier version's single stream: reachable only with accept_data_change
-            logger.warning("%s: the checkpoint holds a stream position of an earlier version, which lanes cannot "
-                           "continue from: the stream starts over", self.name)
+        moved = changed & {"stream_lanes", "data_files", "shuffle_seed", "source"}
+        if moved or "lanes" not in state or len(state["lanes"]) != self.lanes:
+            logger.warning("%s: the saved stream positions do not apply (%s): the lanes start at the beginning of the "
+                           "data, after sequence %d", self.name, ", ".join(sorted(moved)) or "an earlier version's "
+                           "position", rows_consumed)
             self.states = {lane: LaneState() for lane in range(self.lanes)}
+            self.row_base = rows_consumed
             return
-        if len(state["lanes"]) != self.lanes:
-            raise DataError(f"training.stream_lanes: the checkpoint's stream was read in {len(state['lanes'])} lanes, "
-                            f"this run reads {self.lanes}; lanes cannot change within a run")
         self.states = {int(lane): LaneState.from_dict(s) for lane, s in state["lanes"].items()}
+        self.row_base = int(state.get("row_base", 0))
 
     def close(self) -> None:
         """Stop the open lanes' reading threads and tokenizer processes."""
