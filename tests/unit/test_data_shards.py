@@ -241,7 +241,8 @@ def test_resume_on_other_data_names_the_change_unless_accepted(shard_folder, cap
     saved.next_batch()
     state = saved.state_dict()
     reseeded = loaders(lambda: ShardSource(shard_folder, "train", shuffle_seed=2), 1, 8, 8)[0]
-    with pytest.raises(DataError, match="training data differs from the checkpoint's: shuffle_seed 1 -> 2. .*"
+    with pytest.raises(DataError, match="training data differs from the checkpoint's: shuffle_seed 1 -> 2 "
+                                        "\\(training.data_seed, or debug.seed when unset\\). .*"
                                         "checkpoint.accept_data_change = true"):
         reseeded.load_state_dict(state)
     longer = BatchLoader(ShardSource(shard_folder, "train", shuffle_seed=1), seq_len=SEQ * 2, global_batch_size=8,

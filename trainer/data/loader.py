@@ -26,6 +26,11 @@ from trainer.loss import IGNORE_INDEX
 logger = logging.getLogger(__name__)
 
 
+# The settings behind a fingerprint's entries, named in the message when they change.
+SETTING_OF = {"seq_len": "training.seq_len", "shuffle_seed": "training.data_seed, or debug.seed when unset",
+              "stream_lanes": "training.stream_lanes", "tokenizer_sha256": "model.tokenizer_path"}
+
+
 class LocalPeers:
     """The other data-parallel readers, seen from a single process: there are none."""
 
@@ -201,7 +206,8 @@ class BatchLoader:
         keys = {key for key in set(saved) | set(current) if saved.get(key) != current.get(key)}
         if not keys:
             return keys
-        changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(keys)]
+        changed = [f"{key} {saved.get(key)!r} -> {current.get(key)!r}" + (f" ({SETTING_OF[key]})" if key in SETTING_OF
+                                                                           else "") for key in sorted(keys)]
         message = f"{self.name} data differs from the checkpoint's: {'; '.join(changed)}"
         if not self.accept_data_change:
             raise DataError(f"{message}. Resume with the data it was trained on, or set "
