@@ -123,6 +123,8 @@ def test_a_stream_read_in_lanes_resumes_exactly_under_another_layout(tmp_path, t
     assert first.returncode == 0, describe(first)
     resumed = launch(1, [*job, *saving, "--training.steps", "8"])
     assert resumed.returncode == 0, describe(resumed)
+    assert "Warning" not in whole.stdout + whole.stderr + resumed.stdout + resumed.stderr  # workers start quietly
+    assert "this rank reads lanes 0-3, tokenized by 1 worker process per lane" in resumed.stdout
     expected = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole") if "kind" not in r}
     continued = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split") if "kind" not in r}
     assert sorted(continued) == list(range(1, 9))

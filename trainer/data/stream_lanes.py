@@ -173,7 +173,7 @@ def start_worker_server() -> None:
     it once, and each worker re-runs it with every import in place (a few ms, not seconds)."""
     if worker_context() != "forkserver":
         return
-    modules = ["torchdata.nodes", "trainer.data.stream_lanes", "trainer.data.tokenizer"]
+    modules = ["trainer.data.worker_server", "torchdata.nodes", "trainer.data.stream_lanes", "trainer.data.tokenizer"]
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name and not spec.name.endswith("__main__"):
         modules.append(spec.name)
