@@ -21,6 +21,7 @@ it), tokenizes the chunk again and drops the consumed tokens.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -197,6 +198,7 @@ def tokenized_chunks(chunks, tokenize: TokenizeChunk, *, workers: int, prefetch:
 
     def close():  # the nodes stop their threads and worker processes when released
         holder.clear()
+        gc.collect()  # now, not at exit: their queues' semaphores are then released before the process ends
 
     return _Released(holder), close
 
