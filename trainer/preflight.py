@@ -178,6 +178,9 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
             f"data-parallel degree {dims.dp} = {per_pass}; use a multiple of {per_pass} or -1"
         )
     check_stream_lanes(config, dims, global_batch)
+    if config.metrics.count_collectives and config.compile.enable:
+        raise ConfigError("metrics.count_collectives: counts in eager mode (a dispatch mode sees every operation), and "
+                          "torch.compile does not compile under it; turn compile.enable off for the run that counts")
     return RunPlan(dims=dims, global_batch_size=global_batch, accumulation_steps=global_batch // per_pass)
 
 

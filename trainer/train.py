@@ -33,6 +33,8 @@ from trainer.checkpoint import (
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.data.loader import BatchLoader, ProcessGroupPeers, check_evaluation_fits
+from trainer.parallel.collectives import CollectiveCounter, mesh_group_names
+from trainer.parallel.collectives import describe as describe_collectives
 from trainer.data.build import build_sources, document_eos
 from trainer.data.documents import DataError
 from trainer.data.finite_sources import DataExhausted
@@ -182,9 +184,15 @@ class Trainer:
             "validation_data": self.val_loader.source.describe() if self.val_loader else None,
         }
 
-    def train_step(self) -> StepResult:
+    def train_step(self, counter: CollectiveCounter | None = None) -> StepResult:
+        """One optimizer step. `counter` (metrics.count_collectives) is told which part is running."""
         scaler = self.loss_scaler
-        loss_share = self.runner.forward_backward(self.loader.next_batch(), scaler.scale if scaler else None)
+        batch = self.loader.next_batch()
+        if counter is not None:
+            counter.phase = "forward"  # the counter tells the backward pass apart itself
+        loss_share = self.runner.forward_backward(batch, scaler.scale if scaler else None)
+        if counter is not None:
+            counter.phase = "update"
         if scaler is None:
             grad_norm, skipped = self._clip(), False
             self.optimizer.step()
@@ -260,7 +268,8 @@ class Trainer:
             step = self.state.step
             lr = self.scheduler.get_last_lr()[0]
             try:
-                result = self.train_step()
+                result = self._counted_step(step) if step == first_step and cfg.metrics.count_collectives \
+                    else self.train_step()
             except DataExhausted as e:
                 logger.info("%s; stopping after %d steps", e, step - 1)
                 self.state.step -= 1
@@ -310,6 +319,21 @@ class Trainer:
                 self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
             if self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
                 self.checkpointer.save(self.state.step, last=True)
+
+    def _counted_step(self, step: int) -> StepResult:
+        """A training step whose collectives are counted and logged (metrics.count_collectives)."""
+        with CollectiveCounter(mesh_group_names(self.mesh)) as counter:
+            result = self.train_step(counter)
+        p = self.config.parallelism
+        pipeline_microbatches = (self.config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+                                 if self.plan.dims.pp > 1 else 1)
+        summary = counter.summary(forward_passes=self.loader.accumulation_steps * pipeline_microbatches)
+        logger.info("collectives of step %d on this rank: %s", step, describe_collectives(summary))
+        self.metrics.log_scalars(step, CollectiveCounter.totals(summary), prefix="collectives")
+        if self.record is not None:
+            self.record["collectives"] = {"step": step, "rank": self.rank, **summary}
+            run_record.write_record(Path(self.config.job.dump_folder), self.record)
+        return result
 
     def _tokens_per_source(self) -> dict[str, int]:
         drawn = self.source.rows_drawn(self.loader.rows_consumed)

@@ -394,6 +394,12 @@ class Metrics:
     save_for_all_ranks: bool = False
     """Every rank writes its own TensorBoard folder (default: only the rank that logs)."""
 
+    count_collectives: bool = False
+    """Count the collectives of the first step of each start (by mesh dimension, forward or
+    backward, and operation, with the tensor-parallel syncs per forward pass): logged, written to
+    metrics.jsonl (kind "collectives") and run_meta.json. The step runs under a dispatch mode that
+    sees every operation, so it is slower; later steps are unaffected. Not with compile.enable."""
+
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU. 0: look the GPU up in the built-in table; on CPU MFU is omitted."""
 
