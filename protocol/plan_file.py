@@ -31,6 +31,7 @@ from protocol.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEY
                              SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
                              SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
                              check_minimum, closest, flatten, read_table)
+from protocol.sweeps import expand_sweeps
 from protocol.tolerance import REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
@@ -98,7 +99,7 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
     seed_checkpoint = values.get("seed_checkpoint", True)
     tolerance = read_tolerance(data.get("tolerance"), problems)
     control = read_spec(data.get("control", {}), "control", CONTROL_KEYS, seed_checkpoint, problems)
-    sets = read_sets(data.get("sets"), seed_checkpoint, problems)
+    sets = read_sets(data.get("sets"), data.get("sweeps"), seed_checkpoint, problems)
     slurm = read_slurm(data.get("slurm", {}), problems)
 
     controls = control_names(control.name or "control", tolerance)
@@ -212,14 +213,27 @@ def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bo
     return TableRead(where=where, name=name, spec=spec, clean=len(problems) == before)
 
 
-def read_sets(data: Any, seed_checkpoint: bool, problems: list[str]) -> list[TableRead]:
-    if data is None:
-        problems.append("sets: the plan has no test sets; add at least one [[sets]] table with name and kind")
+def read_sets(data: Any, sweeps: Any, seed_checkpoint: bool, problems: list[str]) -> list[TableRead]:
+    """The [[sets]] tables, then the sets of the [[sweeps]] (a problem common to a sweep's points
+    is listed once)."""
+    if data is None and sweeps is None:
+        problems.append("sets: the plan has no test sets; add at least one [[sets]] table with name and kind, or "
+                        "a [[sweeps]] table")
         return []
-    if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+    reads = []
+    if data is not None and (not isinstance(data, list) or not all(isinstance(item, dict) for item in data)):
         problems.append("sets: expected an array of tables ([[sets]])")
-        return []
-    return [read_spec(item, f"sets[{i}]", SET_KEYS, seed_checkpoint, problems) for i, item in enumerate(data)]
+    elif data is not None:
+        reads = [read_spec(item, f"sets[{i}]", SET_KEYS, seed_checkpoint, problems) for i, item in enumerate(data)]
+    found: list[str] = []
+    for where, table, swept in expand_sweeps(sweeps, problems):
+        point: list[str] = []
+        reads.append(read_spec(table, where, SET_KEYS, seed_checkpoint, point))
+        for key in swept:  # a swept option was written in the grid, not in the overrides
+            point = [p.replace(f'{where}.overrides."{key}"', f'{where}.grid."{key}"') for p in point]
+        found += point
+    problems += list(dict.fromkeys(found))
+    return reads
 
 
 def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, problems: list[str]) -> dict:

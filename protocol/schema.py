@@ -80,6 +80,14 @@ SET_KEYS: dict[str, Key] = {
                        "optimizer.lr 5% off) that the plan must catch; if it passes, the plan is INCONCLUSIVE.",
                   default="pass"),
 }
+SWEEP_KEYS: dict[str, Key] = {
+    "name": Key(str, "Beginning of the sets' names: each point of the grid is a set named '<name> key=value ...' "
+                     "(the last part of each dotted key, in the grid's order).", required=True),
+    "grid": Key(dict, "Trainer options and the values to sweep, as dotted keys: { \"optimizer.lr\" = [1e-3, "
+                      "2e-3], \"optimizer.weight_decay\" = [0.0, 0.1] }; every combination is one set.",
+                required=True),
+    **{key: spec for key, spec in SET_KEYS.items() if key != "name"},
+}
 # The keys of a set or the control that decide its layout and batch.
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "pp_schedule", "local_batch_size")
 
@@ -112,7 +120,8 @@ SBATCH_OWNED = {
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 SLURM_MEM = re.compile(r"^\d+[KMGT]?$")
 
-TABLES = {"plan": PLAN_KEYS, "tolerance": None, "control": CONTROL_KEYS, "sets": SET_KEYS, "slurm": SLURM_KEYS}
+TABLES = {"plan": PLAN_KEYS, "tolerance": None, "control": CONTROL_KEYS, "sets": SET_KEYS, "sweeps": SWEEP_KEYS,
+          "slurm": SLURM_KEYS}
 
 # Options the plan sets itself, and the plan key to use instead.
 PLAN_OWNED = {
@@ -141,7 +150,7 @@ def describe_keys() -> str:
     """Every key of every plan table with its type and meaning: the reference for the docs."""
     lines = []
     for table, schema in TABLES.items():
-        title = "[[sets]]" if table == "sets" else f"[{table}]"
+        title = f"[[{table}]]" if table in ("sets", "sweeps") else f"[{table}]"
         if schema is None:
             lines += ["", f"{title}: the fields of protocol.tolerance.Tolerance"]
             continue

@@ -639,3 +639,39 @@ def test_slurm_options_merge_common_and_per_kind(tmp_path):
     seed, control = plan.launches()[:2]
     assert plan.slurm_job(seed).sbatch_options() == ["--account=a", "--time=1:00:00", "--x=1"]
     assert plan.slurm_job(control).sbatch_options() == ["--account=a", "--time=2-00:00:00", "--x=1", "--y=2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+SWEEP = """
+[[sweeps]]
+name = "{name}"
+kind = "technique"
+grid = {grid}
+overrides = {{ "optimizer.beta1" = 0.8 }}
+"""
+
+
+def test_a_sweep_is_one_set_per_point_of_its_grid_named_after_its_values(tmp_path):
+    grid = '{ "optimizer.lr" = [1e-3, 2e-3], "optimizer.weight_decay" = [0.0, 0.1] }'
+    plan = load(tmp_path, sets=TP_SET + SWEEP.format(name="opt", grid=grid))
+    assert [s.name for s in plan.sets] == ["FSDP+TP2", "opt lr=0.001 weight_decay=0.0", "opt lr=0.001 weight_decay=0.1",
+                                           "opt lr=0.002 weight_decay=0.0", "opt lr=0.002 weight_decay=0.1"]
+    last = plan.sets[-1]
+    assert last.kind == "technique" and last.overrides == {"optimizer.beta1": 0.8, "optimizer.lr": 2e-3,
+                                                           "optimizer.weight_decay": 0.1}
+    launch = plan.launches()[-1]
+    assert arg(launch, "--optimizer.lr") == "0.002" and arg(launch, "--optimizer.weight_decay") == "0.1"
+    alone = load(tmp_path, sets=SWEEP.format(name="lr", grid='{ "optimizer.lr" = [1e-3] }'))  # no [[sets]] needed
+    assert [s.name for s in alone.sets] == ["lr lr=0.001"]
+
+
+def test_sweep_mistakes_are_named_once(tmp_path):
+    found = problems(tmp_path, sets=SWEEP.format(name="x", grid='{ "optimizer.lr" = 1e-3 }'))
+    assert "sweeps[0].grid.optimizer.lr: expected a non-empty array of values, got 0.001" in found
+    found = problems(tmp_path, sets=SWEEP.format(name="x", grid='{ "optimizer.lrr" = [1e-3, 2e-3] }'))
+    assert '1 problem:\n  - sweeps[0].grid."optimizer.lrr": unknown option optimizer.lrr' in found  # once, not per point
+    found = problems(tmp_path, sets=SWEEP.format(name="x", grid="{}"))
+    assert "sweeps[0].grid: empty" in found
+    assert "a [[sweeps]] table" in problems(tmp_path, sets="")
