@@ -269,3 +269,34 @@ def test_preflight_names_lanes_that_do_not_split_the_global_batch(caplog):
     with caplog.at_level(logging.INFO, logger="trainer.preflight"):
         check_stream_lanes(config, dims, 16)
     assert "a multiple of 2 shares the reading evenly" in caplog.text
+
+
+def test_tokenizer_workers_end_when_the_training_process_dies_without_closing(tmp_path):
+    """A rank killed, or ended by os._exit, never closes its lanes: its workers must not live on."""
+    import subprocess
+    import sys
+    import time
+
+    from trainer.data.stream_lanes import process_alive
+
+    write_hub(tmp_path / "c4", files=2)
+    program = f"""
+import multiprocessing, os
+from tests.unit.test_data_streams import stream
+from pathlib import Path
+source = stream(Path({str(tmp_path / "c4")!r}), lanes=2, workers=1)
+source.batch_rows(0, 4, 0, 4, 20)
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+os._exit(1)
+"""
+    from tests.launch import REPO
+
+    # Its output is read to the end, so the test also hangs if any worker keeps the pipes open.
+    result = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    workers = [int(pid) for pid in result.stdout.split()]
+    assert len(workers) >= 2, result.stderr[-2000:]  # a tokenizer process per lane (and the tracker, maybe)
+
+    deadline = time.monotonic() + 15
+    while any(process_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(process_alive(pid) for pid in workers)

@@ -25,7 +25,10 @@ import gc
 import json
 import logging
 import multiprocessing
+import os
 import sys
+import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -145,10 +148,15 @@ def _chunks(files: StreamFiles, lane: int, start: Position, *, text_field, wrap,
 
 class TokenizeChunk:
     """The worker's function: a chunk's texts -> their documents' tokens, concatenated.
-    Picklable, so it runs in worker processes."""
+    Picklable, so it runs in worker processes, which end with the training process."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.owner = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:  # unpickled: in a worker process, as it starts
+        self.__dict__.update(state)
+        exit_with(self.owner)
 
     def __call__(self, item):
         if item[0] != "chunk":
@@ -159,6 +167,37 @@ class TokenizeChunk:
         dtype = token_dtype(getattr(self.tokenizer, "vocab_size", 1 << 32))
         ids = self.tokenizer.encode_batch_documents(texts)
         return ("chunk", position, np.concatenate([np.asarray(d, dtype=dtype) for d in ids]))
+
+
+def exit_with(pid: int, interval_s: float = 1.0) -> None:
+    """End this process once process `pid` is gone. A worker waits for work in a loop that only
+    stops when told to: a training process that dies without closing its lanes (killed, or ended
+    by os._exit after an error on another rank) would leave its workers, and their fork server,
+    running for ever."""
+
+    def watch():
+        while process_alive(pid):
+            time.sleep(interval_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs: not gone, and not a zombie (dead, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def worker_context() -> str:
