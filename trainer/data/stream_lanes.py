@@ -162,11 +162,9 @@ class TokenizeChunk:
         if item[0] != "chunk":
             return item
         _, position, texts = item
-        from trainer.data.shards import token_dtype
+        from trainer.data.text_sources import tokenize_documents  # (text_sources imports this module)
 
-        dtype = token_dtype(getattr(self.tokenizer, "vocab_size", 1 << 32))
-        ids = self.tokenizer.encode_batch_documents(texts)
-        return ("chunk", position, np.concatenate([np.asarray(d, dtype=dtype) for d in ids]))
+        return ("chunk", position, tokenize_documents(texts, self.tokenizer))
 
 
 def exit_with(pid: int, interval_s: float = 1.0) -> None:
