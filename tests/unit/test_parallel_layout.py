@@ -124,10 +124,25 @@ def test_a_valid_4d_layout_has_no_problems():
          "--compile.enable"], "zero-bubble schedules split backward in two"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--validation.enable", "--validation.local_batch_size", "2"],
      "validation runs through the training pipeline"),
+    (1, ["--parallelism.tensor_parallel_sync", "per_block"], "tensor_parallel_degree is 1 \\(nothing to drop\\)"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.tensor_parallel_sync", "grouped"],
+     "tensor_parallel_sync_group=0: .* needs the number of blocks per synchronization, 1 to the model's 4 layers"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.tensor_parallel_sync_group", "2"],
+     "only used with tensor_parallel_sync = \"grouped\" \\(it is 'full'\\)"),
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.tensor_parallel_sync", "grouped", "--parallelism.tensor_parallel_sync_group", "3"],
+     "pipeline stage 0 holds layers 0-1, which cuts a group of 3 blocks"),
 ])
 def test_each_impossible_layout_names_its_fix(nproc, args, message):
     found = problems(nproc, *args)
     assert any(re.search(message, problem) for problem in found), found
+
+
+def test_reduced_sync_groups_that_end_with_the_pipeline_stages_are_accepted():
+    grouped = ["--parallelism.tensor_parallel_sync", "grouped", "--parallelism.tensor_parallel_sync_group"]
+    assert problems(4, "--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                    *grouped, "2") == []
+    assert problems(2, "--parallelism.tensor_parallel_degree", "2", *grouped, "3") == []  # groups of 3 and 1
 
 
 def test_plan_run_lists_every_problem_at_once():

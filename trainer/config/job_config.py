@@ -246,6 +246,18 @@ class Parallelism:
     """Under tensor parallelism, gather the vocabulary-sharded logits before the loss instead of
     computing the cross-entropy on the shards."""
 
+    tensor_parallel_sync: Literal["full", "per_block", "grouped"] = "full"
+    """Where the tensor-parallel ranks synchronize the residual stream (docs/parallelisms.md).
+    full: after attention and after the FFN of every block (2 per block, exact tensor parallelism).
+    per_block: once per block; the FFN sees the block input plus this rank's partial attention
+    output. grouped: once per tensor_parallel_sync_group blocks, each rank carrying its own partial
+    residual in between. The reduced variants change the model (a technique, not a layout) and
+    need tensor_parallel_degree > 1."""
+
+    tensor_parallel_sync_group: int = 0
+    """Blocks per synchronization with tensor_parallel_sync = "grouped" (1 is per_block's model);
+    0 (unset) otherwise. Under pipeline parallelism a group may not span two stages."""
+
     enable_async_tensor_parallel: bool = False
     """Overlap tensor-parallel communication with the neighbouring matmuls (a compiler pass: needs
     compile.enable and CUDA)."""

@@ -64,7 +64,9 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     for stage in stages.values():
         if dims.tp > 1:
-            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype)
+            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
+                     sync=p.tensor_parallel_sync, sync_group=p.tensor_parallel_sync_group,
+                     n_layers=model.args.n_layers)
         if dims.cp > 1:
             apply_cp(stage, mesh["cp"], reduce_dtype=reduce_dtype)
         apply_ac(stage, ac.mode, ac.selective_ac_option)
@@ -94,6 +96,14 @@ def needs_fsdp(dims: ParallelDims, param_dtype, cpu_offload: bool) -> bool:
     return dims.world_size > 1 or param_dtype != torch.float32 or cpu_offload
 
 
+def sync_phrase(p) -> str:
+    if p.tensor_parallel_sync == "full":
+        return ""
+    if p.tensor_parallel_sync == "per_block":
+        return ", synchronized once per block"
+    return f", synchronized once per {p.tensor_parallel_sync_group} blocks"
+
+
 def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: bool = True) -> str:
     """One line naming what `parallelize` applies, in the order it applies it."""
     p, ac = config.parallelism, config.activation_checkpoint
@@ -102,7 +112,7 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
         parts.append(f"PP {dims.pp} ({plan.schedule}, {plan.num_stages} stages)")
     if dims.tp > 1:
         parts.append(f"TP {dims.tp} with sequence parallelism" + ("" if p.disable_loss_parallel else " and loss parallelism")
-                     + (", async" if p.enable_async_tensor_parallel else ""))
+                     + (", async" if p.enable_async_tensor_parallel else "") + sync_phrase(p))
     if dims.cp > 1:
         parts.append(f"CP {dims.cp} (load-balanced, all-gathered keys/values)")
     if ac.mode != "none":

@@ -156,12 +156,59 @@ def layout_problems(config, dims: ParallelDims) -> list[str]:
         seq_lens["validation.seq_len"] = c.validation.seq_len
     for key, seq_len in seq_lens.items():
         problems += sequence_problems(key, seq_len, dims)
+    problems += sync_problems(config, dims, model.n_layers)
     if p.enable_async_tensor_parallel and (dims.tp == 1 or not c.compile.enable):
         problems.append("parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and "
                         "compile.enable (it is a compiler pass), on CUDA")
     if dims.pp > 1:
         problems += pipeline_problems(config, dims)
     return problems
+
+
+def sync_problems(config, dims: ParallelDims, n_layers: int) -> list[str]:
+    """The reduced tensor-parallel synchronizations need TP ranks to drop syncs between, a group
+    size only with "grouped", and groups that end where pipeline stages end (a stage sends one
+    synchronized hidden state to the next)."""
+    p = config.parallelism
+    sync, group = p.tensor_parallel_sync, p.tensor_parallel_sync_group
+    if sync != "grouped":
+        problems = [] if group == 0 else [
+            f"parallelism.tensor_parallel_sync_group={group}: only used with tensor_parallel_sync = \"grouped\" "
+            f"(it is {sync!r}); remove it or set tensor_parallel_sync = \"grouped\""]
+    elif not 1 <= group <= n_layers:
+        problems = [f"parallelism.tensor_parallel_sync_group={group}: tensor_parallel_sync = \"grouped\" needs the "
+                    f"number of blocks per synchronization, 1 to the model's {n_layers} layers"]
+    else:
+        problems = []
+    if sync != "full" and dims.tp == 1:
+        problems.append(f"parallelism.tensor_parallel_sync={sync!r}: drops tensor-parallel synchronizations, but "
+                        "tensor_parallel_degree is 1 (nothing to drop); set tensor_parallel_degree > 1 or use \"full\"")
+    if sync != "full" and dims.pp > 1 and not problems:
+        problems += group_stage_problems(config, dims, sync_group_size(sync, group), n_layers)
+    return problems
+
+
+def sync_group_size(sync: str, group: int) -> int:
+    """Blocks per tensor-parallel synchronization of the reduced variants (per_block: 1)."""
+    return group if sync == "grouped" else 1
+
+
+def group_stage_problems(config, dims: ParallelDims, group: int, n_layers: int) -> list[str]:
+    try:
+        plan = stage_plan(config, dims)
+    except StageError:
+        return []  # pipeline_problems reports it
+    for stage, blocks in enumerate(plan.blocks):
+        if not blocks:
+            continue
+        starts_a_group = blocks[0] % group == 0
+        ends_a_group = (blocks[-1] + 1) % group == 0 or blocks[-1] == n_layers - 1
+        if not (starts_a_group and ends_a_group):
+            return [f"parallelism.tensor_parallel_sync_group={group}: pipeline stage {stage} holds layers "
+                    f"{blocks[0]}-{blocks[-1]}, which cuts a group of {group} blocks (groups start at multiples of "
+                    f"{group}); choose a group size that divides every stage's layers, or set "
+                    "pipeline_parallel_layers_per_stage to a multiple of it"]
+    return []
 
 
 def sequence_problems(key: str, seq_len: int, dims: ParallelDims) -> list[str]:

@@ -34,6 +34,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainer.parallel.dims import sync_group_size
+from trainer.parallel.reduced_sync import apply_reduced_sync
+
 
 class ReduceGradient(torch.autograd.Function):
     """Identity on a replicated weight (a DTensor); backward all-reduces its partial gradient over
@@ -56,9 +59,16 @@ def reduce_gradient_in(dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor
     return ReduceGradient.apply(weight, dtype)
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dtype: torch.dtype | None = None) -> None:
+def _reduce_in(dtype: torch.dtype | None, weight: torch.Tensor) -> torch.Tensor:
+    return ReduceGradient.apply(weight, dtype or weight.dtype)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dtype: torch.dtype | None = None,
+             sync: str = "full", sync_group: int = 0, n_layers: int = 0) -> None:
     """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks, in place.
-    `reduce_dtype` is the precision of the norm weights' gradient all-reduce (None: their dtype)."""
+    `reduce_dtype` is the precision of the norm weights' gradient all-reduce (None: their dtype).
+    `sync` other than "full" synchronizes the blocks' residual stream less often (reduced_sync.py):
+    once per block, or once per `sync_group` of the model's `n_layers` blocks."""
     outer = {}
     if model.tok_embeddings is not None:
         outer["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -71,6 +81,12 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
             use_local_output=not loss_parallel,  # the loss needs the DTensor to compute on shards
         )
     parallelize_module(model, tp_mesh, outer)
+    if sync != "full":
+        reduce = partial(_reduce_in, reduce_dtype)
+        apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)
+        if model.norm is not None:
+            model.norm.weight_hook = reduce
+        return
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),

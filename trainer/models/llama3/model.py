@@ -176,6 +176,9 @@ class TransformerBlock(nn.Module):
         # Activation checkpointing sets this to a function that runs `compute` without keeping
         # (all of) its activations for backward (trainer/parallel/checkpointing.py).
         self.recompute = None
+        # Tensor parallelism with reduced synchronization sets this to the block's forward under
+        # it, which may pass a group's partial residual stream on (trainer/parallel/reduced_sync.py).
+        self.sync = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         if self.recompute is not None:
@@ -183,6 +186,8 @@ class TransformerBlock(nn.Module):
         return self.compute(x, rope, documents)
 
     def compute(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sync is not None:
+            return self.sync(self, x, rope, documents)
         h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
