@@ -171,7 +171,7 @@ def cmd_run(args) -> int:
         results = run_slurm(plan, launches, plan.output / SLURM_DIR, only=only, rerun_stale=args.rerun_stale)
     else:
         results = run_local(plan, launches, only=only, on_progress=log.info, rerun_stale=args.rerun_stale)
-    status = 1 if any(not r.ok for r in results) else 0
+    status = 1 if any(r.failed for r in results) else 0
     if args.compare:
         verdict_status = compare_plan(plan, out=None, overrides={}, results=results, only=only)
         status = verdict_status if verdict_status != 0 else status
@@ -242,32 +242,48 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
         note = found.control_note(needed)
         comparison = nothing_to_compare(plan.control.name, tolerance, found.not_compared, note)
         return report(comparison, [], [], out or plan.output, where, found.layouts(), found.runs, found.notes)
-    warnings = numerics_warnings(found.runs) if tolerance.mode == "exact" else []
+    # A criterion judges runs that need not agree step by step (bf16 on GPUs): no exact-mode warning.
+    warnings = numerics_warnings(found.runs) if tolerance.mode == "exact" and plan.criterion is None else []
     left_out = [spec.name for spec in plan.sets if spec.expect == "fail" and spec.name not in found.expect]
     if left_out:
         warnings.append(f"positive control{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not compared "
                         "(--only): this verdict does not show what the plan can catch")
     comparison = compare(found.controls, found.tests, tolerance, expect=found.expect,
                          not_compared=found.not_compared, warnings=warnings)
-    return report(comparison, found.controls, found.tests, out or plan.output, where, found.layouts(), found.runs,
-                  found.notes)
+    sweeps, runs = None, found.runs
+    if plan.criterion is not None:
+        from protocol.criterion_verdict import judge_by_criterion
+
+        verdict = judge_by_criterion(plan, comparison)
+        comparison, sweeps = verdict.comparison, (verdict.sweeps, verdict.bound)
+        runs = [run for run in runs if run.name not in verdict.unneeded]  # never ran: the search did not need them
+    return report(comparison, found.controls, found.tests, out or plan.output, where, found.layouts(), runs,
+                  found.notes, sweeps)
 
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 
-def report(comparison, family, tests, out: Path, out_name: str, layouts: dict, runs=None, notes=None) -> int:
+def report(comparison, family, tests, out: Path, out_name: str, layouts: dict, runs=None, notes=None,
+           sweeps=None) -> int:
     """Write the report into `out` (named `out_name` in errors), print the table, the files and
-    the verdict; the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE)."""
+    the verdict; the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE). `sweeps`: (the sweep report, the
+    criterion's bound) of a plan with a criterion, written and printed too."""
     from protocol.report import format_table, status_line, write_report
 
     paths = write_report(comparison, family, tests, output_folder(out, out_name), layouts=layouts, runs=runs,
                          notes=notes)
+    if sweeps and sweeps[0].tables:
+        from protocol.sweep_report import plain, write_sweep_report
+
+        paths.update(write_sweep_report(sweeps[0], sweeps[1], out))
     for warning in comparison.warnings:
         print(f"warning: {warning}")
     if comparison.note:
         print(f"FAIL: {comparison.note}")
     print(format_table(comparison, layouts))
+    if sweeps and sweeps[0].tables:
+        print(plain(sweeps[0]))
     for path in paths.values():
         print(f"wrote {path}")
     if notes:  # the verdict is about what ran, which is not what the plan says now

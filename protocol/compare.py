@@ -71,6 +71,9 @@ class SetResult:
     """test - reference loss at each of `steps`."""
     grad_norm_diff: list[float] = field(default_factory=list, repr=False)
     """test / reference grad norm - 1 at each of `steps` (empty without grad norms)."""
+    label: str = ""
+    """The outcome in other words, when a [criterion] judged the set as a point of a sweep
+    ("meets criterion" / "misses criterion": a measurement, not a pass or a failure)."""
 
     @property
     def verdict(self) -> bool:
@@ -81,6 +84,8 @@ class SetResult:
     def outcome(self) -> str:
         """PASS, FAIL, 'FAIL (expected)' for a positive control that failed, 'PASS (expected to
         fail)' for one that did not."""
+        if self.label:
+            return self.label
         if self.expect == "fail":
             return "FAIL (expected)" if self.failed else "PASS (expected to fail)"
         return FAIL if self.failed else PASS
@@ -92,7 +97,8 @@ class NotCompared:
 
     name: str
     verdict: str
-    """"FAILED" (it ran and failed) or "NOT RUN" (skipped, or not run yet)."""
+    """"FAILED" (it ran and failed), "NOT RUN" (skipped, or not run yet) or "STOPPED" (an early-stop
+    rule ended it; the reason names the rule and the value that broke it)."""
     reason: str
 
 
@@ -136,6 +142,11 @@ class Comparison:
     note: str = ""
     """Why nothing was compared, when that is so (no control to compare against)."""
     warnings: list[str] = field(default_factory=list)
+    criterion: str = ""
+    """'criterion: validation/loss at step 20000 <= 1.02 x control (3.28 -> 3.3456)' when the plan's
+    [criterion] judged the sets (protocol.criterion_verdict) instead of the tolerance."""
+    status_text: str = ""
+    """The verdict line, when the criterion wrote it."""
 
     @property
     def passed(self) -> bool:

@@ -4,6 +4,11 @@ Each run's output is appended to `<output>/<run>/protocol.log` under a header li
 attempts stay readable. A failed run is reported with the launcher's error block (or the last
 lines of its log) and the others still run, except those that need a seed checkpoint that
 failed.
+
+While a test set runs, the plan's early-stop rules are checked at every progress poll: a run
+that breaks one is ended as an interrupt would end it (protocol.early_stop marks its folder) and
+the others go on. The points of searched sweeps run last, as the search needs them
+(protocol.search).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from protocol.early_stop import Breach, applies, breach, clear_stopped, mark_stopped
 from protocol.failures import exit_problem, indent, summary
 from protocol.folders import claim_folder, now
 from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
 from protocol.plan import REPO_ROOT, Launch, Plan
-from protocol.reuse import REUSE, Decision, completion_problem
+from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
+from protocol.search import run_searches
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +43,9 @@ def run_local(plan: Plan, launches: Sequence[Launch], only: Sequence[str] | None
 
     Current finished runs are reused; stale ones are refused (LaunchError), or with rerun_stale
     moved aside and run again. `launcher` replaces torchrun_launch.sh (tests use a fake);
-    `progress_interval` is how often the step a running run reached is reported.
+    `progress_interval` is how often the step a running run reached is reported and the
+    early-stop rules are checked. Without `only`, the points of searched sweeps run last, those
+    the search needs; with it, the named runs run as they are.
     """
     report = on_progress or logger.info
     selected = select(launches, only)
@@ -46,16 +55,25 @@ def run_local(plan: Plan, launches: Sequence[Launch], only: Sequence[str] | None
                           "launcher, or --only with single-node runs")
     decisions = prepare(plan, selected, rerun_stale, report)
     command = list(launcher) if launcher else [str(LAUNCHER)]
-    results: list[RunResult] = []
+    searching = not only
+    first = [launch for launch in selected if not (searching and launch.search)]
+    results: dict[str, RunResult] = {}
     failed: set[str] = set()
-    for i, launch in enumerate(selected, 1):
-        head = f"[{i}/{len(selected)}] {launch.name}"
-        result = run_one(plan, decisions[launch.name], command, head, failed, report, progress_interval)
-        if not result.ok:
+
+    def run(launch: Launch, head: str) -> RunResult:
+        result = results[launch.name] = run_one(plan, decisions[launch.name], command, head, failed, report,
+                                                progress_interval)
+        if result.failed:
             failed.add(launch.name)
-        results.append(result)
-    summarize(results, report)
-    return results
+        return result
+
+    for i, launch in enumerate(first, 1):
+        run(launch, f"[{i}/{len(first)}] {launch.name}")
+    if searching:
+        results.update(run_searches(plan, selected, lambda launch: run(launch, f"[search] {launch.name}"), report))
+    ordered = [results[launch.name] for launch in selected]
+    summarize(ordered, report)
+    return ordered
 
 
 def run_one(plan: Plan, decision: Decision, command: list[str], head: str, failed: set[str], report: Progress,
@@ -68,12 +86,19 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
     if decision.action == REUSE:
         report(f"{head}: already complete, skipped")
         return RunResult(launch.name, "already complete", log=launch.output / LOG_NAME)
+    if decision.action == STOPPED:
+        report(f"{head}: stopped earlier by {decision.reason}, skipped")
+        return RunResult(launch.name, "stopped", log=launch.output / LOG_NAME, message=decision.reason)
     claim_folder(plan, launch)
+    clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
     again = f", {decision.reason}" if decision.reason.startswith("the previous") else ""
     report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... "
            f"(log: {launch.output / LOG_NAME})")
-    returncode, seconds, start = execute(plan, launch, command, head, report, progress_interval)
+    returncode, seconds, start, broke = execute(plan, launch, command, head, report, progress_interval)
     log = launch.output / LOG_NAME
+    if broke is not None:
+        report(f"{head}: STOPPED after {seconds:.1f} s by {broke.describe()}")
+        return RunResult(launch.name, "stopped", returncode, seconds, log, broke.describe())
     problem = exit_problem(returncode, launch) if returncode else completion_problem(plan, launch)
     if problem:
         title, text = summary(log, start)
@@ -84,9 +109,9 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
 
 
 def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: Progress,
-            progress_interval: float) -> tuple[int, float, int]:
+            progress_interval: float) -> tuple[int, float, int, Breach | None]:
     """Start the launcher, wait, report the step reached now and then; (exit code, seconds, offset
-    of this attempt's output in the log)."""
+    of this attempt's output in the log, the early-stop rule it broke if it was stopped)."""
     env = dict(os.environ)
     # The interpreter running the protocol has the project and torch installed: the launcher uses
     # it unless the user chose one (without this it would look for an activated or ./.venv).
@@ -102,23 +127,32 @@ def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: P
         proc = subprocess.Popen([*command, *launch.args], cwd=REPO_ROOT, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            returncode = wait(proc, launch, plan.steps, head, report, progress_interval)
+            returncode, broke = wait(proc, plan, launch, head, report, progress_interval)
         except BaseException:
             stop(proc)
             raise
-    return returncode, time.monotonic() - began, start
+    return returncode, time.monotonic() - began, start, broke
 
 
-def wait(proc: subprocess.Popen, launch: Launch, steps: int, head: str, report: Progress, interval: float) -> int:
+def wait(proc: subprocess.Popen, plan: Plan, launch: Launch, head: str, report: Progress,
+         interval: float) -> tuple[int, Breach | None]:
+    """(exit code, None) once the run ends, or (exit code, the rule it broke) once it was stopped."""
     reported = 0
+    rules = plan.early_stop if applies(launch) else ()
     while True:
         try:
-            return proc.wait(timeout=interval)
+            return proc.wait(timeout=interval), None
         except subprocess.TimeoutExpired:
             step = last_step(launch) if launch.role != "seed" else 0
             if step > reported:
-                report(f"{head}: step {step}/{steps}")
+                report(f"{head}: step {step}/{plan.steps}")
                 reported = step
+            broke = breach(rules, launch.output)
+            if broke is not None:
+                # Marked before it is ended, so that an interrupt while it ends leaves the reason.
+                mark_stopped(launch.output, broke)
+                stop(proc)
+                return proc.returncode, broke
 
 
 def last_step(launch: Launch) -> int:
@@ -137,7 +171,8 @@ def last_step(launch: Launch) -> int:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Interrupted (Ctrl-C): end the child, then give up on it politely."""
+    """Interrupted (Ctrl-C) or stopped by a rule: end the child (the launcher ends its ranks on
+    SIGTERM), and kill it if it has not ended after 30 seconds."""
     if proc.poll() is None:
         proc.terminate()
         try:

@@ -52,7 +52,10 @@ Plan file format
     mem = "64G"
 
 The keys of every table are listed, with their meaning, in `protocol.schema`; reading and
-validating a file is `protocol.plan_file.load_plan`.
+validating a file is `protocol.plan_file.load_plan`. A plan may also judge its sets by a
+`[criterion]` instead of the tolerance, stop runs early by `[[early_stop]]` rules
+(protocol.criteria) and search a sweep's points (`[[sweeps]]` with `search = "bisect"`:
+protocol.sweeps, protocol.search).
 
 Overrides are trainer options written as dotted keys (`"section.key" = value`, or nested tables
 `section = { key = value }`); each becomes `--section.key value` on the command line (booleans
@@ -80,6 +83,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.criteria import Criterion, StopRule
+from protocol.sweeps import Sweep
 from protocol.tolerance import Tolerance
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +117,7 @@ class RunSpec:
     pp_schedule: str | None = None
     local_batch_size: int | None = None
     expect: str = "pass"  # "fail": a positive control
+    sweep: str | None = None  # the name of the [[sweeps]] table it is a point of
 
     @property
     def label(self) -> str:
@@ -143,6 +149,8 @@ class Launch:
     depends_on: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)
     expect: str = "pass"
+    sweep: str | None = None  # the sweep it is a point of
+    search: bool = False  # a point of a searched sweep: `protocol run` runs it only when the search needs it
 
     @property
     def slug(self) -> str:
@@ -167,7 +175,7 @@ class Launch:
         return {"name": self.name, "role": self.role, "kind": self.kind, "nproc": self.nproc, "nodes": self.nodes,
                 "procs_per_node": self.procs_per_node, "degrees": dict(self.degrees), "seed": self.seed,
                 "output": str(self.output), "args": list(self.args), "depends_on": list(self.depends_on),
-                "expect": self.expect, "command": self.command()}
+                "expect": self.expect, "sweep": self.sweep, "search": self.search, "command": self.command()}
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,9 @@ class Plan:
     checkpoint_folder: str = "checkpoint"  # the base config's checkpoint.folder: where the seed lands
     default_pp_schedule: str = "1F1B"  # the base config's, for the degrees of runs that give none
     slurm: dict[str, SlurmJob] = field(default_factory=dict)  # "seed" / "train" -> its #SBATCH options
+    criterion: Criterion | None = None  # [criterion]: what judges every set, when given
+    early_stop: tuple[StopRule, ...] = ()  # [[early_stop]]: when a set's run is stopped
+    sweeps: tuple[Sweep, ...] = ()  # [[sweeps]], their sets' names in order
 
     @property
     def global_batch_size(self) -> int:
@@ -230,6 +241,10 @@ class Plan:
 
     def control_names(self) -> list[str]:
         return control_names(self.control.name, self.tolerance)
+
+    def searched(self, spec: RunSpec) -> bool:
+        """Whether the set is a point of a searched sweep (run only when the search needs it)."""
+        return any(sweep.search and spec.name in sweep.points for sweep in self.sweeps)
 
     def launches(self) -> list[Launch]:
         """Seed checkpoint (when enabled), the control and its noise controls, then the sets in file order."""
@@ -329,7 +344,7 @@ def run_launch(plan: Plan, spec: RunSpec, name: str, role: str) -> Launch:
                   degrees=degrees, args=tuple(run_args(plan, spec, output, name)), output=output,
                   seed=plan.seed, seed_checkpoint=plan.seed_checkpoint_path,
                   depends_on=(SEED_NAME,) if plan.seed_checkpoint else (), overrides=dict(spec.overrides),
-                  expect=spec.expect)
+                  expect=spec.expect, sweep=spec.sweep, search=role == "test" and plan.searched(spec))
 
 
 def describe_degrees(degrees: dict) -> str:

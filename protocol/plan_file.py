@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
 from protocol.plan import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
 from protocol.plan_checks import name_problems, run_names, spec_problems, trainer_problems
 from protocol.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
                              SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
                              SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
                              check_minimum, closest, flatten, read_table)
-from protocol.sweeps import expand_sweeps
+from protocol.sweeps import Sweep, expand_sweeps
 from protocol.tolerance import REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
@@ -99,8 +100,14 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
     seed_checkpoint = values.get("seed_checkpoint", True)
     tolerance = read_tolerance(data.get("tolerance"), problems)
     control = read_spec(data.get("control", {}), "control", CONTROL_KEYS, seed_checkpoint, problems)
-    sets = read_sets(data.get("sets"), data.get("sweeps"), seed_checkpoint, problems)
+    sets, sweeps = read_sets(data.get("sets"), data.get("sweeps"), seed_checkpoint, problems)
     slurm = read_slurm(data.get("slurm", {}), problems)
+    criterion = read_criterion(data.get("criterion"), problems)
+    rules = read_early_stop(data.get("early_stop"), problems)
+    for sweep in sweeps:
+        if sweep.search and "criterion" not in data:
+            problems.append(f"{sweep.where}.search: a search looks for the last point that meets the criterion; add "
+                            "a [criterion] table (docs/converging.md)")
 
     controls = control_names(control.name or "control", tolerance)
     labels = [(read.name, f"{read.where} ({read.name!r})") for read in sets if read.name is not None]
@@ -112,7 +119,22 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
             if read.spec is not None:
                 # "equals the control" is only decided when both tables are as intended
                 problems += spec_problems(plan, read.spec, read.clean and control.clean)
+        plan = dataclasses.replace(plan, sweeps=tuple(sweeps))
+        if criterion or rules:
+            runs = frequencies(plan)
+            plan = dataclasses.replace(plan, criterion=resolve_criterion(criterion, runs, problems),
+                                       early_stop=tuple(resolve_rules(rules, runs, problems)))
     return plan
+
+
+def frequencies(plan: Plan) -> Frequencies:
+    """What decides which steps the runs measure, from the plan's shared options (a set's own
+    overrides of validation or logging are not looked at)."""
+    from trainer.config.manager import load_config
+
+    config = load_config(common_args(plan, plan.output / "base", plan.seed))
+    freq = config.validation.freq if config.validation.enable else None
+    return Frequencies(steps=plan.steps, validation_freq=freq, log_freq=config.metrics.log_freq)
 
 
 def assemble(path: Path, values: dict, tolerance: Tolerance, control: TableRead, sets: list[TableRead],
@@ -213,27 +235,32 @@ def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bo
     return TableRead(where=where, name=name, spec=spec, clean=len(problems) == before)
 
 
-def read_sets(data: Any, sweeps: Any, seed_checkpoint: bool, problems: list[str]) -> list[TableRead]:
+def read_sets(data: Any, sweeps: Any, seed_checkpoint: bool,
+              problems: list[str]) -> tuple[list[TableRead], list[Sweep]]:
     """The [[sets]] tables, then the sets of the [[sweeps]] (a problem common to a sweep's points
-    is listed once)."""
+    is listed once), and the sweeps."""
     if data is None and sweeps is None:
         problems.append("sets: the plan has no test sets; add at least one [[sets]] table with name and kind, or "
                         "a [[sweeps]] table")
-        return []
+        return [], []
     reads = []
     if data is not None and (not isinstance(data, list) or not all(isinstance(item, dict) for item in data)):
         problems.append("sets: expected an array of tables ([[sets]])")
     elif data is not None:
         reads = [read_spec(item, f"sets[{i}]", SET_KEYS, seed_checkpoint, problems) for i, item in enumerate(data)]
     found: list[str] = []
-    for where, table, swept in expand_sweeps(sweeps, problems):
-        point: list[str] = []
-        reads.append(read_spec(table, where, SET_KEYS, seed_checkpoint, point))
-        for key in swept:  # a swept option was written in the grid, not in the overrides
-            point = [p.replace(f'{where}.overrides."{key}"', f'{where}.grid."{key}"') for p in point]
-        found += point
+    points, swept = expand_sweeps(sweeps, problems)
+    for point in points:
+        own: list[str] = []
+        read = read_spec(point.table, point.where, SET_KEYS, seed_checkpoint, own)
+        if read.spec is not None:
+            read = dataclasses.replace(read, spec=dataclasses.replace(read.spec, sweep=point.sweep))
+        reads.append(read)
+        for key, written in point.written.items():  # a swept option was written in the grid or points
+            own = [p.replace(f'{point.where}.overrides."{key}"', written) for p in own]
+        found += own
     problems += list(dict.fromkeys(found))
-    return reads
+    return reads, swept
 
 
 def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, problems: list[str]) -> dict:

@@ -2,8 +2,9 @@
 record (layout, steps, code), never the plan's current text.
 
 A run that failed or was skipped by `protocol run`, or that has no metrics.jsonl, becomes a
-FAILED or NOT RUN row. Runs whose record differs from what the plan would run now are described
-as they ran, with the differences noted (protocol.reuse decides what differs).
+FAILED or NOT RUN row; a run an early-stop rule ended, a STOPPED row naming the rule. Runs whose
+record differs from what the plan would run now are described as they ran, with the differences
+noted (protocol.reuse decides what differs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.compare import NotCompared
+from protocol.criteria import StopRule
 from protocol.curves import Curve
+from protocol.early_stop import applies, stopped
 from protocol.launch import RunResult, select
 from protocol.plan import Launch, Plan
 from protocol.records import RunInfo, read_record, run_info
@@ -67,7 +70,7 @@ def gather(plan: Plan, results: Sequence[RunResult], reader: Reader, only: Seque
     found.runs = [run_info(launch.name, launch.output, records[launch.name], control) for launch in training]
     found.notes = stale_notes(plan, launches, records)
     for launch in training:
-        missing = why_missing(launch, outcome.get(launch.name), records[launch.name])
+        missing = why_missing(launch, outcome.get(launch.name), records[launch.name], plan.early_stop)
         if missing:
             found.not_compared.append(NotCompared(launch.name, *missing))
         elif launch.role in FAMILY_ROLES:
@@ -87,9 +90,16 @@ def numerics_warnings(runs: Sequence[RunInfo]) -> list[str]:
             "not: their steps can differ by rounding alone; use mode = \"statistical\" for such runs"]
 
 
-def why_missing(launch: Launch, result: RunResult | None, record: dict | None) -> tuple[str, str] | None:
-    """(verdict, reason) of a run that has no curve to compare, or None: it failed or was skipped
-    in this `protocol run`, its own record says it failed, or it never wrote metrics."""
+def why_missing(launch: Launch, result: RunResult | None, record: dict | None,
+                rules: Sequence[StopRule] = ()) -> tuple[str, str] | None:
+    """(verdict, reason) of a run that has no curve to compare, or None: an early-stop rule ended
+    it, it failed or was skipped in this `protocol run`, its own record says it failed, or it
+    never wrote metrics."""
+    if result is not None and result.status == "stopped":
+        return "STOPPED", result.message
+    breach = stopped(launch.output, rules) if applies(launch) else None
+    if breach is not None:
+        return "STOPPED", breach.describe()
     if result is not None and not result.ok:
         return ("FAILED" if result.status == "failed" else "NOT RUN"), result.message
     if record is not None and record.get("status") == "failed":

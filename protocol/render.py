@@ -4,7 +4,9 @@ The shell script runs the single-node launches in order from the repository root
 run folder (`.protocol-run`) first, exactly as `protocol run` does, so `protocol run` and
 `protocol compare` recognize the runs it made. Runs needing several nodes are listed, commented
 out (use the SLURM scripts for those). A seed checkpoint that exists already is kept, so the
-script can run again; whether it is still the plan's is what `protocol run` checks.
+script can run again; whether it is still the plan's is what `protocol run` checks. The points
+of a searched sweep are all in the script (it cannot bisect); the table names them, and the plan's
+criterion and early-stop rules, below the launches.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class FormatError(ValueError):
 def render(plan: Plan, launches: Sequence[Launch], fmt: str) -> str:
     """The launches as an aligned `table`, a `json` list, or a runnable bash script (`shell`)."""
     if fmt == "table":
-        return render_table(launches)
+        return "\n".join([render_table(launches), *plan_notes(plan, launches)])
     if fmt == "json":
         return render_json(launches)
     if fmt == "shell":
@@ -49,6 +51,21 @@ def render_table(launches: Sequence[Launch]) -> str:
     return "\n".join(out)
 
 
+def plan_notes(plan: Plan, launches: Sequence[Launch]) -> list[str]:
+    """What decides beyond the launches: the criterion, the early-stop rules, the search points."""
+    notes = []
+    if plan.criterion is not None:
+        notes.append(f"criterion: {plan.criterion.describe()} (judges every set: pass = meets it)")
+    notes += [f"early stop: {rule.describe()} (test sets only)" for rule in plan.early_stop]
+    names = {launch.name for launch in launches}
+    for sweep in plan.sweeps:
+        points = [name for name in sweep.points if name in names]
+        if sweep.search and points:
+            notes.append(f"search {sweep.name!r} ({sweep.search}): run on demand by `protocol run`, only the points "
+                         f"the bisection needs, in this order (most communication first): {', '.join(points)}")
+    return [""] + notes if notes else []
+
+
 def render_json(launches: Sequence[Launch]) -> str:
     return json.dumps([launch.to_dict() for launch in launches], indent=2)
 
@@ -66,6 +83,9 @@ def render_shell(plan: Plan, launches: Sequence[Launch]) -> str:
                     f"echo {shlex.quote(head + ': skipped here, needs ' + str(launch.nodes) + ' nodes')}", ""]
         else:
             run = [f"echo {shlex.quote(head)}", claim_command(plan, launch), launch.command()]
+            if launch.search:  # a script cannot bisect: it runs every point
+                out.append(f"# {head}: a point of searched sweep {launch.sweep!r}; `protocol run` runs it only when "
+                           "the search needs it")
             out += [*unless_seed_exists(launch, run, head), ""]
     return "\n".join(out)
 

@@ -60,7 +60,10 @@ def fmt_p(value: float) -> str:
 
 # ---------------------------------------------------------------- the verdict line
 def status_line(comparison: Comparison) -> str:
-    """PASS / FAIL / INCONCLUSIVE with the sets that decided it."""
+    """PASS / FAIL / INCONCLUSIVE with the sets that decided it (a [criterion]'s own line when it
+    judged the sets)."""
+    if comparison.status_text:
+        return comparison.status_text
     failing = [r.name for r in comparison.results if r.failed and r.expect == "pass"]
     failing += [m.name for m in comparison.not_compared]
     if comparison.status == FAIL:
@@ -176,6 +179,11 @@ def _control_line(comparison: Comparison) -> str:
 
 def _rule_line(comparison: Comparison) -> str:
     tol = comparison.tolerance
+    if comparison.criterion:
+        return (f"{comparison.criterion} decides every set: it passes when it meets the criterion (a point of a "
+                "sweep is a measurement: \"meets criterion\" or \"misses criterion\", see sweep_report.md); the "
+                f"differences from the control below follow the tolerance ({comparison.mode} mode) and are reported, "
+                "not judged.")
     if comparison.mode == "exact":
         grad = f"grad_norm_rtol {tol.grad_norm_rtol:g}" if tol.grad_norm_rtol > 0 else "grad norm reported only"
         return (f"every step's |loss diff| <= loss_atol {tol.loss_atol:g} and relative grad-norm diff <= {grad} "
@@ -257,11 +265,23 @@ def _failures(comparison: Comparison) -> list[str]:
     failing = [r for r in comparison.results if r.failed]
     if not failing and not comparison.not_compared:
         return []
-    lines = ["## Failures", ""]
+    lines = ["## Sets that miss the criterion, and runs without a verdict" if comparison.criterion else "## Failures",
+             ""]
     for r in failing:
         where = f" (first diverging step: {r.first_diverging_step})" if r.first_diverging_step is not None else ""
         expected = " [positive control: expected]" if r.expect == "fail" else ""
         lines.append(f"- **{r.name}**{expected}: {r.reason}{where}")
+    lines += [f"- **{m.name}**: {m.verdict}: {m.reason}" for m in comparison.not_compared]
+    return lines + [""]
+
+
+def _criterion(comparison: Comparison) -> list[str]:
+    """Every set's value against the criterion, passing ones too (the verdict table shows the
+    tolerance's numbers)."""
+    if not comparison.criterion:
+        return []
+    lines = ["## Criterion", "", f"{comparison.criterion}:", ""]
+    lines += [f"- **{r.name}**: {r.reason}" for r in comparison.results]
     lines += [f"- **{m.name}**: {m.verdict}: {m.reason}" for m in comparison.not_compared]
     return lines + [""]
 
@@ -322,13 +342,15 @@ def markdown(comparison: Comparison, layouts: dict[str, str] | None = None, runs
     runs = runs or []
     lines = _head(comparison, runs)
     lines += _detectable(comparison)
+    lines += _criterion(comparison)
     lines += ["## Verdicts", ""] + _markdown_table(columns(comparison), _rows(comparison, layouts)) + [""]
     lines += _details(comparison) + _failures(comparison) + _performance(figures or {})
     if runs:
         lines += _runs_section(runs, notes or {})
     expected = sum(1 for r in comparison.results if r.failed == (r.expect == "fail"))
     total = len(comparison.results) + len([m for m in comparison.not_compared if m.name not in comparison.controls])
-    lines += [f"**Overall: {comparison.status}** ({expected}/{total} sets as expected)", ""]
+    tally = f"{comparison.criterion}" if comparison.criterion else f"{expected}/{total} sets as expected"
+    lines += [f"**Overall: {comparison.status}** ({tally})", ""]
     return "\n".join(lines)
 
 

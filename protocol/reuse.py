@@ -13,7 +13,8 @@ equals what a run started now would record (ARCHITECTURE invariant 7):
 A run whose record differs is *stale*, whatever its status: rerunning it in place could resume
 from its checkpoints and mix two configurations in one curve. So is every run that starts from a
 seed checkpoint that is stale or will be made anew. A run without a record, or with a record
-equal to now that did not finish, is simply run (again).
+equal to now that did not finish, is simply run (again), unless an early-stop rule that is still
+in the plan stopped it (protocol.early_stop): it is then STOPPED, and not run again.
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ import importlib.metadata
 import os
 from dataclasses import dataclass
 
+from protocol.early_stop import applies, stopped
 from protocol.plan import REPO_ROOT, Launch, Plan, seed_launch
 from protocol.records import config_changes, describe_changes, normalized, read_record
 
-REUSE, RUN, STALE = "reuse", "run", "stale"
+REUSE, RUN, STALE, STOPPED = "reuse", "run", "stale", "stopped"
 RECORD_FORMAT = 2
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What to do with one launch: reuse its run, run it, or (stale) not without moving it aside.
+    """What to do with one launch: reuse its run, run it, leave it stopped (an early-stop rule
+    ended it), or (stale) not without moving it aside.
 
-    differences: for a stale run, what differs, in words; reason: for a run, why it runs.
+    differences: for a stale run, what differs, in words; reason: for a run, why it runs; for a
+    stopped one, the rule it broke and its value.
     """
 
     launch: Launch
@@ -124,6 +128,9 @@ def assess_run(plan: Plan, launch: Launch, now: Now, seed: Decision | None = Non
     differences = record_differences(record, launch, now) + seed_differences(record, launch, now, seed)
     if differences:
         return Decision(launch, STALE, tuple(differences))
+    breach = stopped(launch.output, plan.early_stop) if applies(launch) else None
+    if breach is not None:
+        return Decision(launch, STOPPED, reason=breach.describe())
     incomplete = incompleteness(record, plan.steps)
     if incomplete:
         return Decision(launch, RUN, reason=f"the previous attempt's {incomplete}")

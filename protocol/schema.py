@@ -84,9 +84,37 @@ SWEEP_KEYS: dict[str, Key] = {
     "name": Key(str, "Beginning of the sets' names: each point of the grid is a set named '<name> key=value ...' "
                      "(the last part of each dotted key, in the grid's order).", required=True),
     "grid": Key(dict, "Trainer options and the values to sweep, as dotted keys: { \"optimizer.lr\" = [1e-3, "
-                      "2e-3], \"optimizer.weight_decay\" = [0.0, 0.1] }; every combination is one set.",
-                required=True),
+                      "2e-3], \"optimizer.weight_decay\" = [0.0, 0.1] }; every combination is one set. "
+                      "A sweep has a grid or points."),
+    "points": Key(tuple, "Instead of a grid: an ordered array of tables of trainer options, one set per table: "
+                        "[{ \"a.b\" = 1 }, { \"a.b\" = 2, \"a.c\" = 3 }]."),
+    "search": Key(str, "'bisect': run only the points a bisection for the last point (in the written order, most "
+                       "communication first) that meets [criterion] needs; needs [criterion] and a one-key grid "
+                       "or points."),
     **{key: spec for key, spec in SET_KEYS.items() if key != "name"},
+}
+SEARCHES = ("bisect",)
+# The metrics a criterion or an early-stop rule reads from metrics.jsonl: the validation loss
+# (records with "kind": "validation") and the training loss (records without "kind").
+METRICS = ("validation/loss", "loss")
+CRITERION_KEYS: dict[str, Key] = {
+    "metric": Key(str, "What judges a set: 'validation/loss' (the validation loss at `step`) or 'loss' (the mean "
+                       "training loss over the `window` steps ending at `step`).", required=True),
+    "step": Key(int, "The step the metric is read at. Default: plan.steps (the last step, where the trainer always "
+                     "validates)."),
+    "window": Key(int, "metric = 'loss' only (required there): how many steps, ending at `step`, the training loss "
+                       "is averaged over."),
+    "max": Key(float, "Absolute criterion: a set meets it when its metric <= max. Give max or max_vs_control."),
+    "max_vs_control": Key(float, "Relative criterion: a set meets it when its metric <= the control's value of the "
+                                 "same metric x max_vs_control (1.02: at most 2% above the control)."),
+}
+EARLY_STOP_KEYS: dict[str, Key] = {
+    "step": Key(int, "The step at which the rule is checked (once the run has logged the metric there).",
+                required=True),
+    "metric": Key(str, "'validation/loss' or 'loss' (training loss, averaged over `window` steps ending at `step`).",
+                  required=True),
+    "above": Key(float, "The run is stopped when its metric at `step` is above this.", required=True),
+    "window": Key(int, "metric = 'loss' only (required there): steps averaged, ending at `step`."),
 }
 # The keys of a set or the control that decide its layout and batch.
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "pp_schedule", "local_batch_size")
@@ -121,7 +149,8 @@ SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 SLURM_MEM = re.compile(r"^\d+[KMGT]?$")
 
 TABLES = {"plan": PLAN_KEYS, "tolerance": None, "control": CONTROL_KEYS, "sets": SET_KEYS, "sweeps": SWEEP_KEYS,
-          "slurm": SLURM_KEYS}
+          "criterion": CRITERION_KEYS, "early_stop": EARLY_STOP_KEYS, "slurm": SLURM_KEYS}
+ARRAY_TABLES = ("sets", "sweeps", "early_stop")
 
 # Options the plan sets itself, and the plan key to use instead.
 PLAN_OWNED = {
@@ -150,7 +179,7 @@ def describe_keys() -> str:
     """Every key of every plan table with its type and meaning: the reference for the docs."""
     lines = []
     for table, schema in TABLES.items():
-        title = f"[[{table}]]" if table in ("sets", "sweeps") else f"[{table}]"
+        title = f"[[{table}]]" if table in ARRAY_TABLES else f"[{table}]"
         if schema is None:
             lines += ["", f"{title}: the fields of protocol.tolerance.Tolerance"]
             continue
@@ -167,7 +196,7 @@ def describe_keys() -> str:
 
 def type_word(kind: type) -> str:
     return {int: "an integer", str: "a string", bool: "true or false", dict: "a table", float: "a number",
-            list: "a list of strings"}[kind]
+            list: "a list of strings", tuple: "an array of tables"}[kind]
 
 
 def type_ok(value: Any, kind: type) -> bool:
@@ -177,6 +206,8 @@ def type_ok(value: Any, kind: type) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is list:
         return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if kind is tuple:  # an array of tables
+        return isinstance(value, list) and all(isinstance(item, dict) for item in value)
     return isinstance(value, kind)
 
 

@@ -1,6 +1,11 @@
 """Running a plan through SLURM: write the sbatch scripts, submit them (the seed first, the others
 after it succeeds), wait for the jobs, and judge each finished job by the run it left.
 
+At every look at the queue, a running test set whose run folder (on the shared file system)
+breaks an early-stop rule is marked stopped and cancelled (protocol.early_stop). The points of
+searched sweeps are submitted one at a time after the others, as the search needs them
+(protocol.search).
+
 The SLURM client commands go through a `runner(argv) -> stdout` so tests can pass a fake.
 """
 
@@ -12,12 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from protocol.early_stop import applies, breach, clear_stopped, mark_stopped
 from protocol.failures import indent, summary
 from protocol.folders import claim_folder
 from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
 from protocol.plan import Launch, Plan
-from protocol.reuse import REUSE, completion_problem
+from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
 from protocol.sbatch import job_log, script_path, write_slurm
+from protocol.search import run_searches
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +55,51 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
     """Submit the runs that are not reused and wait for them; one RunResult per selected launch.
 
     `poll` is the number of seconds between looks at the queue. If the seed job fails, the jobs
-    waiting on it are cancelled and reported as skipped.
+    waiting on it are cancelled and reported as skipped. Without `only`, the points of searched
+    sweeps are submitted last, one at a time, those the search needs.
     """
     report = on_progress or logger.info
     selected = select(launches, only)
     decisions = prepare(plan, selected, rerun_stale, report)
-    pending = [launch for launch in selected if decisions[launch.name].action != REUSE]
-    results = {launch.name: RunResult(launch.name, "already complete") for launch in selected
-               if launch not in pending}
-    for name in results:
-        report(f"{name}: already complete, skipped")
+    out_dir = Path(out_dir).absolute()
+    later = [launch for launch in selected if not only and launch.search]
+    results = {launch.name: done for launch in selected if launch not in later
+               and (done := settled(decisions[launch.name], report)) is not None}
+    to_run = [launch for launch in selected if decisions[launch.name].action not in (REUSE, STOPPED)]
+    if to_run:
+        write_slurm(plan, to_run, out_dir)
+    pending = [launch for launch in to_run if launch not in later]
     if pending:
-        out_dir = Path(out_dir).absolute()
-        write_slurm(plan, pending, out_dir)
         jobs = submit(plan, pending, out_dir, runner, report)
         results.update(wait_for_jobs(plan, jobs, out_dir, runner, poll, report, sleep))
+
+    def run_point(launch: Launch) -> RunResult:
+        blocked = [name for name in launch.depends_on if name in results and results[name].failed]
+        if blocked:
+            return RunResult(launch.name, "skipped", message=f"needs {', '.join(blocked)}, which did not complete")
+        done = settled(decisions[launch.name], report)
+        if done is not None:
+            return done
+        jobs = submit(plan, [launch], out_dir, runner, report)
+        return wait_for_jobs(plan, jobs, out_dir, runner, poll, report, sleep)[launch.name]
+
+    if later:
+        results.update(run_searches(plan, later, run_point, report))
     ordered = [results[launch.name] for launch in selected]
     summarize(ordered, report)
     return ordered
+
+
+def settled(decision: Decision, report: Progress) -> RunResult | None:
+    """The result of a run that needs no job: reused, or stopped earlier by a rule still in the plan."""
+    name = decision.launch.name
+    if decision.action == REUSE:
+        report(f"{name}: already complete, skipped")
+        return RunResult(name, "already complete")
+    if decision.action == STOPPED:
+        report(f"{name}: stopped earlier by {decision.reason}, skipped")
+        return RunResult(name, "stopped", message=decision.reason)
+    return None
 
 
 def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner,
@@ -74,6 +108,7 @@ def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner
     jobs: dict[str, tuple[Launch, str]] = {}
     for launch in launches:
         claim_folder(plan, launch)
+        clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
         argv = ["sbatch", "--parsable"]
         needed = [jobs[name][1] for name in launch.depends_on if name in jobs]
         if needed:
@@ -121,10 +156,26 @@ def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path
             if state in SLURM_FINAL or state == "GONE":
                 results[name] = job_result(plan, launch, job_id, state, out_dir, time.monotonic() - began)
                 report_result(results[name], report)
+            elif state == "RUNNING" and applies(launch):
+                stopped = stop_if_broken(plan, launch, job_id, runner, time.monotonic() - began)
+                if stopped is not None:
+                    results[name] = stopped
+                    report(f"{name}: STOPPED (job {job_id} cancelled) by {stopped.message}")
         cancel_orphans(jobs, results, runner, report)
         if len(results) < len(jobs):
             sleep(poll)
     return results
+
+
+def stop_if_broken(plan: Plan, launch: Launch, job_id: str, runner: Runner, seconds: float) -> RunResult | None:
+    """Cancel a running job whose run breaks an early-stop rule (marked first, so that the reason
+    stays if cancelling fails); its result, or None while no rule is broken."""
+    broke = breach(plan.early_stop, launch.output)
+    if broke is None:
+        return None
+    mark_stopped(launch.output, broke)
+    runner(["scancel", job_id])
+    return RunResult(launch.name, "stopped", None, seconds, None, broke.describe(), job_id=job_id)
 
 
 def job_result(plan: Plan, launch: Launch, job_id: str, state: str, out_dir: Path, seconds: float) -> RunResult:
@@ -154,7 +205,7 @@ def report_result(result: RunResult, report: Progress) -> None:
 def cancel_orphans(jobs: dict[str, tuple[Launch, str]], results: dict[str, RunResult], runner: Runner,
                    report: Progress) -> None:
     """Jobs waiting (afterok) on a failed job would wait forever: cancel them, report them skipped."""
-    failed = {name for name, result in results.items() if not result.ok}
+    failed = {name for name, result in results.items() if result.failed}
     for name, (launch, job_id) in jobs.items():
         blocked = [dep for dep in launch.depends_on if dep in failed]
         if name in results or not blocked:

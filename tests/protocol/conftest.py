@@ -76,7 +76,8 @@ def fake(tmp_path, monkeypatch, software):
     script.chmod(0o755)
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
-    for variable in ("FAKE_FAIL", "FAKE_NOISE", "FAKE_KILL", "FAKE_SHORT", "FAKE_ROUNDING"):
+    for variable in ("FAKE_FAIL", "FAKE_NOISE", "FAKE_KILL", "FAKE_SHORT", "FAKE_ROUNDING", "FAKE_OFFSET", "FAKE_SYNCS",
+                     "FAKE_STEP_TIME", "FAKE_SLEEP"):
         monkeypatch.delenv(variable, raising=False)
     return [str(script)]
 

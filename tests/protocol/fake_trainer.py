@@ -13,6 +13,15 @@ Environment (comma-separated run folder names):
   FAKE_SHORT   runs that exit 0 but log one step too few (their record stays "running")
   FAKE_ROUNDING  when set, every run's loss and grad norm get their own small noise (seeded by the
                  run's folder name), as bf16 runs that differ only in rounding would
+  FAKE_OFFSET  JSON {run folder: number} added to that run's training and validation losses
+  FAKE_SYNCS   JSON {run folder: number}: that run's record counts this many tensor-parallel syncs
+               per forward pass ("collectives", as metrics.count_collectives writes it)
+  FAKE_STEP_TIME  JSON {run folder: seconds}: the step time it logs (default 0.5)
+  FAKE_SLEEP   JSON {run folder: seconds}: that run sleeps after each step, writing metrics.jsonl as it
+               goes (a running run)
+
+With validation.enable the run logs "validation/loss" (its training loss + 1) at every
+validation.freq-th step and the last, as the trainer does.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -46,9 +56,13 @@ def write_seed(dump: Path, config: dict) -> None:
     (step0 / "checkpoint.json").write_text(json.dumps(record))
 
 
+def per_run(variable: str, run: str, default: float | None = None) -> float | None:
+    return json.loads(os.environ.get(variable) or "{}").get(run, default)
+
+
 def write_run(dump: Path, config: dict, ngpu: int, steps: int, status: str = "completed") -> None:
     from trainer.checkpoint_layout import fingerprint
-    from trainer.run_record import begin, finish
+    from trainer.run_record import begin, finish, write_record
 
     load = config["checkpoint"].get("initial_load_path")
     start = {"kind": "checkpoint", "path": load, "step": 0, "fingerprint": fingerprint(Path(load))} if load else \
@@ -59,12 +73,24 @@ def write_run(dump: Path, config: dict, ngpu: int, steps: int, status: str = "co
                "tp": p["tensor_parallel_degree"]}
     record = begin(dump, {"config": config, "code": json.loads(os.environ["FAKE_CODE"]), "start": start,
                           "world_size": ngpu, "degrees": degrees, "torch": os.environ["FAKE_TORCH"]}, 0)
+    syncs = per_run("FAKE_SYNCS", dump.name)
+    if syncs is not None:  # the trainer records them after its first step
+        record["collectives"] = {"step": 1, "rank": 0, "by_dimension": {}, "forward_passes": 1,
+                                 "tp_syncs_per_forward": syncs}
+        write_record(dump, record)
     lr = config["optimizer"]["lr"]
     noise = rounding_noise(dump.name, steps)
+    offset, step_time = per_run("FAKE_OFFSET", dump.name, 0.0), per_run("FAKE_STEP_TIME", dump.name, 0.5)
+    validation = config["validation"]
     with open(dump / "metrics.jsonl", "w") as f:
         for step in range(1, steps + 1):
-            loss, norm = 5.0 - step * lr * 10 + noise[step - 1], 1.0 + noise[step - 1]
-            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "lr": lr}) + "\n")
+            loss, norm = 5.0 - step * lr * 10 + noise[step - 1] + offset, 1.0 + noise[step - 1]
+            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "step_time_s": step_time})
+                    + "\n")
+            if validation["enable"] and (step % validation["freq"] == 0 or step == config["training"]["steps"]):
+                f.write(json.dumps({"step": step, "kind": "validation", "validation/loss": loss + 1.0}) + "\n")
+            f.flush()
+            time.sleep(per_run("FAKE_SLEEP", dump.name, 0.0))
         f.write(json.dumps({"kind": "validation", "step": 1000}) + "\n")
     finish(dump, record, status, steps)
 

@@ -1,0 +1,228 @@
+"""The sweep report of a plan with a [criterion]: for every sweep, one row per point (and the
+control) with the synchronizations per forward pass the run counted, its value of the criterion's
+measure, how far that is from the control's, whether it meets the criterion, and its time per
+step; the answer (the fewest syncs meeting the criterion); and a figure of the measure against
+the syncs.
+
+Written beside report.md as sweep_report.md, sweep_report.json and sweep-<slug>.png, and printed.
+Every number comes from the run folders (protocol.measure): syncs from run_meta.json's
+"collectives" (runs with metrics.count_collectives = true; "n/a" otherwise), the time per step
+from metrics.jsonl, weighted over the steps after the run's learning-rate warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from protocol.judging import Judgement
+from protocol.measure import Value, mean_step_time, read_records, syncs_per_forward
+from protocol.plan import Launch, Plan, slugify
+from protocol.records import read_record
+from protocol.search import SearchOutcome
+from protocol.sweeps import Sweep
+
+COLUMNS = ("set", "syncs per forward", "{metric}", "vs control", "meets criterion", "time per step (s)")
+
+
+@dataclass
+class Row:
+    """One run of a sweep's table. meets: 'yes', 'no', 'STOPPED', 'FAILED', 'not run', 'not needed'
+    (a search point the search did not need), or 'control'."""
+
+    name: str
+    syncs: float | None
+    value: float | None
+    vs_control: float | None
+    meets: str
+    step_time: float | None
+    note: str = ""
+
+
+@dataclass
+class SweepTable:
+    sweep: Sweep
+    rows: list[Row]
+    answer: str
+    search: str = ""
+    warnings: list[str] = field(default_factory=list)
+    figure: Path | None = None
+
+
+@dataclass
+class SweepReport:
+    criterion: str
+    metric: str
+    tables: list[SweepTable]
+
+
+def run_figures(launch: Launch) -> tuple[float | None, float | None]:
+    """(syncs per forward, time per step) of the run in the launch's folder."""
+    record = read_record(launch.output)
+    warmup = ((record or {}).get("config") or {}).get("lr_scheduler", {}).get("warmup_steps") or 0
+    return syncs_per_forward(record), mean_step_time(read_records(launch.output), int(warmup))
+
+
+def meets_cell(judged: Judgement | None, verdict: str | None, search: SearchOutcome | None) -> tuple[str, str]:
+    """(the meets column, a note): the judgement when there is one, else why there is none."""
+    if judged is not None and judged.stopped is not None:
+        return "STOPPED", judged.stopped.describe()
+    if verdict == "FAILED":
+        return "FAILED", ""
+    if judged is not None and judged.meets is not None:
+        return ("yes" if judged.meets else "no"), ""
+    if search is not None and judged is not None and judged.name not in search.visited:
+        return ("not needed" if search.complete else "not run"), ""
+    return "not run", judged.missing if judged is not None else ""
+
+
+def sweep_table(plan: Plan, sweep: Sweep, control: Value, judgements: dict[str, Judgement],
+                verdicts: dict[str, str], search: SearchOutcome | None) -> SweepTable:
+    launches = {launch.name: launch for launch in plan.launches()}
+    control_launch = next(launch for launch in launches.values() if launch.role == "control")
+    syncs, step_time = run_figures(control_launch)
+    rows = [Row(control_launch.name, syncs, control.value, None, "control", step_time)]
+    for name in sweep.points:
+        judged = judgements.get(name)
+        value = judged.value if judged is not None else None
+        syncs, step_time = run_figures(launches[name])
+        meets, note = meets_cell(judged, verdicts.get(name), search)
+        relative = value / control.value - 1 if value is not None and control.value else None
+        rows.append(Row(name, syncs, value, relative, meets, step_time, note))
+    table = SweepTable(sweep, rows, answer(rows[1:]), search.describe() if search else "")
+    table.warnings = prefix_warnings(rows[1:]) if sweep.search else []
+    return table
+
+
+def answer(rows: list[Row]) -> str:
+    """The fewest syncs among the points that meet the criterion; without counted syncs, the last
+    point in the sweep's order (the least communication as written) that meets it."""
+    meeting = [row for row in rows if row.meets == "yes"]
+    if not meeting:
+        return "no set meets the criterion"
+    counted = [row for row in meeting if row.syncs is not None]
+    if counted:
+        best = min(counted, key=lambda row: (row.syncs, -rows.index(row)))
+        return f"fewest syncs meeting the criterion: {best.syncs:g} ({best.name})"
+    return (f"fewest syncs meeting the criterion: not counted (set metrics.count_collectives = true); the last point "
+            f"in the sweep's order that meets it: {meeting[-1].name}")
+
+
+def prefix_warnings(rows: list[Row]) -> list[str]:
+    """A search assumes that the points meeting the criterion come first: say when the judged
+    points show otherwise (then its answer may not be the last point that meets it)."""
+    judged = [row for row in rows if row.meets in ("yes", "no", "STOPPED")]
+    for before, after in zip(judged, judged[1:]):
+        if before.meets != "yes" and after.meets == "yes":
+            return [f"the points meeting the criterion are not a prefix of the sweep's order: {before.name} misses it, "
+                    f"{after.name} after it meets it; the bisection assumes less communication never helps"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else ("nan" if math.isnan(value) else format(value, spec))
+
+
+def cells(row: Row) -> list[str]:
+    relative = "-" if row.vs_control is None else f"{row.vs_control * 100:+.2f}%"
+    return [row.name, fmt(row.syncs, "g"), fmt(row.value, ".5g"), relative, row.meets, fmt(row.step_time, ".4f")]
+
+
+def header(report: SweepReport) -> list[str]:
+    return [column.format(metric=report.metric) for column in COLUMNS]
+
+
+def plain(report: SweepReport) -> str:
+    """The tables and answer lines as aligned text, for the terminal."""
+    lines = [report.criterion]
+    for table in report.tables:
+        rows = [header(report)] + [cells(row) for row in table.rows]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        text = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        lines += ["", f"sweep {table.sweep.name!r}:", *text, f"{table.sweep.name}: {table.answer}"]
+        lines += [table.search] if table.search else []
+        lines += [f"warning: {w}" for w in table.warnings]
+    return "\n".join(lines)
+
+
+def markdown(report: SweepReport) -> str:
+    lines = ["# Sweep report", "", f"**{report.criterion}**", "",
+             "syncs per forward: the tensor-parallel synchronizations of one forward pass each run counted "
+             "(metrics.count_collectives; n/a when it did not); vs control: the set's value relative to the "
+             "control's; time per step: mean seconds per training step after the learning-rate warm-up.", ""]
+    for table in report.tables:
+        lines += [f"## Sweep {table.sweep.name}", "", "| " + " | ".join(header(report)) + " |",
+                  "|" + "|".join("---" for _ in COLUMNS) + "|"]
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in cells(row)) + " |" for row in table.rows]
+        lines += ["", f"**{table.answer}**", ""]
+        lines += [f"{table.search[0].upper()}{table.search[1:]}", ""] if table.search else []
+        notes = [f"- {row.name}: {row.note}" for row in table.rows if row.note]
+        lines += notes + ([""] if notes else [])
+        lines += [f"Warning: {w}" for w in table.warnings] + ([""] if table.warnings else [])
+        if table.figure is not None:
+            lines += [f"![{table.sweep.name}]({table.figure.name})", ""]
+    return "\n".join(lines)
+
+
+def to_dict(report: SweepReport) -> dict:
+    def clean(value):
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+
+    return {"criterion": report.criterion, "metric": report.metric, "sweeps": [
+        {"name": t.sweep.name, "answer": t.answer, "search": t.search, "warnings": t.warnings,
+         "figure": t.figure.name if t.figure else None,
+         "rows": [{k: clean(v) for k, v in asdict(row).items()} for row in t.rows]} for t in report.tables]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def write_sweep_report(report: SweepReport, threshold: float | None, out: Path) -> dict[str, Path]:
+    """sweep_report.md, sweep_report.json and one PNG per sweep that has points to draw."""
+    for table in report.tables:
+        path = out / f"sweep-{slugify(table.sweep.name)}.png"
+        table.figure = path if plot(table, report.metric, threshold, path) else None
+    paths = {"sweep markdown": out / "sweep_report.md", "sweep json": out / "sweep_report.json"}
+    paths["sweep markdown"].write_text(markdown(report), encoding="utf-8")
+    paths["sweep json"].write_text(json.dumps(to_dict(report), indent=1) + "\n", encoding="utf-8")
+    paths.update({f"sweep figure {t.sweep.name}": t.figure for t in report.tables if t.figure is not None})
+    return paths
+
+
+def plot(table: SweepTable, metric: str, threshold: float | None, path: Path) -> bool:
+    """The measure against the syncs per forward: the control a black star, the points green
+    (meet) or red (miss), the bound dashed. False (an older figure removed) when no run has both
+    numbers."""
+    drawn = [row for row in table.rows if row.syncs is not None and row.value is not None
+             and math.isfinite(row.value)]
+    if not drawn:
+        path.unlink(missing_ok=True)
+        return False
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    for row in drawn:
+        if row.meets == "control":
+            ax.scatter([row.syncs], [row.value], marker="*", s=200, color="black", label="control", zorder=3)
+        else:
+            ax.scatter([row.syncs], [row.value], color="tab:green" if row.meets == "yes" else "tab:red", zorder=2)
+        ax.annotate(row.name, (row.syncs, row.value), textcoords="offset points", xytext=(5, 5), fontsize="small")
+    if threshold is not None:
+        ax.axhline(threshold, color="black", linestyle="--", linewidth=1.0, label=f"criterion: <= {threshold:.5g}")
+    ax.margins(x=0.15, y=0.1)  # room for the names beside the points
+    ax.set_xlabel("tensor-parallel syncs per forward pass (measured)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"Sweep {table.sweep.name}: {table.answer}", fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, format="png")
+    return True
