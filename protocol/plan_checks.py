@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from protocol.plan import (RESERVED_SLUGS, SEED_NAME, Plan, RunSpec, resolved_degrees, run_args, run_launch,
                            slugify)
+from protocol.schema import TECHNIQUE_ONLY
 
 
 def batch_rule_problems(plan: Plan, spec: RunSpec) -> list[str]:
@@ -88,6 +89,10 @@ def spec_problems(plan: Plan, spec: RunSpec, clean: bool) -> list[str]:
     if clean and spec.kind == "parallelism" and not rules and repeats_control(plan, spec):
         rules.append(f"{spec.where}: its layout and batch equal the control's, so it would test nothing; give "
                      "it a degree (tp, cp, pp, dp_replicate), or make it kind = 'technique' with overrides")
+    if spec.kind == "parallelism":
+        rules += [f"{spec.where}.overrides.\"{key}\": changes the model, so the set is a technique, not a layout; "
+                  "make it kind = 'technique'" for key, default in TECHNIQUE_ONLY.items()
+                  if spec.overrides.get(key, default) != default]
     if rules:  # with broken degrees the trainer's checks would only repeat the rule
         return rules
     role = "control" if spec is plan.control else "test"

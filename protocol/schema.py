@@ -171,6 +171,8 @@ PLAN_OWNED = {
 }
 SEED_OWNED = {"checkpoint.initial_load_path": "plan.seed_checkpoint", "checkpoint.load_only": "plan.seed_checkpoint"}
 # Options that decide the model or the data: one value for every run, else nothing is comparable.
+# Trainer options that change the model a layout computes: only technique sets may set them.
+TECHNIQUE_ONLY = {"parallelism.tensor_parallel_sync": "full", "parallelism.tensor_parallel_sync_group": 0}
 SHARED_PREFIXES = ("model.",)
 SHARED_KEYS = ("training.seq_len", "training.dataset", "training.dataset_path")
 

@@ -245,6 +245,15 @@ def test_technique_set_runs_on_the_control_layout_with_its_overrides(tmp_path):
     assert "--compile.enable=true" in test.args and "--compile.enable=true" not in control.args
 
 
+def test_a_reduced_tensor_parallel_sync_is_a_technique_not_a_layout(tmp_path):
+    reduced = TP_SET + 'overrides = { "parallelism.tensor_parallel_sync" = "per_block" }\n'
+    message = problems(tmp_path, sets=reduced)
+    assert 'sets[0].overrides."parallelism.tensor_parallel_sync": changes the model, so the set is a technique' in message
+    technique = reduced.replace('kind = "parallelism"', 'kind = "technique"')
+    test = load(tmp_path, sets=technique).launches()[-1]
+    assert test.nproc == 4 and arg(test, "--parallelism.tensor_parallel_sync") == "per_block"
+
+
 def test_nested_override_tables_equal_dotted_keys(tmp_path):
     text = plan_text(tmp_path).replace('overrides = { "model.flavor" = "tiny", "training.seq_len" = 32 }',
                                        'overrides = { model = { flavor = "tiny" }, training = { seq_len = 32 } }')
