@@ -684,3 +684,35 @@ def test_sweep_mistakes_are_named_once(tmp_path):
     found = problems(tmp_path, sets=SWEEP.format(name="x", grid="{}"))
     assert "sweeps[0].grid: empty" in found
     assert "a [[sweeps]] table" in problems(tmp_path, sets="")
+
+
+def test_reduced_sync_tp_plan_validates_at_8_gpus_once_its_data_exists(tmp_path):
+    """The GPU plan of the reduced-sync study, with its shards folder made here (a small corpus
+    and tokenizer standing in for OpenWebText): every launch passes the trainer's checks."""
+    from tests.unit.test_tokenizer import sentences
+    from trainer.data.prepare import prepare
+    from trainer.data.tokenizer import train_tokenizer
+
+    import json
+
+    lines = sentences(6000, seed=3)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "docs.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(lines[i:i + 5])}) + "\n" for i in range(0, len(lines), 5)))
+    (tmp_path / "text.txt").write_text("\n".join(lines) + "\n")
+    tokenizer = train_tokenizer([str(tmp_path / "text.txt")], str(tmp_path / "tok"), 400)
+    prepare([str(tmp_path / "corpus")], tokenizer, str(tmp_path / "shards"), workers=1, validation_fraction=0.2)
+    text = (PLANS / "reduced_sync_tp.toml").read_text()
+    text = text.replace('"data/openwebtext_shards"', f'"{tmp_path / "shards"}"')
+    text = text.replace('"outputs/protocol/reduced_sync_tp"', f'"{tmp_path / "out"}"')
+    plan = load_plan(write(tmp_path, text))
+    launches = plan.launches()
+    assert [(l.name, l.nproc, l.nodes) for l in launches[:2]] == [("seed", 1, 1), ("FSDP 2", 2, 1)]
+    points = [l for l in launches if l.search]
+    assert [(l.nproc, l.degrees["tp"], l.degrees["dp_shard"]) for l in points] == [(8, 4, 2)] * 7
+    assert [arg(l, "--parallelism.tensor_parallel_sync_group") for l in points] == [
+        None, None, "2", "3", "4", "6", "12"]
+    for launch in launches[1:]:
+        assert (arg(launch, "--model.flavor"), arg(launch, "--training.steps")) == ("125M", "20000")
+        assert arg(launch, "--validation.freq") == "500" and "--metrics.count_collectives=true" in launch.args
+    assert plan.criterion.describe().startswith("validation/loss at step 20000 <= 3.35")
