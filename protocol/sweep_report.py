@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -215,13 +216,14 @@ def plot(table: SweepTable, metric: str, threshold: float | None, path: Path) ->
             ax.scatter([row.syncs], [row.value], marker="*", s=200, color="black", label="control", zorder=3)
         else:
             ax.scatter([row.syncs], [row.value], color="tab:green" if row.meets == "yes" else "tab:red", zorder=2)
-        ax.annotate(row.name, (row.syncs, row.value), textcoords="offset points", xytext=(5, 5), fontsize="small")
+        label = row.name.removeprefix(f"{table.sweep.name} ")  # the sweep's name is in the title
+        ax.annotate(label, (row.syncs, row.value), textcoords="offset points", xytext=(5, 5), fontsize="small")
     if threshold is not None:
         ax.axhline(threshold, color="black", linestyle="--", linewidth=1.0, label=f"criterion: <= {threshold:.5g}")
     ax.margins(x=0.15, y=0.1)  # room for the names beside the points
     ax.set_xlabel("tensor-parallel syncs per forward pass (measured)")
     ax.set_ylabel(metric)
-    ax.set_title(f"Sweep {table.sweep.name}: {table.answer}", fontsize="medium")
+    ax.set_title(textwrap.fill(f"Sweep {table.sweep.name}: {table.answer}", width=80), fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path, format="png")

@@ -16,6 +16,9 @@ ordered list instead of a grid:
 
     points = [{ "a.mode" = "full" }, { "a.mode" = "grouped", "a.group" = 2 }, ...]
 
+A point may name itself (`{ name = "grouped 2", "a.mode" = "grouped", "a.group" = 2 }`: the set
+is "<sweep> grouped 2"); trainer options always have a dot, so `name` cannot be one.
+
 `search = "bisect"` makes the sweep a search over its points in the written order (most
 communication first; protocol.search): only the points the bisection needs are run.
 """
@@ -76,9 +79,9 @@ def expand_sweeps(data: Any, problems: list[str]) -> tuple[list[Point], list[Swe
         common = {k: v for k, v in sweep.items() if k not in OWN_KEYS}
         shared = common.get("overrides", {})
         named = []
-        for point, written in found:
+        for point, written, label in found:
             overrides = {**shared, **point} if isinstance(shared, dict) else shared
-            name = point_name(values["name"], point)
+            name = f"{values['name']} {label}" if label else point_name(values["name"], point)
             points.append(Point(where, {**common, "name": name, "overrides": overrides}, written, values["name"]))
             named.append(name)
         if search_problem(values, found, common, where, problems):
@@ -87,9 +90,9 @@ def expand_sweeps(data: Any, problems: list[str]) -> tuple[list[Point], list[Swe
     return points, sweeps
 
 
-def sweep_points(values: dict, where: str, problems: list[str]) -> list[tuple[dict, dict[str, str]]] | None:
-    """(options, where each was written) of every point of a grid or a points list; None (with
-    the problems) when the sweep has neither, or both."""
+def sweep_points(values: dict, where: str, problems: list[str]) -> list[tuple[dict, dict[str, str], str | None]] | None:
+    """(options, where each was written, its own name or None) of every point of a grid or a
+    points list; None (with the problems) when the sweep has neither, or both."""
     grid, listed = values.get("grid"), values.get("points")
     if grid is not None and listed is not None:
         problems.append(f"{where}: give grid (every combination of values) or points (an ordered list), not both")
@@ -99,7 +102,7 @@ def sweep_points(values: dict, where: str, problems: list[str]) -> list[tuple[di
         if axes is None:
             return None
         written = {key: f'{where}.grid."{key}"' for key in axes}
-        return [(dict(zip(axes, combination)), written) for combination in itertools.product(*axes.values())]
+        return [(dict(zip(axes, combination)), written, None) for combination in itertools.product(*axes.values())]
     if listed is not None:
         return _listed(listed, where, problems)
     if "grid" not in values and "points" not in values:
@@ -119,7 +122,7 @@ def _axes(grid: dict, where: str, problems: list[str]) -> dict[str, list] | None
     return None if bad else {key: list(values) for key, values in grid.items()}
 
 
-def _listed(listed: list[dict], where: str, problems: list[str]) -> list[tuple[dict, dict[str, str]]] | None:
+def _listed(listed: list[dict], where: str, problems: list[str]) -> list[tuple[dict, dict[str, str], str | None]] | None:
     if not listed:
         problems.append(f"{where}.points: empty; give one table of trainer options per point: "
                         "[{ \"optimizer.lr\" = 1e-3 }, { \"optimizer.lr\" = 2e-3 }]")
@@ -131,8 +134,12 @@ def _listed(listed: list[dict], where: str, problems: list[str]) -> list[tuple[d
         return None
     found = []
     for i, point in enumerate(listed):
-        options = flatten(point)
-        found.append((options, {key: f'{where}.points[{i}]."{key}"' for key in options}))
+        label = point.get("name")
+        if label is not None and (not isinstance(label, str) or not label.strip()):
+            problems.append(f"{where}.points[{i}].name: expected a non-empty string, got {label!r}")
+            return None
+        options = flatten({key: value for key, value in point.items() if key != "name"})
+        found.append((options, {key: f'{where}.points[{i}]."{key}"' for key in options}, label))
     return found
 
 

@@ -136,7 +136,16 @@ def test_points_are_an_ordered_list_of_sets_and_a_search_marks_them(tmp_path):
     assert json.loads(render(plan, plan.launches(), "json"))[2]["search"] is True
 
 
+def test_a_point_may_name_itself(tmp_path):
+    sweep = 'points = [{ name = "none", "optimizer.weight_decay" = 0.0 }, { "optimizer.weight_decay" = 0.1 }]'
+    plan = load_plan(write(tmp_path, sweep=sweep))
+    assert [s.name for s in plan.sets] == ["wd none", "wd weight_decay=0.1"]
+    assert plan.sets[0].overrides == {"optimizer.weight_decay": 0.0}
+
+
 @pytest.mark.parametrize("tables, sweep, message", [
+    (CRITERION, 'points = [{ name = 3, "optimizer.lr" = 1e-3 }]',
+     "sweeps[0].points[0].name: expected a non-empty string, got 3"),
     ("", POINTS + '\nsearch = "bisect"', "sweeps[0].search: a search looks for the last point that meets the "
                                          "criterion; add a [criterion] table"),
     (CRITERION, 'grid = { "optimizer.lr" = [1e-3], "optimizer.weight_decay" = [0.0] }\nsearch = "bisect"',
