@@ -1,0 +1,404 @@
+#!/usr/bin/env bash
+# The GPU checks of this project in one command, for a machine with one NVIDIA GPU:
+#
+#   bash benchmarks/gpu_suite.sh          (from the repository root; about 6 to 7 minutes on an H100)
+#
+#   0. installs the wheels carried in .whl/ (packages the machine lacks) into /tmp/site, if any
+#   1. prints the machine: nvidia-smi, torch, CUDA, cuDNN, NCCL, Triton, package versions; imports
+#      every trainer module and times a bf16 matmul (what the GPU sustains, beside the MFU peak)
+#   2. runs the CUDA test subset, tests/cuda, with TRAINER_TEST_DEVICE=cuda (pytest-xdist when present)
+#   3. trains the 1B flavor in bf16 with torch.compile on the GPU (docs/performance.md, "On a
+#      GPU"; 30 steps) and tabulates tokens/s, TFLOPS, MFU and memory from its metrics.jsonl
+#   4. runs benchmarks/document_masking.py (its runs train on the GPU: the launcher takes the GPU
+#      whenever one is visible)
+#   5. if time is left, the 1B job again without compile (the speed-up of compile)
+#
+# Each part runs under a time limit, with every process it started ended at the limit; a part
+# that fails or times out is recorded and the suite goes on. The whole suite keeps within
+# GPU_SUITE_BUDGET_S seconds (default 420). Results go to ${OUT:-outputs/gpu_suite}, at most 8
+# files: summary.md (every table and the status of each part, also printed at the end),
+# suite.log, cuda_tests.log, cuda_tests.xml, bench_1b.log, document_masking.log and
+# details.tar.gz (the runs' logs, metrics and records; checkpoints left out).
+#
+# Environment: PYTHON (default python3), OUT, GPU_SUITE_BUDGET_S, GPU_SUITE_XDIST_WORKERS (default 6).
+# GPU_SUITE_CPU_SMOKE=1 checks the script itself on a machine without a GPU: everything on the CPU,
+# tests/cuda/test_in_process.py only (TRAINER_TEST_DEVICE=cpu), the debug model in place of 1B.
+set -uo pipefail  # no -e: a part that fails is reported and the next one runs
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+START=$(date +%s)
+BUDGET=${GPU_SUITE_BUDGET_S:-420}
+OUT_DIR="${OUT:-$ROOT/outputs/gpu_suite}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+WORK="$(mktemp -d /tmp/gpu_suite.XXXXXX)"
+export PYTHON="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 GPU_SUITE_WORK="$WORK"
+exec > >(tee -a "$OUT_DIR/suite.log") 2>&1
+
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
+say() { echo "[gpu_suite +$(elapsed)s] $*"; }
+
+say "repository $ROOT; results in $OUT_DIR; scratch $WORK; budget ${BUDGET}s"
+
+# --- 0. carried wheels ------------------------------------------------------------------------
+if compgen -G ".whl/*.whl" >/dev/null; then
+  say "installing $(ls .whl/*.whl | wc -l) carried wheel(s) into /tmp/site: $(cd .whl && ls *.whl | tr '\n' ' ')"
+  if timeout 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    say "WARNING: installing the wheels failed; going on without them"
+  fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# --- helpers: the part runner and the summary, small Python programs -----------------------------
+cat >"$WORK/run_part.py" <<'PY'
+"""run_part.py NAME LIMIT_S LOG STATUS_FILE -- COMMAND...: run COMMAND with its output in LOG.
+At LIMIT_S, every process it started (found through /proc, also those in their own sessions,
+such as the launcher's ranks) gets SIGTERM, then SIGKILL 10 s later; processes left behind by a
+command that ended are ended too. While it runs, nvidia-smi samples GPU use once a second.
+Appends one line to STATUS_FILE: name, exit code, status, seconds, limit, max GPU %, max MiB
+(the samples stay in $GPU_SUITE_WORK/NAME.gpu.csv)."""
+import os, shutil, signal, subprocess, sys, time
+
+name, limit, log, status_file = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+command = sys.argv[sys.argv.index("--") + 1:]
+
+
+def table():
+    parents, starts = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parents[int(entry)], starts[int(entry)] = int(fields[1]), fields[19]
+            except (OSError, IndexError, ValueError):
+                pass
+    return parents, starts
+
+
+def descendants(root, parents):
+    children = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(known):
+    _, starts = table()
+    return {pid: start for pid, start in known.items() if starts.get(pid) == start}
+
+
+def end(known, proc):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in [proc.pid, *alive(known)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while time.time() < deadline and (proc.poll() is None or alive(known)):
+            time.sleep(0.2)
+        if proc.poll() is not None and not alive(known):
+            return
+
+
+began = time.time()
+sampler, samples = None, os.path.join(os.environ.get("GPU_SUITE_WORK", "/tmp"), name + ".gpu.csv")
+if shutil.which("nvidia-smi"):
+    sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                                "-l", "1"], stdout=open(samples, "w"), stderr=subprocess.DEVNULL)
+with open(log, "w") as out:
+    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    known, timed_out = {}, False
+    while proc.poll() is None:
+        parents, starts = table()
+        known.update({pid: starts[pid] for pid in descendants(proc.pid, parents) if pid in starts})
+        if time.time() - began > limit:
+            timed_out = True
+            out.write(f"\n[run_part] {name}: time limit {limit:.0f} s reached; ending its processes\n")
+            out.flush()
+            end(known, proc)
+            break
+        time.sleep(0.5)
+    leftover = alive(known)
+    if leftover and not timed_out:
+        out.write(f"\n[run_part] {name}: ending processes it left running: {sorted(leftover)}\n")
+        end(leftover, proc)
+seconds = time.time() - began
+if sampler:
+    sampler.terminate()
+    sampler.wait()
+util = mem = ""
+try:
+    rows = [line.split(",") for line in open(samples) if line.count(",") == 1]
+    util = max(int(r[0]) for r in rows if r[0].strip().isdigit())
+    mem = max(int(r[1]) for r in rows if r[1].strip().isdigit())
+except (OSError, ValueError):
+    pass
+code = 124 if timed_out else proc.returncode
+state = "TIMED OUT" if timed_out else ("ok" if code == 0 else f"FAILED (exit {code})")
+with open(status_file, "a") as f:
+    f.write(f"{name}\t{code}\t{state}\t{seconds:.0f}\t{limit:.0f}\t{util}\t{mem}\n")
+print(f"part {name}: {state} in {seconds:.0f} s (limit {limit:.0f} s); GPU max {util or '?'}% / {mem or '?'} MiB",
+      flush=True)
+sys.exit(code)
+PY
+
+cat >"$WORK/probe.py" <<'PY'
+"""The machine and the software, every trainer module imported, a bf16 matmul timed."""
+import importlib, importlib.metadata, importlib.util, pkgutil, platform, sys, time
+import torch
+
+print(f"python {platform.python_version()} ({sys.executable}); torch {torch.__version__}; CUDA (build) "
+      f"{torch.version.cuda}; cuDNN {torch.backends.cudnn.version()}")
+for dist in ("numpy", "triton", "sentencepiece", "tensorboard", "safetensors", "scipy", "matplotlib", "pyarrow",
+             "tomli_w", "torchdata", "datasets", "zstandard", "pytest", "pytest-xdist", "transformers"):
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = "MISSING"
+    print(f"  {dist} {version}")
+failed = []
+for package in ("trainer", "protocol"):
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{info.name}: {type(e).__name__}: {e}")
+print(f"trainer and protocol modules: {'all import' if not failed else 'IMPORT FAILURES:'}")
+for line in failed:
+    print("  " + line)
+if not torch.cuda.is_available():
+    print("CUDA: NOT AVAILABLE")
+    sys.exit(3)
+p = torch.cuda.get_device_properties(0)
+nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+print(f"CUDA device: {torch.cuda.device_count()} x {p.name}, capability {p.major}.{p.minor}, {p.multi_processor_count} "
+      f"SMs, {p.total_memory / 2**30:.1f} GiB; NCCL {nccl}")
+from trainer.metrics import peak_flops_per_device
+
+peak = peak_flops_per_device(torch.device("cuda", 0), 0)
+print(f"trainer's MFU peak for this device: {peak / 1e12:.0f} TFLOP/s" if peak else "trainer's MFU peak: none (unknown)")
+n = 8192
+a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+for _ in range(5):
+    a @ b
+torch.cuda.synchronize()
+start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(30):
+    a @ b
+stop.record()
+torch.cuda.synchronize()
+print(f"bf16 {n}^3 matmul: {2 * n**3 * 30 / (start.elapsed_time(stop) / 1000) / 1e12:.0f} TFLOP/s")
+PY
+
+cat >"$WORK/summarize.py" <<'PY'
+"""summary.md from what the parts wrote (argv: WORK OUT_DIR)."""
+import json, os, statistics, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+lines = ["# GPU suite", ""]
+machine = [line for name in ("machine.log", "probe.log") if (work / name).exists()
+           for line in (work / name).read_text().strip().splitlines()]
+if machine:
+    lines += ["## Machine", "", "```", *machine[-60:], "```", ""]
+lines += ["## Parts", "", "| part | status | seconds | limit | GPU max % | GPU max MiB |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+status = work / "status.tsv"
+for row in (status.read_text().splitlines() if status.exists() else []):
+    name, code, state, seconds, limit, util, mem = (row.split("\t") + [""] * 7)[:7]
+    lines.append(f"| {name} | {state} | {seconds} | {limit} | {util} | {mem} |")
+lines.append("")
+
+xml = out / "cuda_tests.xml"
+if xml.exists():
+    try:
+        root = ET.parse(xml).getroot()
+        suites = [root] if root.tag == "testsuite" else list(root)
+        counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        lines += [f"## tests/cuda (TRAINER_TEST_DEVICE={os.environ.get('TEST_DEVICE', 'cuda')})", "",
+                  f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped", ""]
+        for case in root.iter("testcase"):
+            for bad in list(case.findall("failure")) + list(case.findall("error")):
+                message = (bad.get("message") or "").splitlines()[0][:300] if bad.get("message") else ""
+                lines.append(f"- FAILED {case.get('classname')}::{case.get('name')}: {message}")
+        lines.append("")
+    except ET.ParseError as e:
+        lines += [f"cuda_tests.xml unreadable: {e}", ""]
+figures = work / "figures.txt"
+if figures.exists():
+    lines += ["Figures the tests measured (with pytest-xdist the tests run side by side: their timings are not "
+              "benchmarks):", "", "```",
+              *sorted(figures.read_text().strip().splitlines()), "```", ""]
+
+
+def records(folder):
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "kind" not in r]
+
+
+def steady(rows):
+    later = [r for r in rows if r["step"] > 10] or rows[1:] or rows
+    return {k: statistics.mean(r[k] for r in later if r.get(k) is not None) if any(r.get(k) is not None for r in later)
+            else None for k in ("tokens_per_s", "tflops", "mfu", "step_time_s")}, later
+
+
+def fmt(value, spec):
+    return "n/a" if value is None else format(value, spec)
+
+
+bench = {}
+for name in ("bench_1b", "bench_1b_eager"):
+    rows = records(work / name)
+    if not rows:
+        continue
+    try:
+        meta = json.loads((work / name / "run_meta.json").read_text())
+        c = meta["config"]
+        title = (f"{c['model']['flavor']}, {c['training']['mixed_precision_param']}, "
+                 f"{'torch.compile' if c['compile']['enable'] else 'eager'}: 1 process on {meta.get('device_name')}, "
+                 f"seq_len {c['training']['seq_len']}, local batch {c['training']['local_batch_size']}")
+    except (OSError, KeyError, ValueError):
+        title = name
+    summary, later = steady(rows)
+    bench[name] = summary
+    lines += [f"## {title} ({name}, {rows[-1]['step']} steps)", "",
+              "| step | loss | tokens/s | TFLOPS | MFU % | s/step | max allocated GiB | max reserved GiB |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        m = r.get("memory", {})
+        lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {fmt(r.get('mfu'), '.1f')} "
+                     f"| {r['step_time_s']:.3f} | {fmt(m.get('max_allocated_gib'), '.1f')} | {fmt(m.get('max_reserved_gib'), '.1f')} |")
+    lines += ["", f"Steady state (mean of the logged windows of steps {later[0]['step'] - 9}-{later[-1]['step']}): "
+              f"{fmt(summary['tokens_per_s'], ',.0f')} tokens/s, {fmt(summary['tflops'], '.1f')} TFLOPS, "
+              f"MFU {fmt(summary['mfu'], '.1f')} %, {fmt(summary['step_time_s'], '.3f')} s/step "
+              "(each logged figure is the mean over the steps since the previous log; step 1 includes compilation)", ""]
+if len(bench) == 2 and bench["bench_1b_eager"]["tokens_per_s"]:
+    lines += [f"torch.compile speed-up (bench_1b / bench_1b_eager, steady-state tokens/s): "
+              f"{bench['bench_1b']['tokens_per_s'] / bench['bench_1b_eager']['tokens_per_s']:.2f}x", ""]
+docmask = out / "document_masking.log"
+if docmask.exists():
+    text = docmask.read_text().splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith("debug model")), None)
+    if start is not None:
+        lines += ["## Document masking (benchmarks/document_masking.py)", "", "```", *text[start:start + 12], "```", ""]
+(out / "summary.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+
+run_part() {  # run_part NAME MAX_S RESERVE_S LOG COMMAND...: limit = min(MAX, time left - RESERVE)
+  local name=$1 max=$2 reserve=$3 log=$4
+  shift 4
+  local limit=$(( $(left) - reserve ))
+  (( limit > max )) && limit=$max
+  if (( limit < 20 )); then
+    say "part $name: SKIPPED (${limit}s left for it)"
+    printf '%s\t\tSKIPPED (no time left)\t0\t%s\t\t\n' "$name" "$limit" >>"$WORK/status.tsv"
+    return 0
+  fi
+  say "part $name: starting, limit ${limit}s; log $log"
+  timeout -k 15 $(( limit + 60 )) "$PYTHON" "$WORK/run_part.py" "$name" "$limit" "$log" "$WORK/status.tsv" -- "$@"
+  local code=$?
+  if (( code != 0 )); then
+    say "part $name: last lines of its log:"
+    tail -n 25 "$log" | sed 's/^/    /'
+  fi
+  return 0
+}
+
+# --- 1. the machine ---------------------------------------------------------------------------
+{
+  say "nvidia-smi"
+  timeout 30 nvidia-smi || echo "nvidia-smi: not available (exit $?)"
+  timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>/dev/null
+  echo "C compiler (Triton and inductor build helpers with it): $(command -v gcc || command -v cc || echo none) $( (gcc --version 2>/dev/null || true) | head -n 1)"
+  echo "CPU cores: $(nproc); host memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 2^20}' /proc/meminfo)"
+} 2>&1 | tee "$WORK/machine.log"
+say "software, module imports, bf16 matmul"
+timeout 90 "$PYTHON" "$WORK/probe.py" 2>&1 | tee "$WORK/probe.log"
+CUDA_OK=0
+grep -q '^CUDA device:' "$WORK/probe.log" && CUDA_OK=1
+
+# Seconds the later parts need (they keep them even when an earlier part runs long).
+T_TESTS=${GPU_SUITE_TESTS_S:-170}
+T_1B=${GPU_SUITE_1B_S:-140}
+T_MASK=${GPU_SUITE_MASKING_S:-75}
+T_1B_EAGER=${GPU_SUITE_1B_EAGER_S:-70}
+SUMMARY_S=10
+
+TEST_DEVICE=cuda
+TESTS=(tests/cuda)
+MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
+MASKING=(--seq-len 1024 4096 --steps 20)
+if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
+  say "CPU smoke run (GPU_SUITE_CPU_SMOKE=1): no GPU is used"
+  export CUDA_VISIBLE_DEVICES=""
+  CUDA_OK=1
+  TEST_DEVICE=cpu
+  TESTS=(tests/cuda/test_in_process.py)
+  MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
+  MASKING=(--seq-len 128 --steps 4)
+fi
+
+# --- 2. the CUDA test subset ------------------------------------------------------------------
+XDIST=()
+if "$PYTHON" -c "import xdist" 2>/dev/null; then
+  XDIST=(-n "${GPU_SUITE_XDIST_WORKERS:-6}" --dist loadfile)
+fi
+run_part cuda_tests "$T_TESTS" $(( T_1B + T_MASK + SUMMARY_S )) "$OUT_DIR/cuda_tests.log" \
+  env TRAINER_TEST_DEVICE="$TEST_DEVICE" TRAINER_TEST_FIGURES="$WORK/figures.txt" \
+  "$PYTHON" -m pytest "${TESTS[@]}" -v -rA --durations=0 -p no:cacheprovider -o addopts= "${XDIST[@]}" \
+  --basetemp="$WORK/pytest" --junitxml="$OUT_DIR/cuda_tests.xml"
+grep -E '^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)' "$OUT_DIR/cuda_tests.log" | tail -n 30
+
+# --- 3. the 1B benchmark ----------------------------------------------------------------------
+BENCH_1B=("${MODEL[@]}" --training.mixed_precision_param bfloat16 --training.steps 30 --metrics.log_freq 10
+          --metrics.no_enable_tensorboard)
+if (( CUDA_OK )); then
+  run_part bench_1b "$T_1B" $(( T_MASK + SUMMARY_S )) "$OUT_DIR/bench_1b.log" \
+    env NGPU=1 ./torchrun_launch.sh "${BENCH_1B[@]}" --compile.enable --job.dump_folder "$WORK/bench_1b"
+  grep -E 'step +[0-9]+ +loss|error' "$OUT_DIR/bench_1b.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 6
+else
+  say "part bench_1b: SKIPPED (no CUDA device)"
+fi
+
+# --- 4. document masking ----------------------------------------------------------------------
+if (( CUDA_OK )); then
+  run_part document_masking "$T_MASK" "$SUMMARY_S" "$OUT_DIR/document_masking.log" \
+    env NGPU=1 "$PYTHON" benchmarks/document_masking.py "${MASKING[@]}"
+  tail -n 4 "$OUT_DIR/document_masking.log"
+else
+  say "part document_masking: SKIPPED (no CUDA device)"
+fi
+
+# --- 5. the 1B job without compile, when time is left -------------------------------------------
+if (( CUDA_OK )) && (( $(left) >= T_1B_EAGER + SUMMARY_S )); then
+  run_part bench_1b_eager "$T_1B_EAGER" "$SUMMARY_S" "$WORK/bench_1b_eager.log" \
+    env NGPU=1 ./torchrun_launch.sh "${BENCH_1B[@]}" --job.dump_folder "$WORK/bench_1b_eager"
+else
+  say "part bench_1b_eager: not run ($(left)s left, needs $(( T_1B_EAGER + SUMMARY_S ))s)"
+fi
+
+# --- summary and the details archive ------------------------------------------------------------
+(cd "$WORK" && find . -type f -size -2M ! -name '*.distcp' ! -name '*.pt' ! -path './pytest/*/checkpoint/*' \
+   -print0 | tar czf "$OUT_DIR/details.tar.gz" --null -T - 2>/dev/null) || say "packing the details failed"
+say "summary ($OUT_DIR/summary.md):"
+TEST_DEVICE="$TEST_DEVICE" timeout 60 "$PYTHON" "$WORK/summarize.py" "$WORK" "$OUT_DIR" || say "the summary failed"
+say "done in $(elapsed)s; files in $OUT_DIR: $(cd "$OUT_DIR" && ls | tr '\n' ' ')"
