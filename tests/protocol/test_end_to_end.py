@@ -131,3 +131,63 @@ def test_a_wrong_technique_fails_at_the_first_diverging_step(tmp_path):
     assert report["layouts"]["lr x2"] == "dp_shard 2" and report["passed"] is True
     (moved,) = (tmp_path / "runs" / "superseded").iterdir()
     assert json.loads((moved / "run_meta.json").read_text())["config"]["optimizer"]["lr"] == 0.006
+
+
+SYNC_SWEEP_PLAN = """
+[plan]
+name = "sync_sweep"
+config = "debug_model.toml"
+output = "{output}"
+steps = 20
+warmup_steps = 2
+local_batch_size = 4
+dp_degree = 1
+seed_checkpoint = true
+
+[plan.overrides]
+"model.flavor" = "tiny"
+"training.seq_len" = 32
+"optimizer.lr" = 3e-3
+"metrics.log_freq" = 5
+"metrics.enable_tensorboard" = false
+"metrics.count_collectives" = true
+"validation.enable" = true
+"validation.freq" = 10
+"debug.deterministic" = true
+
+[tolerance]
+mode = "exact"
+
+[criterion]
+metric = "validation/loss"
+max_vs_control = 1.02
+
+[[sweeps]]
+name = "sync"
+kind = "technique"
+tp = 2
+search = "bisect"
+points = [
+  { name = "full", "parallelism.tensor_parallel_sync" = "full" },
+  { name = "per_block", "parallelism.tensor_parallel_sync" = "per_block" },
+  { name = "grouped 2", "parallelism.tensor_parallel_sync" = "grouped", "parallelism.tensor_parallel_sync_group" = 2 },
+]
+"""
+
+
+def test_a_sync_sweep_bisects_with_real_runs_and_reports_measured_syncs(tmp_path):
+    """One command from a searched sweep of tensor_parallel_sync to the table, PNG and answer: the
+    bisection over 3 points that all meet the criterion runs the middle one and the last, and the
+    table's syncs per forward are the trainer's counts (2 x 4 blocks + 1, 4 + 1, 2 + 1)."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(SYNC_SWEEP_PLAN.replace("{output}", str(tmp_path / "out")))
+    result = protocol("run", str(plan), "--compare", cwd=tmp_path)
+    assert result.returncode == 0, explain(result)
+    assert "sync: fewest syncs meeting the criterion: 3 (sync grouped 2)" in result.stdout
+    report = json.loads((tmp_path / "out" / "sweep_report.json").read_text())
+    [table] = report["sweeps"]
+    rows = {row["name"]: row for row in table["rows"]}
+    assert rows["sync per_block"]["syncs"] == 5 and rows["sync grouped 2"]["syncs"] == 3
+    assert rows["sync full"]["meets"] == "not needed" and not (tmp_path / "out" / "sync-full").exists()
+    assert rows["sync grouped 2"]["meets"] == "yes" and rows["sync grouped 2"]["step_time"] > 0
+    assert (tmp_path / "out" / "sweep-sync.png").stat().st_size > 10_000
