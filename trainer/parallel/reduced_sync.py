@@ -116,11 +116,3 @@ def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layer
             norm.weight_hook = partial(_partial_weight, reduce_gradient)
         block.sync = GroupSync(tp_mesh, gathers=layer % group_size == 0,
                                scatters=(layer + 1) % group_size == 0 or layer == n_layers - 1)
-
-
-def syncs_per_forward(sync: str, group_size: int, n_layers: int) -> int:
-    """Synchronizations of the residual stream in one forward pass through all blocks."""
-    if sync == "full":
-        return 2 * n_layers
-    return -(-n_layers // group_size)
-
