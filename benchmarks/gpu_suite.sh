@@ -20,7 +20,7 @@
 # suite.log, cuda_tests.log, cuda_tests.xml, bench_1b.log, document_masking.log and
 # details.tar.gz (the runs' logs, metrics and records; checkpoints left out).
 #
-# Environment: PYTHON (default python3), OUT, GPU_SUITE_BUDGET_S, GPU_SUITE_XDIST_WORKERS (default 6).
+# Environment: PYTHON (default .venv/bin/python when it exists, else python3), OUT, GPU_SUITE_BUDGET_S, GPU_SUITE_XDIST_WORKERS (default 6).
 # GPU_SUITE_CPU_SMOKE=1 checks the script itself on a machine without a GPU: everything on the CPU,
 # tests/cuda/test_in_process.py only (TRAINER_TEST_DEVICE=cpu), the debug model in place of 1B.
 set -uo pipefail  # no -e: a part that fails is reported and the next one runs
@@ -33,7 +33,12 @@ OUT_DIR="${OUT:-$ROOT/outputs/gpu_suite}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 WORK="$(mktemp -d /tmp/gpu_suite.XXXXXX)"
-export PYTHON="${PYTHON:-python3}"
+trap 'rm -rf "$WORK"' EXIT  # what is worth keeping is copied to $OUT_DIR (details.tar.gz)
+# The project's environment when there is one (.venv, from `make setup`), else the machine's python3
+# (a GPU machine with torch preinstalled).
+DEFAULT_PYTHON=python3
+[ -x "$ROOT/.venv/bin/python" ] && DEFAULT_PYTHON="$ROOT/.venv/bin/python"
+export PYTHON="${PYTHON:-$DEFAULT_PYTHON}"
 export PYTHONUNBUFFERED=1 GPU_SUITE_WORK="$WORK"
 exec > >(tee -a "$OUT_DIR/suite.log") 2>&1
 
@@ -402,3 +407,11 @@ fi
 say "summary ($OUT_DIR/summary.md):"
 TEST_DEVICE="$TEST_DEVICE" timeout 60 "$PYTHON" "$WORK/summarize.py" "$WORK" "$OUT_DIR" || say "the summary failed"
 say "done in $(elapsed)s; files in $OUT_DIR: $(cd "$OUT_DIR" && ls | tr '\n' ' ')"
+
+# Exit status: 1 when a part did not end ok (failed, timed out, skipped) or no CUDA device was found.
+NOT_OK=$(awk -F'\t' '$3 != "ok" {printf "%s (%s); ", $1, $3}' "$WORK/status.tsv" 2>/dev/null)
+(( CUDA_OK )) || NOT_OK+="no CUDA device; "
+if [ -n "$NOT_OK" ]; then
+  say "NOT OK: $NOT_OK"
+  exit 1
+fi

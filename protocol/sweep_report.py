@@ -211,11 +211,15 @@ def plot(table: SweepTable, metric: str, threshold: float | None, path: Path) ->
 
     fig = Figure(figsize=(8, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
+    labelled = set()
     for row in drawn:
         if row.meets == "control":
             ax.scatter([row.syncs], [row.value], marker="*", s=200, color="black", label="control", zorder=3)
         else:
-            ax.scatter([row.syncs], [row.value], color="tab:green" if row.meets == "yes" else "tab:red", zorder=2)
+            kind = "meets the criterion" if row.meets == "yes" else "misses it"
+            ax.scatter([row.syncs], [row.value], color="tab:green" if row.meets == "yes" else "tab:red", zorder=2,
+                       label=None if kind in labelled else kind)
+            labelled.add(kind)
         label = row.name.removeprefix(f"{table.sweep.name} ")  # the sweep's name is in the title
         ax.annotate(label, (row.syncs, row.value), textcoords="offset points", xytext=(5, 5), fontsize="small")
     if threshold is not None:

@@ -12,7 +12,7 @@ from trainer.metrics import PEAK_BF16_DENSE_FLOPS
 
 # What `parallelize` reports for one process: float32 runs the model unwrapped, a lower compute
 # dtype keeps FSDP over the one rank for its parameter casts.
-LAYOUT = {"float32": "none (one process, float32: the model runs unwrapped)", "bfloat16": "FSDP over 1 ranks"}
+LAYOUT = {"float32": "none (one process, float32: the model runs unwrapped)", "bfloat16": "FSDP over 1 rank"}
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

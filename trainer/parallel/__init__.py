@@ -125,5 +125,5 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
         kind = "DDP" if dims.dp_shard_cp == 1 else "HSDP"
         parts.append(f"{kind} {dims.dp_replicate} replicas x {dims.dp_shard_cp} shards")
     else:
-        parts.append(f"FSDP over {dims.dp_shard_cp} ranks")
+        parts.append(f"FSDP over {dims.dp_shard_cp} rank" + ("s" if dims.dp_shard_cp > 1 else ""))
     return ", ".join(parts)
