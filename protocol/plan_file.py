@@ -115,16 +115,27 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
 
     plan = assemble(path, values, tolerance, control, sets, slurm, problems)
     if plan is not None:
-        for read in (control, *sets):
-            if read.spec is not None:
-                # "equals the control" is only decided when both tables are as intended
-                problems += spec_problems(plan, read.spec, read.clean and control.clean)
+        # "equals the control" is only decided when both tables are as intended
+        problems += folded([(read.spec.label, spec_problems(plan, read.spec, read.clean and control.clean))
+                            for read in (control, *sets) if read.spec is not None])
         plan = dataclasses.replace(plan, sweeps=tuple(sweeps))
         if criterion or rules:
             runs = frequencies(plan)
             plan = dataclasses.replace(plan, criterion=resolve_criterion(criterion, runs, problems),
                                        early_stop=tuple(resolve_rules(rules, runs, problems)))
     return plan
+
+
+def folded(found: list[tuple[str, list[str]]]) -> list[str]:
+    """The runs' problems, one line for a message that several runs share: a missing data folder
+    is every run's problem, said once with the runs it stops."""
+    runs_of: dict[tuple[str, bool], list[str]] = {}
+    for label, problems in found:
+        for problem in problems:
+            message = problem.removeprefix(f"{label}: ")
+            runs_of.setdefault((message, message != problem), []).append(label)
+    return [f"{', '.join(labels)}: {message}" if labelled else message
+            for (message, labelled), labels in runs_of.items()]
 
 
 def frequencies(plan: Plan) -> Frequencies:

@@ -716,3 +716,12 @@ def test_reduced_sync_tp_plan_validates_at_8_gpus_once_its_data_exists(tmp_path)
         assert (arg(launch, "--model.flavor"), arg(launch, "--training.steps")) == ("125M", "20000")
         assert arg(launch, "--validation.freq") == "500" and "--metrics.count_collectives=true" in launch.args
     assert plan.criterion.describe().startswith("validation/loss at step 20000 <= 3.35")
+
+
+def test_a_problem_every_run_shares_is_listed_once_with_its_runs(tmp_path):
+    text = plan_text(tmp_path).replace('"training.seq_len" = 32 }',
+                                       f'"training.seq_len" = 32, "training.dataset" = "shards", '
+                                       f'"training.dataset_path" = "{tmp_path / "none"}" }}')
+    message = problems(tmp_path, text)
+    assert message.count("is not a folder of prepared shards") == 1 and "1 problem:" in message
+    assert "control ('control'), sets[0] ('FSDP+TP2'): training.dataset_path:" in message
