@@ -11,7 +11,7 @@ from tests.unit.test_tokenizer import sentences
 from trainer.data.hashing import document_unit
 from trainer.data.prepare import prepare
 from trainer.data.synthetic import SyntheticMarkovSource
-from trainer.data.text_sources import tokenize_documents
+from trainer.data.tokenizer import tokenize_documents
 from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
 

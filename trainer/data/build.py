@@ -49,7 +49,7 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
                  validation_fraction: float, key: str) -> TokenArraySource:
     """Local files tokenized into memory; a document belongs to the validation split when the
     hash of its text is below validation_fraction."""
-    from trainer.data.text_sources import tokenize_documents
+    from trainer.data.tokenizer import tokenize_documents
 
     counts = ReadCounts()
     want_validation = split == "validation"

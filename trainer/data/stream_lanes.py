@@ -37,6 +37,7 @@ import numpy as np
 from trainer.data.documents import DataError, ReadCounts, record_text
 from trainer.data.finite_sources import DataExhausted
 from trainer.data.shuffle import permute
+from trainer.data.tokenizer import tokenize_documents
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,6 @@ class TokenizeChunk:
         if item[0] != "chunk":
             return item
         _, position, texts = item
-        from trainer.data.text_sources import tokenize_documents  # (text_sources imports this module)
-
         return ("chunk", position, tokenize_documents(texts, self.tokenizer))
 
 

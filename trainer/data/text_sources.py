@@ -30,17 +30,6 @@ HUB_ALIASES = {  # short names -> (hub id, config)
 }
 
 
-def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np.ndarray:
-    """[BOS] text [EOS] of every document, concatenated, in the smallest dtype the vocabulary fits."""
-    from trainer.data.shards import token_dtype
-
-    dtype = token_dtype(getattr(tokenizer, "vocab_size", 1 << 32))
-    pieces = [np.asarray(ids, dtype=dtype)
-              for start in range(0, len(documents), chunk)
-              for ids in tokenizer.encode_batch_documents(documents[start:start + chunk])]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # Hugging Face datasets, streamed
 

@@ -13,7 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
+
+from trainer.data.shards import token_dtype
 
 
 class TokenizerError(ValueError):
@@ -75,6 +78,15 @@ class Tokenizer:
             with open(self.path, "rb") as f:
                 self._sha256 = hashlib.sha256(f.read()).hexdigest()
         return self._sha256
+
+
+def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np.ndarray:
+    """[BOS] text [EOS] of every document, concatenated, in the smallest dtype the vocabulary fits."""
+    dtype = token_dtype(getattr(tokenizer, "vocab_size", 1 << 32))
+    pieces = [np.asarray(ids, dtype=dtype)
+              for start in range(0, len(documents), chunk)
+              for ids in tokenizer.encode_batch_documents(documents[start:start + chunk])]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
 def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
