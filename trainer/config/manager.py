@@ -25,7 +25,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.config.job_config import IGNORED_KEYS, IGNORED_SECTIONS, JobConfig
+from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
+from trainer.config.job_config import JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
