@@ -55,11 +55,8 @@ class ReduceGradient(torch.autograd.Function):
         return grad.to(ctx.dtype).redistribute(placements=replicated).to(grad.dtype), None
 
 
-def reduce_gradient_in(dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
-    return ReduceGradient.apply(weight, dtype)
-
-
-def _reduce_in(dtype: torch.dtype | None, weight: torch.Tensor) -> torch.Tensor:
+def reduce_gradient_in(dtype: torch.dtype | None, weight: torch.Tensor) -> torch.Tensor:
+    """`weight`, whose gradient is summed over the mesh in `dtype` (None: the weight's dtype)."""
     return ReduceGradient.apply(weight, dtype or weight.dtype)
 
 
@@ -82,7 +79,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
         )
     parallelize_module(model, tp_mesh, outer)
     if sync != "full":
-        reduce = partial(_reduce_in, reduce_dtype)
+        reduce = partial(reduce_gradient_in, reduce_dtype)
         apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)
         if model.norm is not None:
             model.norm.weight_hook = reduce
