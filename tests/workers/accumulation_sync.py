@@ -13,6 +13,7 @@ import torch
 from tests.collectives import CountCollectives
 from trainer.config.manager import load_config, with_default_config
 from trainer.preflight import plan_run
+from trainer.process_exit import exit_without_teardown
 from trainer.train import Trainer
 
 
@@ -35,6 +36,7 @@ def main() -> None:
         print(json.dumps({"once": once_counts, "every": every_counts, "microbatches": len(batch),
                           "max_diff": (once - every).abs().max().item(), "max_grad": every.abs().max().item()}))
     trainer.close()
+    exit_without_teardown(0)  # as the trainer ends: a gloo thread can abort the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 
 from trainer.config.manager import load_config, with_default_config
 from trainer.preflight import plan_run
+from trainer.process_exit import exit_without_teardown
 from trainer.train import Trainer
 
 
@@ -22,6 +23,7 @@ def main() -> None:
     if trainer.rank == 0:
         torch.save(weights, out)
     trainer.close()
+    exit_without_teardown(0)  # as the trainer ends: a gloo thread can abort the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from trainer.models.llama3.args import FLAVORS
 from trainer.models.llama3.model import Transformer, apply_rope
 from trainer.parallel.tensor import apply_tp
+from trainer.process_exit import exit_without_teardown
 
 TP = 2
 VARIANTS = {"full": ("full", 0), "per_block": ("per_block", 0), "grouped 2": ("grouped", 2), "grouped 4": ("grouped", 4)}
@@ -112,6 +113,7 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()
+    exit_without_teardown(0)  # as the trainer ends: a gloo thread can abort the interpreter's teardown
 
 
 if __name__ == "__main__":
