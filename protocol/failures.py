@@ -60,11 +60,12 @@ def signal_name(returncode: int) -> str | None:
 def seed_memory(launch: Launch) -> str:
     """How much host memory the seed run needs: the whole model, in fp32, in one process."""
     from trainer.config.manager import ConfigError, load_config
-    from trainer.models.llama3.args import get_flavor, num_params
+    from trainer.models.llama3.args import num_params
+    from trainer.models.llama3.hf_config import model_args
 
     try:
-        flavor = load_config(list(launch.args)).model.flavor
-        count = num_params(get_flavor(flavor))
+        model = load_config(list(launch.args)).model
+        flavor, count = model.flavor, num_params(model_args(model.flavor, model.hf_assets_path))
     except (ConfigError, ValueError):
         return "the seed run holds the whole model in fp32 (4 bytes per parameter) in one process"
     need = count * BYTES_PER_PARAMETER

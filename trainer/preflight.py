@@ -32,12 +32,6 @@ class RunPlan:
     accumulation_steps: int
 
 
-def unsupported(config: JobConfig) -> list[str]:
-    """Options that are valid but whose feature this trainer does not provide yet."""
-    checks = {"model.hf_assets_path": bool(config.model.hf_assets_path)}
-    return [f"{name}: not implemented yet" for name, enabled in checks.items() if enabled]
-
-
 def check_device_options(config: JobConfig, device_type: str) -> None:
     """Options that only make sense with accelerators."""
     if device_type == "cpu":
@@ -62,9 +56,9 @@ def check_data(config: JobConfig) -> None:
 def _check_data(c: JobConfig) -> None:
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
-    from trainer.models.llama3.args import FLAVORS
+    from trainer.models.llama3.hf_config import model_args
 
-    vocab_size = FLAVORS[c.model.flavor].vocab_size
+    vocab_size = model_args(c.model.flavor, c.model.hf_assets_path).vocab_size
     fraction = c.training.validation_fraction
     if fraction is not None and not 0 <= fraction < 1:
         raise ConfigError(f"training.validation_fraction: {fraction} is not in [0, 1)")
@@ -155,9 +149,6 @@ def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, tok
 
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     """Resolve parallel degrees and the batch split; raise ConfigError naming the key to fix."""
-    problems = unsupported(config)
-    if problems:
-        raise ConfigError("options not available in this version:\n  " + "\n  ".join(problems))
     check_data(config)
     try:
         check_load_options(config)
@@ -234,11 +225,12 @@ def count(n: int) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def model_sizes(flavor: str) -> tuple[int, int]:
-    """(parameters, elements of the largest parameter) of a flavor, from its shapes alone."""
-    from trainer.models.llama3.args import get_flavor, num_params
+def model_sizes(config: JobConfig) -> tuple[int, int]:
+    """(parameters, elements of the largest parameter) of the configured model, from its shapes alone."""
+    from trainer.models.llama3.args import num_params
+    from trainer.models.llama3.hf_config import model_args
 
-    args = get_flavor(flavor)
+    args = model_args(config.model.flavor, config.model.hf_assets_path)
     largest = args.dim * max(args.vocab_size, args.ffn_hidden_dim, args.n_heads * args.head_dim)
     return num_params(args), largest
 
@@ -251,7 +243,7 @@ def seed_memory_need(config: JobConfig) -> MemoryNeed:
     the largest parameter (the embedding or the output) adds about three full-size temporaries:
     measured peak resident memory 9.50 GB for the 1B flavor (5.99 GB of weights, largest parameter
     1.05 GB, 0.31 GB for Python and torch), 1.18 GB for 125M."""
-    params, largest = model_sizes(config.model.flavor)
+    params, largest = model_sizes(config)
     return MemoryNeed(
         bytes=FP32_BYTES * (params + INIT_TEMPORARIES * largest),
         what=(f"creating the seed checkpoint builds the whole model in this one process in float32 "
@@ -283,7 +275,7 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
     the ranks of one replica whatever the sharding, times dp_replicate); with
     checkpoint.initial_load_in_hf, on any device, every rank's full copy of the safetensors files.
     None when neither applies (the model state lives on the accelerators)."""
-    params, largest = model_sizes(config.model.flavor)
+    params, largest = model_sizes(config)
     world = dims.world_size
     share = min(local_procs, world) * dims.dp_replicate / world  # of one full model state
     hf = Path(config.checkpoint.initial_load_path) if loads_hf_folder(config) else None
@@ -306,7 +298,7 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
         return None
     if hf_bytes:
         parts.append(f"each process's full copy of {hf} ({gb(hf_bytes)}) while loading it")
-        advice.append(f"convert the folder once (python -m trainer.models.llama3.hf_adapter import --hf {hf} "
+        advice.append(f"convert the folder once (python -m trainer.hf import --hf {hf} "
                       f"--flavor {config.model.flavor} --out DIR) and load DIR as a DCP checkpoint")
     who = f"{local_procs} process{'es' if local_procs > 1 else ''} on {device_type}"
     return MemoryNeed(bytes=need, what=f"{who} hold {' and '.join(parts)}", advice="; or ".join(advice))

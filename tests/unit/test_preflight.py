@@ -40,6 +40,8 @@ def test_global_batch_not_a_multiple():
         plan_run(load_config(["--training.local_batch_size", "2", "--training.global_batch_size", "6"]), 2)
 
 
-def test_features_of_later_versions_are_refused_clearly():
-    with pytest.raises(ConfigError, match="model.hf_assets_path: not implemented yet"):
-        plan_run(load_config(["--model.hf_assets_path", "/some/folder"]), 2)
+def test_a_missing_hf_assets_folder_is_refused_by_name():
+    with pytest.raises(ConfigError, match="model.hf_assets_path: /some/folder is not a folder"):
+        load_config(["--model.hf_assets_path", "/some/folder"])
+    with pytest.raises(ConfigError, match='model.flavor = "hf" takes the shapes from model.hf_assets_path'):
+        load_config(["--model.flavor", "hf"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 # torchtitan v0.2.2 sections and keys this trainer does not implement. A config that uses them
 # still loads (so upstream configs work as they are), with one warning naming what is ignored.
 IGNORED_SECTIONS = frozenset(
-    {"profiling", "fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
+    {"fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
 )
 IGNORED_KEYS = {
     "job": {"custom_config_module", "use_for_integration_test", "print_args"},
@@ -28,7 +28,6 @@ IGNORED_KEYS = {
         "memory_budget",
         "visualize_memory_budget_pareto",
     },
-    "metrics": {"enable_wandb"},
     "comm": {"save_traces_folder", "save_traces_file_prefix"},
     "debug": {"moe_force_load_balance"},
 }

@@ -40,14 +40,20 @@ class Model:
     """Model family."""
 
     flavor: str = "debugmodel"
-    """Size preset of the model family: tiny, debugmodel, 125M, 1B, 8B, 70B or 405B."""
+    """Size preset of the model family: tiny, debugmodel, 125M, 1B, 3B, 8B, 70B or 405B (1B and 3B
+    are Llama 3.2's, with the output layer tied to the token embedding), or "hf": the shapes of
+    the config.json in model.hf_assets_path (any Llama-architecture checkpoint)."""
 
     tokenizer_path: str = ""
-    """SentencePiece .model file. Empty: the data source's own token ids (built-in sources)."""
+    """Tokenizer file: a Hugging Face tokenizer.json, a tiktoken BPE ranks file (Llama 3's
+    original tokenizer.model) or a SentencePiece .model; the kind is read from the file. Empty:
+    the tokenizer of model.hf_assets_path when set, else the data source's own token ids
+    (built-in sources)."""
 
     hf_assets_path: str = ""
-    """Not implemented yet (a non-empty value is refused): a folder of Hugging Face assets. Import
-    weights with checkpoint.initial_load_path + checkpoint.initial_load_in_hf instead."""
+    """A local folder of Hugging Face assets (as a model hub download holds them): its tokenizer
+    (tokenizer.json, else tokenizer.model) is used when model.tokenizer_path is empty, and its
+    config.json gives the shapes when model.flavor is "hf". Nothing is downloaded."""
 
 
 @dataclass
@@ -396,6 +402,11 @@ class Metrics:
     enable_tensorboard: bool = False
     """Write TensorBoard events under job.dump_folder/save_tb_folder."""
 
+    enable_wandb: bool = False
+    """Log the same metrics to Weights & Biases (the `wandb` package: pip install -e '.[wandb]').
+    Set WANDB_MODE=offline to write a local run folder under job.dump_folder/wandb without an
+    account or network; WANDB_PROJECT and the other WANDB_* variables apply as usual."""
+
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to job.dump_folder; each run gets a time-stamped subfolder."""
 
@@ -430,6 +441,37 @@ class Comm:
 
     trace_buf_size: int = 20000
     """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = False
+    """Record a torch.profiler trace of every profile_freq-th step on every rank (CPU activity, and
+    CUDA kernels on GPUs), written as Chrome-trace JSON (Perfetto, chrome://tracing, TensorBoard's
+    profiler plugin) under job.dump_folder/save_traces_folder/iteration_<step>/rank<r>_trace.json."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+
+    profile_freq: int = 10
+    """Profile once every this many steps: steps profile_freq, 2 x profile_freq, ..."""
+
+    profiler_warmup: int = 3
+    """Steps the profiler runs unrecorded before each recorded step (its start-up cost stays
+    out of the trace)."""
+
+    profiler_active: int = 1
+    """Steps recorded in each trace."""
+
+    enable_memory_snapshot: bool = False
+    """Record the CUDA caching allocator's history and write a snapshot (memory_viz pickle) every
+    profile_freq steps and when a step runs out of memory, under
+    job.dump_folder/save_memory_snapshot_folder. Needs CUDA devices: refused on the CPU."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder."""
 
 
 @dataclass
@@ -508,5 +550,6 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
     validation: Validation = field(default_factory=Validation)

@@ -278,7 +278,7 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
 
 def validate(config: JobConfig) -> None:
     """Check values every run needs; raise ConfigError listing every problem found."""
-    from trainer.models.llama3.args import FLAVORS  # light import: no torch
+    from trainer.models.llama3.hf_config import HFConfigError, flavor_names, model_args  # light: no torch
 
     c = config
     problems = []
@@ -287,7 +287,15 @@ def validate(config: JobConfig) -> None:
         if not ok:
             problems.append(message)
 
-    need(c.model.flavor in FLAVORS, f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(FLAVORS)}")
+    need(c.model.flavor in flavor_names(),
+         f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
+    if c.model.flavor == "hf" or c.model.hf_assets_path:
+        try:
+            model_args(c.model.flavor, c.model.hf_assets_path)
+            if c.model.hf_assets_path and not Path(c.model.hf_assets_path).is_dir():
+                raise HFConfigError(f"model.hf_assets_path: {c.model.hf_assets_path} is not a folder")
+        except (HFConfigError, ValueError) as e:
+            problems.append(str(e))
     need(c.training.steps >= 1, f"training.steps: must be >= 1, got {c.training.steps}")
     need(c.training.local_batch_size >= 1, f"training.local_batch_size: must be >= 1, got {c.training.local_batch_size}")
     need(

@@ -130,20 +130,20 @@ def stage_plan(config, dims: ParallelDims) -> StagePlan | None:
     """The pipeline stage split of this layout (None without pipeline parallelism)."""
     if dims.pp == 1:
         return None
-    from trainer.models.llama3.args import FLAVORS
+    from trainer.models.llama3.hf_config import model_args
 
     p = config.parallelism
-    return plan_stages(FLAVORS[config.model.flavor].n_layers, dims.pp, p.pipeline_parallel_schedule,
+    return plan_stages(model_args(config.model.flavor, config.model.hf_assets_path).n_layers, dims.pp, p.pipeline_parallel_schedule,
                        p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_first_stage_less_layers,
                        p.pipeline_parallel_last_stage_less_layers)
 
 
 def layout_problems(config, dims: ParallelDims) -> list[str]:
     """Every reason the degrees cannot run this model and batch, each with the fix."""
-    from trainer.models.llama3.args import FLAVORS
+    from trainer.models.llama3.hf_config import model_args
 
     c, p = config, config.parallelism
-    model = FLAVORS[c.model.flavor]
+    model = model_args(c.model.flavor, c.model.hf_assets_path)
     problems = []
     if dims.tp > 1:
         for what, size in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads),

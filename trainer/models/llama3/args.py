@@ -34,6 +34,12 @@ class LlamaModelArgs:
     rope_theta: float = 500000.0
     rope_scaling: Optional[RopeScaling] = None
     max_seq_len: int = 2048  # rows of the RoPE table; the trainer sets it to training.seq_len
+    # The output projection is the token embedding matrix (Llama 3.2 1B and 3B): one parameter,
+    # named tok_embeddings.weight, serves both.
+    tie_embeddings: bool = False
+    # The FFN width when a checkpoint gives it outright (config.json's intermediate_size) rather
+    # than through multiple_of and ffn_dim_multiplier.
+    ffn_dim: Optional[int] = None
 
     @property
     def kv_heads(self) -> int:
@@ -46,13 +52,15 @@ class LlamaModelArgs:
     @property
     def ffn_hidden_dim(self) -> int:
         """Llama's SwiGLU width: 2/3 of 4*dim (same parameters as a 4*dim GELU MLP), scaled, rounded up."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     def validate(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len", "ffn_hidden_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model: {name} must be >= 1, got {getattr(self, name)}")
         if self.dim % self.n_heads:
@@ -74,10 +82,11 @@ FLAVORS: dict[str, LlamaModelArgs] = {
     # GPT-2-small scale (125M parameters, 75M of them in the blocks), not a published Llama: large
     # enough that model state dominates a CPU process's memory, small enough to train on one.
     "125M": LlamaModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32768, multiple_of=256),
-    # Llama 3.2 1B shapes. Llama 3.2 ties the output to the embedding; this model never does,
-    # so it has 1.50e9 parameters instead of the published 1.24e9.
+    # Llama 3.2 1B and 3B: the output layer is the token embedding (1.24e9 and 3.21e9 parameters).
     "1B": LlamaModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
-                         ffn_dim_multiplier=1.5, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
+                         ffn_dim_multiplier=1.5, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True),
+    "3B": LlamaModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, multiple_of=256,
+                         ffn_dim_multiplier=1.0, rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_embeddings=True),
     "8B": LlamaModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
                          ffn_dim_multiplier=1.3, rope_scaling=LLAMA31_SCALING),
     "70B": LlamaModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, multiple_of=4096,
@@ -94,14 +103,16 @@ def get_flavor(name: str) -> LlamaModelArgs:
 
 
 def num_params(args: LlamaModelArgs, include_embedding: bool = True) -> int:
-    """Analytic parameter count (the model's meta-device count must agree)."""
+    """Analytic parameter count (the model's meta-device count must agree). A tied embedding is
+    counted once, as the output layer's weight."""
     total = matmul_params(args) + (2 * args.n_layers + 1) * args.dim  # + RMSNorm weights
-    return total + (args.dim * args.vocab_size if include_embedding else 0)
+    separate_embedding = include_embedding and not args.tie_embeddings
+    return total + (args.dim * args.vocab_size if separate_embedding else 0)
 
 
 def matmul_params(args: LlamaModelArgs) -> int:
     """Weights that take part in a matrix multiply: attention and FFN projections, and the output
-    layer. Not the token embedding (a lookup) nor the RMSNorm weights (elementwise)."""
+    layer (tied or not). Not the token embedding lookup nor the RMSNorm weights (elementwise)."""
     d, hd = args.dim, args.head_dim
     attention = d * args.n_heads * hd * 2 + d * args.kv_heads * hd * 2  # wq, wo; wk, wv
     ffn = 3 * d * args.ffn_hidden_dim

@@ -1,0 +1,162 @@
+"""Hugging Face `config.json` <-> the model's shapes (LlamaModelArgs), and the one place a
+configured model.flavor becomes shapes (`model_args`), "hf" included.
+
+No torch import: the config validator and the launcher's preflight read shapes in a light process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.models.llama3.args import FLAVORS, LlamaModelArgs, RopeScaling, get_flavor
+
+HF_FLAVOR = "hf"  # model.flavor whose shapes come from model.hf_assets_path/config.json
+
+
+class HFConfigError(ValueError):
+    """A config.json this model cannot follow; the message names the file and each field."""
+
+
+def read_config_json(folder: str | Path, key: str = "model.hf_assets_path") -> dict:
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise HFConfigError(f"{key}: {folder} is not a folder")
+    if not path.is_file():
+        raise HFConfigError(f"{key}: {folder} has no config.json (a Hugging Face model folder holds one)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFConfigError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HFConfigError(f"{path}: expected a JSON object")
+    return config
+
+
+def model_args(flavor: str, hf_assets_path: str = "") -> LlamaModelArgs:
+    """The shapes of a configured model: a shipped flavor, or "hf": those of hf_assets_path/config.json."""
+    if flavor != HF_FLAVOR:
+        return get_flavor(flavor)
+    if not hf_assets_path:
+        raise HFConfigError('model.flavor = "hf" takes the shapes from model.hf_assets_path/config.json; '
+                            "set model.hf_assets_path to a Hugging Face model folder")
+    return args_from_hf_config(read_config_json(hf_assets_path), f"{hf_assets_path}/config.json")
+
+
+def flavor_names() -> list[str]:
+    return [*FLAVORS, HF_FLAVOR]
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> shapes
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """(theta, scaling parameters or None) from either transformers layout: v4's rope_theta and
+    rope_scaling, or v5's rope_parameters (which holds rope_theta too)."""
+    parameters = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", parameters.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or None
+    if scaling is None and parameters.get("rope_type", "default") != "default":
+        scaling = parameters
+    return float(theta), scaling
+
+
+def unsupported_fields(config: dict) -> list[str]:
+    """Each field of a config.json that asks for something this Llama does not compute."""
+    problems = []
+    for bias in ("attention_bias", "mlp_bias"):
+        if config.get(bias):
+            problems.append(f"{bias} = true (this model's linear layers have no biases)")
+    for window in ("sliding_window", "use_sliding_window"):
+        if config.get(window) not in (None, False):
+            problems.append(f"{window} = {config[window]!r} (attention here is full causal, no sliding window)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act = {act!r} (the FFN is SwiGLU: silu)")
+    if config.get("attention_dropout"):
+        problems.append(f"attention_dropout = {config['attention_dropout']} (no dropout here)")
+    _, scaling = _rope(config)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "default"):
+            problems.append(f"rope_scaling type {kind!r} (supported: Llama 3's 'llama3' frequency scaling, or none)")
+    heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and heads and dim and head_dim * heads != dim:
+        problems.append(f"head_dim = {head_dim} (this model's heads split hidden_size: {dim} / {heads} heads)")
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        problems.append(f"model_type = {model_type!r} (supported: 'llama', the LlamaForCausalLM architecture)")
+    return problems
+
+
+def args_from_hf_config(config: dict, source: str) -> LlamaModelArgs:
+    """The shapes of any Llama-architecture config.json; unsupported fields are refused by name."""
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise HFConfigError(f"{source}: missing or not an integer: {', '.join(missing)}")
+    problems = unsupported_fields(config)
+    if problems:
+        raise HFConfigError(f"{source}: this trainer's Llama cannot follow " + "; ".join(problems))
+    theta, scaling = _rope(config)
+    rope_scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope_scaling = RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                                   high_freq_factor=float(scaling["high_freq_factor"]),
+                                   original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    args = LlamaModelArgs(
+        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        vocab_size=config["vocab_size"], multiple_of=1, ffn_dim=config["intermediate_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope_scaling,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+    try:
+        args.validate()
+    except ValueError as e:
+        raise HFConfigError(f"{source}: {e}") from None
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes -> config.json, and the check that a folder matches the configured shapes
+
+
+def hf_config(args: LlamaModelArgs, dtype_name: str = "float32") -> dict:
+    """The config.json `save_pretrained` would write for these shapes."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype_name,
+    }
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                                  "high_freq_factor": s.high_freq_factor,
+                                  "original_max_position_embeddings": s.original_max_position_embeddings}
+    return config
+
+
+def check_hf_config(config: dict, args: LlamaModelArgs, source: str) -> None:
+    """Refuse a config.json whose model differs from the configured one, naming each difference."""
+    theirs = args_from_hf_config(config, source)
+    fields = {
+        "hidden_size": ("dim", args.dim, theirs.dim),
+        "intermediate_size": ("ffn", args.ffn_hidden_dim, theirs.ffn_hidden_dim),
+        "num_hidden_layers": ("n_layers", args.n_layers, theirs.n_layers),
+        "num_attention_heads": ("n_heads", args.n_heads, theirs.n_heads),
+        "num_key_value_heads": ("n_kv_heads", args.kv_heads, theirs.kv_heads),
+        "vocab_size": ("vocab", args.vocab_size, theirs.vocab_size),
+        "rope_theta": ("rope", args.rope_theta, theirs.rope_theta),
+        "tie_word_embeddings": ("tied", args.tie_embeddings, theirs.tie_embeddings),
+    }
+    wrong = [f"{key} = {found} (the configured model has {wanted})"
+             for key, (_, wanted, found) in fields.items() if wanted != found]
+    if wrong:
+        raise HFConfigError(f"{source} does not match the configured model.flavor: " + "; ".join(wrong)
+                            + ' (model.flavor = "hf" with model.hf_assets_path takes the shapes from a config.json)')
