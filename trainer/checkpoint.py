@@ -39,9 +39,9 @@ from trainer.checkpoint_layout import (
     read_checkpoint_record,
 )
 from trainer.async_checkpoint import AsyncSaver
-from trainer.checkpoint_items import ModelState, OptimizerState, SchedulerState, optimizer_state_is_nested
+from trainer.checkpoint_items import ModelState, aliased_names, OptimizerState, SchedulerState, optimizer_state_is_nested
 from trainer.config.manager import to_dict
-from trainer.dcp_files import incomplete_reason, read_model_state, saved_items, saved_keys
+from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
 from trainer.train_state import TrainState
@@ -67,7 +67,10 @@ class TrainingComplete(Exception):
 def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
     """Refuse a checkpoint of another model shape, naming the first parameter that differs."""
     keys = saved_keys(path)
+    aliases = aliased_names(model)
     for name, param in model.state_dict().items():
+        if name in aliases:
+            continue  # a tied weight is saved once, under its parameter name
         saved = keys.get(f"model.{name}")
         if f"model.{name}" not in keys:
             raise CheckpointError(f"{path}: has no parameter {name}; it is not a checkpoint of this model ({flavor})")
@@ -101,7 +104,11 @@ def write_checkpoint_record(folder: Path, record: dict) -> None:
 class CheckpointManager:
     """Decides what to load at start and when to save, following the [checkpoint] section."""
 
-    def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int):
+    def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int,
+                 external_weights=None):
+        """`external_weights` reads and writes the model's weights in another format (an object
+        with load(path) and export(checkpoint, out, dtype), and folder_name): used for
+        checkpoint.initial_load_in_hf and checkpoint.last_save_in_hf (trainer.hf.model_io)."""
         self.config = config
         self.cfg = config.checkpoint
         self.flavor = config.model.flavor
@@ -110,6 +117,7 @@ class CheckpointManager:
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.train_state = train_state
         self.rank = rank
+        self.external_weights = external_weights
         self.last_saved: int | None = None  # step of this run's latest save
         # What resume() loaded, for the run record: kind init | checkpoint | resume | hugging_face.
         self.start = {"kind": "init", "path": None, "step": 0, "fingerprint": None}
@@ -160,7 +168,7 @@ class CheckpointManager:
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
             if self.cfg.initial_load_in_hf:
-                self._load_hf(path)
+                self._load_external(path)
                 self.start = {"kind": "hugging_face", "path": str(path.resolve()), "step": 0,
                               "fingerprint": fingerprint(path)}
                 return path
@@ -236,29 +244,20 @@ class CheckpointManager:
         if changed:
             logger.warning("%s: %s", path, changed)
 
-    @torch.no_grad()
-    def _load_hf(self, path: Path) -> None:
-        """Weights from a Hugging Face folder: every rank reads the full tensors, keeps its shards."""
-        from trainer.models.llama3.hf_adapter import HFCheckpointError, read_hf_folder
-        from trainer.models.llama3.model import copy_global_into
-
+    def _load_external(self, path: Path) -> None:
+        """Weights from a folder in the external format (Hugging Face)."""
         try:
-            state = read_hf_folder(path, self.model.args)
-        except HFCheckpointError as e:
+            self.external_weights.load(path)
+        except ValueError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
-        for name, param in self.model.named_parameters():
-            copy_global_into(param, state[name].to(param.device, param.dtype))
-        logger.info("loaded model weights from the Hugging Face folder %s", path)
 
-    def _export_hf(self, checkpoint: Path, dtype: torch.dtype) -> None:
-        """Rank 0 converts the model of a just-written checkpoint to checkpoint/hf (config.json +
-        model.safetensors). Reading the checkpoint, not the ranks' memory, gets every stage of a
-        pipeline-parallel run."""
-        from trainer.models.llama3.hf_adapter import write_hf_folder
-
+    def _export_external(self, checkpoint: Path, dtype: torch.dtype) -> str:
+        """Rank 0 converts the model of a just-written checkpoint into checkpoint/<folder_name>."""
         dist.barrier()  # every rank's shard is on disk
+        name = self.external_weights.folder_name
         if self.rank == 0:
-            write_hf_folder(checkpoint / "hf", read_model_state(checkpoint), self.model.args, dtype)
+            self.external_weights.export(checkpoint, checkpoint / name, dtype)
+        return name
 
     def _publish_finished_partials(self) -> None:
         """Publish the saves the last run finished writing but stopped before renaming (an
@@ -328,8 +327,7 @@ class CheckpointManager:
             dcp.save(self._stateful(["model"], export_dtype=export_dtype), checkpoint_id=str(partial / MODEL_ONLY_DIR))
             exports.append(MODEL_ONLY_DIR)
         if last and self.cfg.last_save_in_hf:  # inside the folder, so it is published with it
-            self._export_hf(partial, DTYPES[self.cfg.export_dtype])
-            exports.append("hf")
+            exports.append(self._export_external(partial, DTYPES[self.cfg.export_dtype]))
         self._finish(step, partial, kind="final" if last else "periodic", exports=exports)
 
     def _make_folder(self, path: Path, fresh: bool) -> None:

@@ -22,17 +22,33 @@ from torch.distributed.checkpoint.stateful import Stateful
 logger = logging.getLogger(__name__)
 
 
+def aliased_names(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict names that are another name's tensor (a tied output layer's weight) -> that name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
 class ModelState(Stateful):
-    """The model's (sharded) state dict under its original parameter names, optionally cast."""
+    """The model's (sharded) state dict under its original parameter names, optionally cast.
+    A tied weight is saved once, under its parameter name (tok_embeddings.weight): the same key
+    in every layout, whichever stages hold it."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
+        self.aliases = aliased_names(model)
 
     def state_dict(self) -> dict:
-        state = get_model_state_dict(self.model)
+        state = {k: v for k, v in get_model_state_dict(self.model).items() if k not in self.aliases}
         return {k: v.to(self.dtype) for k, v in state.items()} if self.dtype else state
 
     def load_state_dict(self, state: dict) -> None:
+        state = {**state, **{alias: state[name] for alias, name in self.aliases.items()}}
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=True))
 
 

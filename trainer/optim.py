@@ -172,6 +172,9 @@ class NormReduction:
 
     group: object | None = None
     ranks_per_stage: int = 1
+    # Parameters whose gradient another rank holds too (a tied embedding's second copy under
+    # pipeline parallelism): clipped like the others, left out of the norm so it counts once.
+    duplicates: tuple = ()
 
 
 def local_squared_norm(grads, ranks_per_stage: int) -> torch.Tensor:
@@ -213,7 +216,8 @@ def clip_grad_norm(parameters, max_norm: float, reduce: NormReduction = NormRedu
     clipping (float64).
     """
     parameters = [p for p in parameters if p.grad is not None]
-    squared = local_squared_norm([p.grad for p in parameters], reduce.ranks_per_stage)
+    counted = [p.grad for p in parameters if not any(p is d for d in reduce.duplicates)]
+    squared = local_squared_norm(counted, reduce.ranks_per_stage)
     if reduce.group is not None:
         torch.distributed.all_reduce(squared, group=reduce.group)
     norm = squared.sqrt()

@@ -20,6 +20,7 @@ from trainer.optim import NormReduction
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
 from trainer.parallel.tensor import loss_context
+from trainer.parallel.tied import TiedEmbeddings
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,6 +46,9 @@ class StepRunner:
         # Pipeline parallelism is refused with it (the stages after the first see no tokens).
         self.document_eos: int | None = None
         self.pipeline = None
+        self.tied = None  # the tied embedding's copies on the first and last pipeline stage
+        if parallel.stage_plan is not None and self.model.args.tie_embeddings:
+            self.tied = TiedEmbeddings(parallel.stages, parallel.stage_plan, mesh.world)
         if parallel.stage_plan is not None:
             n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
             self.pipeline = Pipeline(parallel.stages, parallel.stage_plan, mesh["pp"], device, n_microbatches,
@@ -85,6 +89,8 @@ class StepRunner:
                     loss = self._loss_sum(self.model(inputs, documents), labels) / denominator
                     loss.backward()
                     share += loss.detach()
+        if self.tied is not None:
+            self.tied.sum_gradients()
         return share if loss_scale is None else share / loss_scale
 
     @contextlib.contextmanager
@@ -137,4 +143,6 @@ class StepRunner:
         """How the global gradient norm is reduced: over every rank at once (see optim.clip_grad_norm)."""
         if dist.get_world_size() == 1:
             return NormReduction()
-        return NormReduction(group=dist.group.WORLD, ranks_per_stage=dist.get_world_size() // self.pp_degree)
+        duplicate = self.tied.norm_duplicate if self.tied is not None else None
+        return NormReduction(group=dist.group.WORLD, ranks_per_stage=dist.get_world_size() // self.pp_degree,
+                             duplicates=(duplicate,) if duplicate is not None else ())

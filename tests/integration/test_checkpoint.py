@@ -422,7 +422,7 @@ def test_hugging_face_weights_in_and_out_of_a_run(tmp_path):
     from safetensors.torch import load_file
 
     from trainer.models.llama3 import Transformer, get_flavor
-    from trainer.models.llama3.hf_adapter import write_hf_folder
+    from trainer.hf.folder import write_hf_folder
 
     args = get_flavor("tiny")
     args.max_seq_len = 32
@@ -456,9 +456,9 @@ def test_hugging_face_export_of_a_pipeline_run_has_every_stage(seed, tmp_path):
     """Each PP rank holds some layers; the export is read from the checkpoint, which has them all."""
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import read_model_state
+    from trainer.dcp_files import read_model_state
     from trainer.models.llama3 import get_flavor
-    from trainer.models.llama3.hf_adapter import to_hf
+    from trainer.hf.weights import to_hf
 
     result = launch(4, [*TINY_JOB, "--training.steps", "1", "--optimizer.lr", "0", "--training.local_batch_size", "4",
                         *INTERLEAVED_PP2, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),

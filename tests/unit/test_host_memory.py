@@ -85,7 +85,7 @@ def test_hugging_face_load_counts_every_local_rank_copy(tmp_path):
     need = training_memory_need(config, plan_run(config, 8).dims, "cuda", 8)
     assert need.bytes == 8 * 3_000_000_000
     with pytest.raises(ConfigError, match=r"8 processes on cuda hold each process's full copy of .*: 24.0 GB .* "
-                                          r"convert the folder once \(python -m trainer.models.llama3.hf_adapter"):
+                                          r"convert the folder once \(python -m trainer.hf"):
         check(config, 8, "cuda", meminfo=meminfo(tmp_path, GB16))
     assert training_memory_need(config, plan_run(config, 16).dims, "cuda", 4).bytes == 4 * 3_000_000_000
 

@@ -20,6 +20,7 @@ from trainer.models.llama3.model import (
 
 
 @pytest.mark.parametrize("flavor, published", [
+    ("1B", 1_235_814_400), ("3B", 3_212_749_824),  # Llama 3.2: output tied to the embedding
     ("8B", 8_030_261_248), ("70B", 70_553_706_496), ("405B", 405_853_388_800),
 ])
 def test_published_parameter_counts_on_meta(flavor, published):
@@ -31,7 +32,7 @@ def test_analytic_count_matches_meta_count(flavor):
     assert num_params(get_flavor(flavor)) == count_params_on_meta(get_flavor(flavor))
 
 
-@pytest.mark.parametrize("flavor, hidden", [("8B", 14336), ("70B", 28672), ("405B", 53248), ("1B", 8192)])
+@pytest.mark.parametrize("flavor, hidden", [("8B", 14336), ("70B", 28672), ("405B", 53248), ("1B", 8192), ("3B", 8192)])
 def test_ffn_hidden_dims(flavor, hidden):
     assert get_flavor(flavor).ffn_hidden_dim == hidden
 
@@ -73,7 +74,7 @@ def test_flops_per_token_matches_torch_flop_counter(flavor, seq_len):
 
 
 def test_get_flavor_errors_and_copies():
-    with pytest.raises(ValueError, match="choose one of tiny, debugmodel, 125M, 1B, 8B, 70B, 405B"):
+    with pytest.raises(ValueError, match="choose one of tiny, debugmodel, 125M, 1B, 3B, 8B, 70B, 405B"):
         get_flavor("7B")
     args = get_flavor("tiny")
     args.max_seq_len = 5
@@ -292,3 +293,40 @@ def test_document_masking_makes_each_document_its_own_sequence():
         torch.testing.assert_close(masked[:, :9], model(first), rtol=1e-5, atol=1e-5)
         plain = model(packed)
     assert (plain[:, 9:21] - model(second)).abs().max() > 1e-2  # without masking, the first document is seen
+
+
+def test_tied_embeddings_are_one_parameter_used_twice():
+    args = get_flavor("tiny")
+    args.tie_embeddings = True
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    names = [name for name, _ in model.named_parameters()]
+    assert "output.weight" not in names and "tok_embeddings.weight" in names
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == num_params(args)
+    # Drawn as an output layer (std dim^-0.5, truncated at 3 std), not as a unit-std embedding.
+    weight = model.tok_embeddings.weight
+    assert abs(weight.std().item() - 64 ** -0.5) < 0.01 and weight.abs().max() <= 3 * 64 ** -0.5
+    tokens = torch.randint(0, 256, (2, 8))
+    logits = model(tokens)
+    hidden = model.norm(model.layers["3"](model.layers["2"](model.layers["1"](model.layers["0"](
+        weight[tokens], model.freqs_cis), model.freqs_cis), model.freqs_cis), model.freqs_cis))
+    torch.testing.assert_close(logits, hidden @ weight.T, rtol=0, atol=0)
+    # The gradient is the sum of both uses: a model whose output is a separate copy of the same
+    # values gets the two halves, which add up to the tied gradient.
+    logits.square().mean().backward()
+    untied = Transformer(get_flavor("tiny"))
+    untied.load_state_dict({**model.state_dict(), "output.weight": weight.detach().clone()})
+    untied(tokens).square().mean().backward()
+    both = untied.tok_embeddings.weight.grad + untied.output.weight.grad
+    torch.testing.assert_close(weight.grad, both, rtol=1e-5, atol=1e-7)
+
+
+def test_a_tied_model_stays_tied_when_materialized_from_the_meta_device():
+    args = get_flavor("tiny")
+    args.tie_embeddings = True
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in dict(model.named_parameters())

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.manager import ConfigError
-from trainer.parallel.stages import ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches, plan_stages
+from trainer.parallel.stages import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches, plan_stages
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -162,6 +162,11 @@ def layout_problems(config, dims: ParallelDims) -> list[str]:
                         "compile.enable (it is a compiler pass), on CUDA")
     if dims.pp > 1:
         problems += pipeline_problems(config, dims)
+        if model.tie_embeddings and p.pipeline_parallel_schedule in V_SCHEDULES:
+            problems.append(
+                f"parallelism.pipeline_parallel_schedule={p.pipeline_parallel_schedule!r}: a V-shaped schedule puts "
+                f"the first and the last stage on one rank, which the {c.model.flavor} model's tied embedding and "
+                "output cannot share; choose another schedule (e.g. Interleaved1F1B)")
     return problems
 
 

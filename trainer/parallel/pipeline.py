@@ -33,9 +33,13 @@ def split_into_stages(model: nn.Module, plan: StagePlan, pp_rank: int) -> dict[i
         keep = {str(b) for b in plan.blocks[stage]}
         for name in [n for n in part.layers if n not in keep]:
             del part.layers[name]
-        if stage != 0:
+        last = stage == plan.num_stages - 1
+        part.embeds_tokens = stage == 0
+        # A tied output layer needs the embedding's weight: the last stage keeps its own copy,
+        # whose gradient is summed with the first stage's after backward (TiedEmbeddings).
+        if stage != 0 and not (last and model.args.tie_embeddings):
             part.tok_embeddings = None
-        if stage != plan.num_stages - 1:
+        if not last:
             part.norm = None
             part.output = None
         stages[stage] = part

@@ -78,6 +78,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
             use_local_output=not loss_parallel,  # the loss needs the DTensor to compute on shards
         )
     parallelize_module(model, tp_mesh, outer)
+    if model.args.tie_embeddings and model.output is not None:
+        # Each plan distributed its own copy; both split the (vocab, dim) matrix by vocabulary
+        # rows (Shard(0)), so one DTensor parameter serves both again.
+        model.output.weight = model.tok_embeddings.weight
     if sync != "full":
         reduce = partial(reduce_gradient_in, reduce_dtype)
         apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)

@@ -159,4 +159,5 @@ def check_hf_config(config: dict, args: LlamaModelArgs, source: str) -> None:
              for key, (_, wanted, found) in fields.items() if wanted != found]
     if wrong:
         raise HFConfigError(f"{source} does not match the configured model.flavor: " + "; ".join(wrong)
-                            + ' (model.flavor = "hf" with model.hf_assets_path takes the shapes from a config.json)')
+                            + '. To build the model from its shapes, set model.flavor = "hf" and '
+                            "model.hf_assets_path to its folder")

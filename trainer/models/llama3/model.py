@@ -193,11 +193,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token embedding, blocks, final norm, untied output projection.
+    """Token embedding, blocks, final norm, output projection (tied to the embedding when
+    args.tie_embeddings: then one parameter, tok_embeddings.weight, serves both).
 
     `layers` is a ModuleDict keyed by the original layer index, so a pipeline stage can delete
     the blocks it does not own and keep parameter names stable; tok_embeddings, norm and output
-    may be None on stages that do not own them.
+    may be None on stages that do not own them. A tied model's last pipeline stage keeps
+    tok_embeddings for its weight but does not embed (`embeds_tokens` is False).
     """
 
     def __init__(self, args: LlamaModelArgs):
@@ -208,6 +210,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.embeds_tokens = True  # False on pipeline stages that take the hidden state
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,11 +220,20 @@ class Transformer(nn.Module):
         hidden state (B, T, dim) instead, and one without the output returns it. documents
         (B, T, the whole sequence under context parallelism; see document_index): attention
         within documents only."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens
         for block in self.layers.values():
             h = block(h, self.freqs_cis, documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        """Materialize on `device`. Moving off the meta device gives each module a new parameter,
+        which would untie a tied output layer: tie it again (FSDP keeps shared parameters
+        shared itself; setting the same parameter again changes nothing there)."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
 
     # -----------------------------------------------------------------------------------------
     # Initialization
@@ -229,7 +243,9 @@ class Transformer(nn.Module):
         args = self.args
         leaf = name.split(".")[-2]
         if name.startswith("tok_embeddings"):
-            return 1.0, False
+            # Tied, it is also the output layer: drawn as that layer is, so that the logits of a
+            # unit-RMS hidden state start at about unit scale instead of sqrt(dim).
+            return (args.dim ** -0.5, True) if args.tie_embeddings else (1.0, False)
         if name.startswith("output"):
             return args.dim ** -0.5, True
         if leaf in ("wq", "wk", "wv", "w1", "w3"):

@@ -13,7 +13,8 @@ import transformers
 from tests.launch import REPO
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.models.llama3.args import RopeScaling
-from trainer.models.llama3.hf_adapter import HFCheckpointError, read_hf_folder, write_hf_folder
+from trainer.hf.folder import read_hf_folder, write_hf_folder
+from trainer.hf.weights import HFCheckpointError
 
 
 def tiny_args(scaled: bool = False):
@@ -98,7 +99,7 @@ def test_mismatched_or_incomplete_folders(tmp_path):
     args = tiny_args()
     write_hf_folder(tmp_path / "hf", our_model(args).state_dict(), args)
     other = get_flavor("debugmodel")
-    with pytest.raises(HFCheckpointError, match=r"hidden_size = 64 \(model.flavor needs 256\)"):
+    with pytest.raises(HFCheckpointError, match=r"hidden_size = 64 \(the configured model has 256\)"):
         read_hf_folder(tmp_path / "hf", other)
     from safetensors.torch import load_file, save_file
 
@@ -116,7 +117,7 @@ def test_converter_command_round_trip(tmp_path):
     args.max_seq_len = 2048  # what get_flavor gives the command line
     state = our_model(args, seed=9).state_dict()
     write_hf_folder(tmp_path / "hf", state, args)
-    command = [sys.executable, "-m", "trainer.models.llama3.hf_adapter"]
+    command = [sys.executable, "-m", "trainer.hf"]
     imported = subprocess.run([*command, "import", "--hf", str(tmp_path / "hf"), "--flavor", "tiny", "--out",
                                str(tmp_path / "dcp")], capture_output=True, text=True, cwd=REPO)
     assert imported.returncode == 0, imported.stderr

@@ -1,0 +1,12 @@
+"""Hugging Face Llama checkpoints (config.json + safetensors) <-> this trainer's model.
+
+    weights.py   parameter names and the RoPE row order, both directions (tied or not)
+    folder.py    read and write a save_pretrained folder
+    model_io.py  what the trainer plugs into its checkpoint manager: load a folder into a
+                 (sharded) model at start, export a written checkpoint
+    __main__.py  python -m trainer.hf import|export
+
+The shapes side (config.json <-> LlamaModelArgs) is trainer/models/llama3/hf_config.py, which
+stays free of torch for the launcher's checks. Nothing here is imported by the checkpoint code:
+the trainer hands it an object with `load` and `export` (trainer.hf.model_io.HFWeights).
+"""

@@ -1,0 +1,61 @@
+"""Convert between Hugging Face folders and this trainer's DCP checkpoints, in one process.
+
+    python -m trainer.hf import --hf HF_DIR --flavor 8B --out DCP_DIR
+    python -m trainer.hf import --hf HF_DIR --flavor hf --out DCP_DIR      (shapes from HF_DIR/config.json)
+    python -m trainer.hf export --dcp DCP_DIR --flavor 3B --out HF_DIR [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.hf.folder import read_hf_folder, write_hf_folder
+from trainer.hf.weights import HFCheckpointError
+from trainer.models.llama3.hf_config import flavor_names, model_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="Hugging Face folder -> model-only DCP checkpoint")
+    imp.add_argument("--hf", required=True)
+    imp.add_argument("--flavor", required=True, help=f"one of {', '.join(flavor_names())} (hf: the folder's shapes)")
+    imp.add_argument("--out", required=True, help="new checkpoint folder (use it as checkpoint.initial_load_path)")
+    exp = commands.add_parser("export", help="DCP checkpoint -> Hugging Face folder")
+    exp.add_argument("--dcp", required=True)
+    exp.add_argument("--flavor", required=True)
+    exp.add_argument("--hf-assets", default="", help='with --flavor hf: the folder whose config.json gives the shapes')
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.dcp_files import read_model_state
+
+    a = _parser().parse_args(argv)
+    try:
+        if Path(a.out).exists():
+            raise HFCheckpointError(f"--out: {a.out} exists; choose a new folder")
+        if a.command == "import":
+            args = model_args(a.flavor, a.hf)
+            dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
+        else:
+            args = model_args(a.flavor, a.hf_assets)
+            write_hf_folder(a.out, read_model_state(Path(a.dcp)), args, getattr(torch, a.dtype))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
