@@ -39,6 +39,8 @@ def our_model(args, state=None, seed=0):
         model.init_weights(seed)
     else:
         model.init_weights(seed)  # fills the RoPE table; weights are replaced next
+        if args.tie_embeddings:  # state_dict() names the tied weight twice; a checkpoint holds it once
+            state = {**state, "output.weight": state["tok_embeddings.weight"]}
         model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -129,3 +131,137 @@ def test_converter_command_round_trip(tmp_path):
     again = subprocess.run([*command, "export", "--dcp", str(tmp_path / "dcp"), "--flavor", "tiny", "--out",
                             str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
     assert again.returncode == 2 and "exists; choose a new folder" in again.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Tied embeddings (Llama 3.2) and models built from a config.json
+
+
+def tied_transformers_model(folder):
+    """A tiny Llama 3.2-style model (tied output, Llama 3 RoPE scaling) saved by transformers."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=64, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})
+    model = transformers.LlamaForCausalLM(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_a_tied_llama_32_style_checkpoint_round_trips_with_transformers(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.models.llama3.hf_config import model_args
+
+    tied_transformers_model(tmp_path / "hf")
+    args = model_args("hf", str(tmp_path / "hf"))
+    assert args.tie_embeddings and args.rope_scaling.factor == 32.0 and args.ffn_hidden_dim == 192
+    args.max_seq_len = 64
+    ours = our_model(args, read_hf_folder(tmp_path / "hf", args))
+    assert ours.output.weight is ours.tok_embeddings.weight
+    with torch.no_grad():
+        imported = (ours(TOKENS) - hf_logits(tmp_path / "hf", TOKENS)).abs().max().item()
+    write_hf_folder(tmp_path / "back", ours.state_dict(), args)
+    with torch.no_grad():
+        exported = (ours(TOKENS) - hf_logits(tmp_path / "back", TOKENS)).abs().max().item()
+    print(f"tied: max |logit diff| imported {imported:.2e}, exported {exported:.2e}")
+    assert imported <= 1e-5 and exported <= 1e-5
+    written = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert "lm_head.weight" not in written  # as transformers writes a tied model
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] is True
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(written[k], original[k]) for k in written)
+
+
+def test_a_tied_folder_whose_lm_head_differs_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from trainer.models.llama3.hf_config import model_args
+
+    tied_transformers_model(tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    save_file({**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])},
+              str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        read_hf_folder(tmp_path / "hf", model_args("hf", str(tmp_path / "hf")))
+
+
+@pytest.mark.parametrize("flavor, published", [("1B", 1_235_814_400), ("3B", 3_212_749_824)])
+def test_llama_32_config_json_gives_the_shipped_flavor(tmp_path, flavor, published):
+    """The config.json of Llama-3.2-1B / 3B (written here by transformers from the published
+    numbers) builds the same shapes as the shipped flavor, with the published parameter count."""
+    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.model import count_params_on_meta
+
+    shapes = {"1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32),
+              "3B": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24)}[flavor]
+    transformers.LlamaConfig(
+        **shapes, intermediate_size=8192, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}).save_pretrained(tmp_path)
+    built, shipped = model_args("hf", str(tmp_path)), get_flavor(flavor)
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps", "rope_theta",
+                  "rope_scaling", "tie_embeddings"):
+        assert getattr(built, field) == getattr(shipped, field), field
+    assert count_params_on_meta(built) == published
+
+
+def test_unsupported_config_fields_are_refused_by_name(tmp_path):
+    from trainer.models.llama3.hf_config import HFConfigError, model_args
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=256, attention_bias=True, mlp_bias=True,
+                                      hidden_act="gelu",
+                                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32}).to_dict()
+    config["sliding_window"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConfigError) as error:
+        model_args("hf", str(tmp_path))
+    for named in ("attention_bias = true", "mlp_bias = true", "sliding_window = 4096", "hidden_act = 'gelu'",
+                  "rope_scaling type 'yarn'"):
+        assert named in str(error.value)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": None,
+                                                      "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+                                                      "rope_scaling": None, "rope_parameters": None}))
+    with pytest.raises(HFConfigError, match="model_type = 'mistral'"):
+        model_args("hf", str(tmp_path))
+
+
+def test_the_hf_flavor_in_a_job_config(tmp_path):
+    from trainer.config.manager import ConfigError, load_config
+    from trainer.parallel.dims import ParallelDims, layout_problems
+
+    tied_transformers_model(tmp_path / "hf")
+    config = load_config(["--model.flavor", "hf", "--model.hf_assets_path", str(tmp_path / "hf")])
+    assert config.model.flavor == "hf"
+    with pytest.raises(ConfigError, match="has no config.json"):
+        load_config(["--model.flavor", "hf", "--model.hf_assets_path", str(tmp_path)])
+    config.parallelism.pipeline_parallel_degree = 2
+    config.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
+    problems = layout_problems(config, ParallelDims.from_config(config.parallelism, 2))
+    assert any("V-shaped schedule puts the first and the last stage on one rank" in p for p in problems), problems
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    assert layout_problems(config, ParallelDims.from_config(config.parallelism, 2)) == []
+
+
+def test_converter_command_with_shapes_from_the_folder(tmp_path):
+    tied_transformers_model(tmp_path / "hf")
+    command = [sys.executable, "-m", "trainer.hf"]
+    imported = subprocess.run([*command, "import", "--hf", str(tmp_path / "hf"), "--flavor", "hf", "--out",
+                               str(tmp_path / "dcp")], capture_output=True, text=True, cwd=REPO)
+    assert imported.returncode == 0, imported.stderr
+    exported = subprocess.run([*command, "export", "--dcp", str(tmp_path / "dcp"), "--flavor", "hf", "--hf-assets",
+                               str(tmp_path / "hf"), "--out", str(tmp_path / "hf2")], capture_output=True, text=True,
+                              cwd=REPO)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    back, original = (load_file(str(tmp_path / f / "model.safetensors")) for f in ("hf2", "hf"))
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
