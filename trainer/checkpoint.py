@@ -69,8 +69,13 @@ def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
     keys = saved_keys(path)
     aliases = aliased_names(model)
     for name, param in model.state_dict().items():
-        if name in aliases:
-            continue  # a tied weight is saved once, under its parameter name
+        if name in aliases:  # a tied weight is saved once, under its parameter name
+            if f"model.{name}" in keys:
+                raise CheckpointError(
+                    f"{path}: has a separate {name} (an untied output layer) but this model ({flavor}) ties it to "
+                    f"{aliases[name]}; load it into a model with an untied output (e.g. a flavor without tied "
+                    "embeddings, or model.flavor = \"hf\" with tie_word_embeddings = false)")
+            continue
         saved = keys.get(f"model.{name}")
         if f"model.{name}" not in keys:
             raise CheckpointError(f"{path}: has no parameter {name}; it is not a checkpoint of this model ({flavor})")

@@ -330,3 +330,17 @@ def test_a_tied_model_stays_tied_when_materialized_from_the_meta_device():
     model.to_empty(device="cpu")
     assert model.output.weight is model.tok_embeddings.weight
     assert "output.weight" not in dict(model.named_parameters())
+
+
+def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
+    """Its separate output layer would otherwise be dropped without a word."""
+    from trainer.checkpoint import CheckpointError, check_model_shapes, save_seed_checkpoint
+
+    untied = Transformer(get_flavor("tiny"))
+    untied.init_weights(seed=0)
+    path = save_seed_checkpoint(untied, tmp_path, overwrite=False)
+    check_model_shapes(path, untied, "tiny")
+    args = get_flavor("tiny")
+    args.tie_embeddings = True
+    with pytest.raises(CheckpointError, match="has a separate output.weight .* ties it to tok_embeddings.weight"):
+        check_model_shapes(path, Transformer(args), "hf")
