@@ -9,7 +9,10 @@ The training loop measures (loss, gradient norm, tokens, seconds) and hands them
   after every line so that a crashed or running job can be read),
 * TensorBoard scalars under ``<dump_folder>/<save_tb_folder>/<YYYYmmdd-HHMMSS>`` when enabled
   (``.../rank_<r>`` per rank with ``metrics.save_for_all_ranks``); a resumed run continues its
-  own folder.
+  own folder,
+* the same scalars to a Weights & Biases run when enabled (files under ``<dump_folder>/wandb``;
+  with ``metrics.save_for_all_ranks`` one run per rank, named ``rank_<r>``, grouped by the time
+  stamp). Writers: trainer.metric_writers.
 
 run_meta.json, the run's record, is written by trainer.run_record.
 
@@ -25,8 +28,8 @@ Other records (`MetricsLogger.log_scalars`, e.g. validation) carry ``"kind": <pr
 ``"<prefix>/<name>"``. A diverged run writes ``NaN``/``Infinity`` for its loss, which Python's
 ``json`` reads back (strict JSON parsers do not).
 
-TensorBoard tags
-----------------
+TensorBoard and W&B tags
+------------------------
 ``loss_metrics/global_avg_loss``, ``grad_norm``, ``lr``, ``throughput/tps``,
 ``throughput/tflops``, ``throughput/mfu_pct`` (only when known), ``memory/<key of memory_stats>``,
 and ``<prefix>/<name>`` for `log_scalars`.
@@ -46,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.metric_writers import ScalarWriter, TensorBoardWriter, WandbWriter
 
 logger = logging.getLogger(__name__)
 
@@ -194,18 +199,36 @@ def _fmt(value: float) -> str:
     return f"{value:.3e}"
 
 
+def _step_scalars(record: dict) -> dict[str, float]:
+    """The TensorBoard/W&B tags of a training step's metrics.jsonl record."""
+    scalars = {"loss_metrics/global_avg_loss": record["loss"]}
+    if record["grad_norm"] is not None:  # a skipped float16 step has none
+        scalars["grad_norm"] = record["grad_norm"]
+    scalars["lr"] = record["lr"]
+    scalars["throughput/tps"] = record["tokens_per_s"]
+    scalars["throughput/tflops"] = record["tflops"]
+    if record["mfu"] is not None:
+        scalars["throughput/mfu_pct"] = record["mfu"]
+    scalars.update({f"memory/{key}": value for key, value in record["memory"].items()})
+    if "loss_scale" in record:
+        scalars["loss_scale/scale"] = record["loss_scale"]
+        scalars["loss_scale/skipped_steps"] = record["skipped_steps"]
+    return scalars
+
+
 class MetricsLogger:
-    """Console line, metrics.jsonl and TensorBoard for one rank.
+    """Console line, metrics.jsonl, TensorBoard and W&B for one rank.
 
     Construct it on every rank. `is_log_rank` marks the one rank that writes metrics.jsonl and
-    (by default) TensorBoard; other ranks only log the console line and return records, plus their
-    own TensorBoard folder when metrics.save_for_all_ranks is set.
+    (by default) TensorBoard and W&B; other ranks only log the console line and return records, plus
+    their own TensorBoard folder and W&B run when metrics.save_for_all_ranks is set.
 
     metrics.jsonl is appended to: which records a start keeps of an earlier run is decided before,
     by trainer.run_record. `run_stamp` names the TensorBoard subfolder (a resumed run passes its
     own, so that one run's curves stay in one folder); by default the current time (`time_stamp`).
-    When every rank writes TensorBoard, rank 0's stamp is broadcast, so other ranks may pass None. `purge_step`: TensorBoard hides the folder's events
-    at and after this step (steps a resumed run trains again).
+    When every rank writes, rank 0's stamp is broadcast (it also names the group of the ranks' W&B
+    runs), so other ranks may pass None. `purge_step`: TensorBoard hides the folder's events at and
+    after this step (steps a resumed run trains again).
     """
 
     def __init__(
@@ -232,24 +255,33 @@ class MetricsLogger:
         self.peak_flops = peak_flops_per_device(self.device, mcfg.peak_flops)
         self.tb_dir: Path | None = None
         self._file = None
-        self._tb = None
+        self._writers: list[ScalarWriter] = []  # TensorBoard, W&B
         self._closed = False
 
         if is_log_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
             self._file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
 
-        if mcfg.enable_tensorboard and (is_log_rank or mcfg.save_for_all_ranks):
-            run_stamp = self._shared_stamp(run_stamp, broadcast=mcfg.save_for_all_ranks)
-            tb_dir = self.dump_folder / mcfg.save_tb_folder / run_stamp
-            if mcfg.save_for_all_ranks:
-                tb_dir = tb_dir / f"rank_{rank}"
-            tb_dir.mkdir(parents=True, exist_ok=True)
-            from torch.utils.tensorboard import SummaryWriter
+        if (is_log_rank or mcfg.save_for_all_ranks) and (mcfg.enable_tensorboard or mcfg.enable_wandb):
+            self._open_writers(job_config, run_stamp, purge_step)
 
-            self.tb_dir = tb_dir
-            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=purge_step)
-            logger.info("TensorBoard events go to %s", tb_dir)
+    def _open_writers(self, job_config: Any, run_stamp: str | None, purge_step: int | None) -> None:
+        """TensorBoard and W&B of this rank. Per rank (save_for_all_ranks), every rank takes rank
+        0's time stamp: the ranks' TensorBoard folders sit side by side, their W&B runs form one group."""
+        mcfg = job_config.metrics
+        per_rank = mcfg.save_for_all_ranks
+        run_stamp = self._shared_stamp(run_stamp, broadcast=per_rank)
+        if mcfg.enable_tensorboard:
+            self.tb_dir = self.dump_folder / mcfg.save_tb_folder / run_stamp
+            if per_rank:
+                self.tb_dir = self.tb_dir / f"rank_{self.rank}"
+            self._writers.append(TensorBoardWriter(self.tb_dir, purge_step))
+        if mcfg.enable_wandb:
+            from trainer.config.manager import to_dict
+
+            self._writers.append(WandbWriter(self.dump_folder, to_dict(job_config),
+                                             name=f"rank_{self.rank}" if per_rank else None,
+                                             group=run_stamp if per_rank else None))
 
     def _shared_stamp(self, stamp: str | None, broadcast: bool) -> str:
         stamp = stamp or time_stamp()
@@ -318,27 +350,17 @@ class MetricsLogger:
 
         if self.is_log_rank:
             self._write(record)
-        if self._tb is not None:
-            step = figures.step
-            self._tb.add_scalar("loss_metrics/global_avg_loss", record["loss"], step)
-            if record["grad_norm"] is not None:
-                self._tb.add_scalar("grad_norm", record["grad_norm"], step)
-            self._tb.add_scalar("lr", record["lr"], step)
-            self._tb.add_scalar("throughput/tps", tokens_per_s, step)
-            self._tb.add_scalar("throughput/tflops", tflops, step)
-            if mfu is not None:
-                self._tb.add_scalar("throughput/mfu_pct", mfu, step)
-            for key, value in memory.items():
-                self._tb.add_scalar(f"memory/{key}", value, step)
-            if figures.loss_scale is not None:
-                self._tb.add_scalar("loss_scale/scale", record["loss_scale"], step)
-                self._tb.add_scalar("loss_scale/skipped_steps", record["skipped_steps"], step)
-            self._tb.flush()
+        if self._writers:
+            self._write_scalars(figures.step, _step_scalars(record))
         return record
+
+    def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        for writer in self._writers:
+            writer.write(step, scalars)
 
     def log_scalars(self, step: int, values: dict[str, float], prefix: str) -> None:
         """Extra figures (e.g. validation loss): console line, a jsonl record with "kind": prefix
-        and keys "<prefix>/<name>", and TensorBoard tags "<prefix>/<name>"."""
+        and keys "<prefix>/<name>", and TensorBoard/W&B tags "<prefix>/<name>"."""
         self._check_open()
         c = self.colors
         body = "  ".join(f"{name} {_fmt(v if isinstance(v, int) else float(v))}" for name, v in values.items())
@@ -348,22 +370,20 @@ class MetricsLogger:
             record.update({f"{prefix}/{name}": v if isinstance(v, int) else float(v) for name, v in values.items()})
             record["time"] = time.time()
             self._write(record)
-        if self._tb is not None:
-            for name, v in values.items():
-                self._tb.add_scalar(f"{prefix}/{name}", float(v), step)
-            self._tb.flush()
+        self._write_scalars(step, {f"{prefix}/{name}": float(v) for name, v in values.items()})
 
-    def close(self) -> None:
-        """Close metrics.jsonl and TensorBoard; calling it again does nothing."""
+    def close(self, failed: bool = False) -> None:
+        """Close metrics.jsonl, TensorBoard and W&B (`failed`: marks the W&B run failed); calling
+        it again does nothing."""
         if self._closed:
             return
         self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close(failed)
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -41,6 +41,7 @@ from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.models.llama3 import Transformer
+from trainer.hf.model_io import HFWeights
 from trainer.models.llama3.hf_config import model_args as configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
@@ -50,6 +51,7 @@ from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.perturbation import perturb_weights
 from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
 from trainer.process_exit import report_error, run_process
+from trainer.profiling import StepProfiler
 from trainer.step import StepRunner
 from trainer.train_state import TrainState
 from trainer.version import code_version
@@ -95,7 +97,7 @@ class Trainer:
         self.tokens_per_step = plan.global_batch_size * config.training.seq_len
         self.checkpointer = CheckpointManager(
             config, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, loader=self.loader,
-            train_state=self.state, rank=self.rank,
+            train_state=self.state, rank=self.rank, external_weights=HFWeights(self.model, model_args),
         )
         self.checkpointer.resume()
         if config.debug.init_perturbation and self.state.step == 0:  # never on resume: those weights were trained
@@ -249,7 +251,8 @@ class Trainer:
         if self.source.entropy_floor is not None:
             logger.info("data: %s; best achievable loss %.4f nats/token", cfg.training.dataset, self.source.entropy_floor)
         try:
-            self.run_until(cfg.training.steps)
+            with StepProfiler(cfg.profiling, cfg.job.dump_folder, self.rank, self.device, self.state.step) as profiler:
+                self.run_until(cfg.training.steps, profiler)
         except BaseException as e:
             self.error = f"{type(e).__name__}: {e}"
             raise
@@ -257,8 +260,9 @@ class Trainer:
         logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))
 
-    def run_until(self, last_step: int) -> None:
-        """Train steps state.step + 1 .. last_step (or until a finite dataset ends)."""
+    def run_until(self, last_step: int, profiler: StepProfiler | None = None) -> None:
+        """Train steps state.step + 1 .. last_step (or until a finite dataset ends); `profiler` is
+        told when each step ends."""
         cfg = self.config
         gc.disable()  # collected every gc_freq steps on all ranks at once, not at random moments
         last_log_time, last_log_step = time.perf_counter(), self.state.step
@@ -312,6 +316,8 @@ class Trainer:
             if saving:
                 self.checkpointer.save(step, last=step == cfg.training.steps)
             last_log_time += time.perf_counter() - paused
+            if profiler is not None:
+                profiler.step(step)
         if unchecked is not None:
             self._check_finite(*unchecked)
         trained = self.state.step >= first_step
@@ -355,7 +361,7 @@ class Trainer:
             if loader is not None:
                 loader.close()  # a streamed source's reading threads and tokenizer processes
         self.checkpointer.wait()
-        self.metrics.close()
+        self.metrics.close(failed=self.error is not None)  # a failed run's W&B run is marked failed
         if self.record is not None:
             status = "failed" if self.error else self.status
             run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)

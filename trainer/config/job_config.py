@@ -403,9 +403,12 @@ class Metrics:
     """Write TensorBoard events under job.dump_folder/save_tb_folder."""
 
     enable_wandb: bool = False
-    """Log the same metrics to Weights & Biases (the `wandb` package: pip install -e '.[wandb]').
-    Set WANDB_MODE=offline to write a local run folder under job.dump_folder/wandb without an
-    account or network; WANDB_PROJECT and the other WANDB_* variables apply as usual."""
+    """Log the TensorBoard metrics (same tags and steps) to a Weights & Biases run whose config is
+    the resolved job config, from the rank that logs (with save_for_all_ranks: one run per rank,
+    named rank_<r>, in one group); needs the `wandb` package: pip install -e '.[wandb]'. The
+    project is WANDB_PROJECT, else 'llama-pretrain'; the run's files go under job.dump_folder/wandb.
+    WANDB_MODE=offline trains without an account or network (upload later with `wandb sync`);
+    the other WANDB_* variables apply as usual. A failed run is marked failed."""
 
     save_tb_folder: str = "tb"
     """TensorBoard folder, relative to job.dump_folder; each run gets a time-stamped subfolder."""
@@ -448,27 +451,32 @@ class Profiling:
     """torch.profiler traces and CUDA memory snapshots."""
 
     enable_profiling: bool = False
-    """Record a torch.profiler trace of every profile_freq-th step on every rank (CPU activity, and
-    CUDA kernels on GPUs), written as Chrome-trace JSON (Perfetto, chrome://tracing, TensorBoard's
-    profiler plugin) under job.dump_folder/save_traces_folder/iteration_<step>/rank<r>_trace.json."""
+    """Record a torch.profiler trace on every rank of the profiler_active steps that end at each
+    multiple of profile_freq (CPU activity, and CUDA kernels on GPUs), written as Chrome-trace JSON
+    to job.dump_folder/save_traces_folder/iteration_<step>/rank<r>_trace.json; open it in Perfetto
+    (ui.perfetto.dev) or chrome://tracing. A window cut short by the end of training writes nothing."""
 
     save_traces_folder: str = "profile_traces"
     """Trace folder, relative to job.dump_folder."""
 
     profile_freq: int = 10
-    """Profile once every this many steps: steps profile_freq, 2 x profile_freq, ..."""
+    """Profile once every this many steps: traces end at steps profile_freq, 2 x profile_freq, ...
+    (counted from step 0, also after a resume); memory snapshots are written at those steps. Must
+    be >= profiler_warmup + profiler_active, so that one window ends before the next starts."""
 
     profiler_warmup: int = 3
-    """Steps the profiler runs unrecorded before each recorded step (its start-up cost stays
-    out of the trace)."""
+    """Steps the profiler runs unrecorded before each recorded window (its start-up cost stays
+    out of the trace); >= 0."""
 
     profiler_active: int = 1
-    """Steps recorded in each trace."""
+    """Steps recorded in each trace, the last one a multiple of profile_freq; >= 1."""
 
     enable_memory_snapshot: bool = False
-    """Record the CUDA caching allocator's history and write a snapshot (memory_viz pickle) every
-    profile_freq steps and when a step runs out of memory, under
-    job.dump_folder/save_memory_snapshot_folder. Needs CUDA devices: refused on the CPU."""
+    """Record the CUDA caching allocator's history (its last 100,000 events, with stack traces) and
+    write it every profile_freq steps to iteration_<step>/rank<r>_memory_snapshot.pickle under
+    job.dump_folder/save_memory_snapshot_folder, and when a step runs out of memory to
+    iteration_<step>_exit/; open it at https://pytorch.org/memory_viz. Needs CUDA devices:
+    refused on the CPU."""
 
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to job.dump_folder."""

@@ -335,6 +335,14 @@ def validate(config: JobConfig) -> None:
          f"compute dtype (1 is the protocol's noise controls; 0 is off), got {c.debug.init_perturbation}")
     need(c.metrics.log_freq >= 1, f"metrics.log_freq: must be >= 1, got {c.metrics.log_freq}")
     need(c.metrics.peak_flops >= 0, f"metrics.peak_flops: must be >= 0, got {c.metrics.peak_flops}")
+    prof = c.profiling  # checked also when off: a typo shows at once, not when profiling is turned on
+    need(prof.profile_freq >= 1, f"profiling.profile_freq: must be >= 1, got {prof.profile_freq}")
+    need(prof.profiler_warmup >= 0, f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")
+    need(prof.profiler_active >= 1, f"profiling.profiler_active: must be >= 1, got {prof.profiler_active}")
+    need(prof.profiler_warmup + prof.profiler_active <= prof.profile_freq,
+         f"profiling.profiler_warmup + profiling.profiler_active: {prof.profiler_warmup} + {prof.profiler_active} steps "
+         f"must fit in one profiling.profile_freq window of {prof.profile_freq} steps (windows must not overlap); "
+         f"lower them or raise profile_freq to at least {prof.profiler_warmup + prof.profiler_active}")
     need(c.checkpoint.interval >= 1, f"checkpoint.interval: must be >= 1, got {c.checkpoint.interval}")
     need(c.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {c.checkpoint.keep_latest_k}")
     need(c.checkpoint.load_step >= -1, f"checkpoint.load_step: must be -1 (newest) or a step, got {c.checkpoint.load_step}")

@@ -125,13 +125,15 @@ def args_from_hf_config(config: dict, source: str) -> LlamaModelArgs:
 
 
 def hf_config(args: LlamaModelArgs, dtype_name: str = "float32") -> dict:
-    """The config.json `save_pretrained` would write for these shapes."""
+    """The config.json `save_pretrained` would write for these shapes. max_position_embeddings is
+    the trained length, at least the RoPE scaling's original context (transformers expects that)."""
+    scaled_from = args.rope_scaling.original_max_position_embeddings if args.rope_scaling is not None else 0
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
         "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "max_position_embeddings": max(args.max_seq_len, scaled_from), "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype_name,
     }
     if args.rope_scaling is not None:
