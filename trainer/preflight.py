@@ -11,6 +11,7 @@ from the model's shapes without building it, with MemAvailable of /proc/meminfo.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -40,6 +41,17 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
                               "the CPU already, where it has nothing to offload")
         if config.parallelism.enable_async_tensor_parallel:
             raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory)")
+    if config.profiling.enable_memory_snapshot and device_type != "cuda":
+        raise ConfigError(f"profiling.enable_memory_snapshot: records the CUDA caching allocator, so it needs CUDA "
+                          f"devices, and this run is on the {device_type.upper()}; turn it off (profiling.enable_profiling "
+                          "traces CPU runs)")
+
+
+def check_wandb_installed(config: JobConfig) -> None:
+    """metrics.enable_wandb needs the optional wandb package: say so before any process starts."""
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb: the wandb package is not installed; install it with "
+                          "pip install -e '.[wandb]', or turn metrics.enable_wandb off")
 
 
 def check_data(config: JobConfig) -> None:
@@ -56,6 +68,7 @@ def check_data(config: JobConfig) -> None:
 def _check_data(c: JobConfig) -> None:
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
+    from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
     from trainer.models.llama3.hf_config import model_args
 
     vocab_size = model_args(c.model.flavor, c.model.hf_assets_path).vocab_size
@@ -65,16 +78,9 @@ def _check_data(c: JobConfig) -> None:
     sections = _check_mixture(c) or [("training", c.training.dataset, c.training.dataset_path)]
     if c.validation.enable and c.validation.dataset:
         sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
-    tokenized = {dataset for _, dataset, _ in sections} - {"synthetic", "shards"}
-    if tokenized and not c.model.tokenizer_path:
-        raise ConfigError(f"model.tokenizer_path: dataset {sorted(tokenized)[0]!r} is text and needs a "
-                          "SentencePiece model (train one: python -m trainer.data.tokenizer train --help)")
-    tokenizer = None
-    if c.model.tokenizer_path:
-        from trainer.data.tokenizer import Tokenizer, check_vocab_fits
-
-        tokenizer = Tokenizer(c.model.tokenizer_path)
-        check_vocab_fits(tokenizer, vocab_size)
+    tokenized = sorted({dataset for _, dataset, _ in sections} - {"synthetic", "shards"})
+    tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=tokenized[0] if tokenized else "")
+    tokenizer_key = tokenizer_file(c.model)[1]
     if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
         raise ConfigError("training.document_masking: the synthetic source has no documents; use 'shards', 'files' or "
                           "a Hugging Face dataset, or turn it off")
@@ -91,7 +97,7 @@ def _check_data(c: JobConfig) -> None:
             find_data_files(path, path_key)
         if dataset == "shards":
             manifest = read_manifest(path, path_key)
-            _check_shards(manifest, path, path_key, vocab_size, tokenizer, fraction)
+            _check_shards(manifest, path, path_key, vocab_size, (tokenizer, tokenizer_key), fraction)
             if key == "training" and c.validation.enable and not c.validation.dataset:
                 _check_held_out(manifest, path, c.validation.seq_len or c.training.seq_len)
 
@@ -131,16 +137,19 @@ def _check_mixture(c: JobConfig) -> list[tuple[str, str, str]]:
     return [(f"training.datasets[{index}]", entry.dataset, entry.path) for index, entry in enumerate(entries)]
 
 
-def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, tokenizer, fraction) -> None:
+def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, configured: tuple, fraction) -> None:
+    """`configured`: (the job's tokenizer or None, the key that names it)."""
     made_with = manifest["tokenizer"]
+    tokenizer, tokenizer_key = configured
     if made_with["vocab_size"] > vocab_size:
         raise ConfigError(f"{path_key}: {path} was tokenized with {made_with['vocab_size']} pieces "
                           f"({made_with['file']}) but the model's vocabulary has {vocab_size}; use a model.flavor "
                           "with a larger vocabulary")
     if tokenizer is not None and tokenizer.sha256 != made_with["sha256"]:
-        raise ConfigError(f"model.tokenizer_path: {tokenizer.path} is not the tokenizer {path} was prepared with "
-                          f"({made_with['file']}, SHA-256 {made_with['sha256'][:12]}...); use that one, or leave "
-                          "model.tokenizer_path empty (shards need none)")
+        fix = ("set model.tokenizer_path to that one" if tokenizer_key == "model.hf_assets_path"
+               else "use that one, or leave model.tokenizer_path empty (shards need none)")
+        raise ConfigError(f"{tokenizer_key}: {tokenizer.path} is not the tokenizer {path} was prepared with "
+                          f"({made_with['file']}, SHA-256 {made_with['sha256'][:12]}...); {fix}")
     if fraction is not None and fraction != manifest["validation_fraction"]:
         raise ConfigError(f"training.validation_fraction: {fraction}, but {path} was prepared with "
                           f"{manifest['validation_fraction']}; leave it unset, or prepare the folder again with "
@@ -149,6 +158,7 @@ def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, tok
 
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     """Resolve parallel degrees and the batch split; raise ConfigError naming the key to fix."""
+    check_wandb_installed(config)
     check_data(config)
     try:
         check_load_options(config)

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from tests.launch import describe, launch, read_metrics
 from tests.unit.test_tokenizer import sentences
+from tests.unit.test_tokenizers import write_tiktoken_ranks
 from trainer.data.hashing import document_unit
 from trainer.data.prepare import prepare
 from trainer.data.synthetic import SyntheticMarkovSource
-from trainer.data.tokenizer import tokenize_documents
-from trainer.data.tokenizer import Tokenizer, train_tokenizer
+from trainer.data.tokenizer import load_tokenizer, tokenize_documents, train_hf_tokenizer, train_tokenizer
+from trainer.models.llama3.args import get_flavor
+from trainer.models.llama3.hf_config import hf_config
 
 
 def test_synthetic_loss_approaches_the_entropy_floor(tmp_path):
@@ -194,12 +199,18 @@ def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     too_big = launch(2, ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path",
                          str(folder / "docs.jsonl"), "--model.tokenizer_path", str(tokenizer)])
     assert too_big.returncode == 2
-    assert "has 512 pieces but the model's vocabulary has 256" in too_big.stderr
+    assert "has 512 tokens but the model's vocabulary has 256" in too_big.stderr
     missing = launch(2, ["--training.dataset", "files", "--training.dataset_path", str(tmp_path / "none"),
                          "--model.tokenizer_path", str(tokenizer)])
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     no_tokenizer = launch(2, ["--training.dataset", "c4"])
     assert no_tokenizer.returncode == 2 and "model.tokenizer_path" in no_tokenizer.stderr
+    (tmp_path / "no_tokenizer").mkdir()
+    empty_assets = launch(2, ["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl"),
+                              "--model.hf_assets_path", str(tmp_path / "no_tokenizer")])
+    assert empty_assets.returncode == 2
+    assert (f"model.hf_assets_path: {tmp_path / 'no_tokenizer'} holds neither tokenizer.json nor tokenizer.model, "
+            "and dataset 'files' is text and needs a tokenizer") in empty_assets.stderr
     ignored_path = launch(2, ["--training.dataset_path", str(folder / "docs.jsonl")])
     assert ignored_path.returncode == 2
     assert "training.dataset_path: " in ignored_path.stderr and "training.dataset is 'synthetic'" in ignored_path.stderr
@@ -221,7 +232,7 @@ def training_documents(docs: list[str]) -> list[str]:
 def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: int = 33) -> list[str]:
     """Documents whose last global batch is incomplete but still holds rank 0's rows: the case in
     which a rank deciding on its own rows trains on while the others stop."""
-    tok = Tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     for n in range(30, 200):
         docs = sentences(n, seed=5)
         rows = len(tokenize_documents(training_documents(docs), tok)) // row_length
@@ -244,7 +255,7 @@ def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus,
                             "--metrics.log_freq", "1", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out")],
                     log_rank=",".join(map(str, range(nproc))))
     assert result.returncode == 0, describe(result)
-    whole_batches = len(tokenize_documents(training_documents(docs), Tokenizer(tokenizer))) // 33 // global_batch
+    whole_batches = len(tokenize_documents(training_documents(docs), load_tokenizer(tokenizer))) // 33 // global_batch
     steps = [r["step"] for r in read_metrics(tmp_path / "out") if "kind" not in r]
     assert steps == list(range(1, whole_batches + 1))
     assert "the dataset ends after" in result.stdout
@@ -273,3 +284,71 @@ def test_validation_loss_is_the_same_in_every_layout(tmp_path):
     print("validation loss by DP degree:", losses)
     assert len(losses[1]) == 1
     assert abs(losses[2][0] - losses[1][0]) < 1e-5 and abs(losses[4][0] - losses[1][0]) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def own_tokenizers(text_corpus) -> tuple[Path, Path]:
+    """A byte-level BPE tokenizer.json trained on the corpus, and a folder laid out like Llama 3's
+    original assets: the same merges as tiktoken ranks in tokenizer.model (Llama 3's special
+    tokens after them) and a config.json of the debug model's shapes with that vocabulary."""
+    folder, _ = text_corpus
+    tokenizer_json = train_hf_tokenizer([str(folder / "docs.jsonl")], str(folder / "own_hf"), 1024)
+    assets = folder / "llama_assets"
+    assets.mkdir()
+    ranks = write_tiktoken_ranks(tokenizer_json, assets / "tokenizer.model")
+    shapes = replace(get_flavor("debugmodel"), vocab_size=ranks + 256)
+    (assets / "config.json").write_text(json.dumps(hf_config(shapes)))
+    return tokenizer_json, assets
+
+
+OWN_TOKENIZER_JOB = [*TEXT_JOB, "--training.steps", "20", "--metrics.log_freq", "5"]
+
+
+def check_trained(tmp_path: Path, result) -> list[dict]:
+    """The training records of a run that trained: every step's loss finite and falling."""
+    assert result.returncode == 0, describe(result)
+    train = [r for r in read_metrics(tmp_path) if "kind" not in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20]
+    losses = [r["loss"] for r in train]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 1.0, losses
+    return train
+
+
+def test_training_with_a_tokenizer_json_of_ones_own(tmp_path, text_corpus, own_tokenizers):
+    folder, _ = text_corpus
+    tokenizer_json, _ = own_tokenizers
+    result = launch(2, [*OWN_TOKENIZER_JOB, "--training.dataset", "files", "--training.dataset_path",
+                        str(folder / "docs.jsonl"), "--model.tokenizer_path", str(tokenizer_json),
+                        "--job.dump_folder", str(tmp_path)])
+    train = check_trained(tmp_path, result)
+    tokenizer = load_tokenizer(tokenizer_json)
+    assert train[-1]["tokens"] == 20 * 8 * 32  # steps x global batch x sequence length
+    assert (f"tokenizer {tokenizer_json} has {tokenizer.vocab_size} tokens, the model's vocabulary 2048"
+            in result.stdout)
+    docs = [json.loads(line)["text"] for line in (folder / "docs.jsonl").read_text().splitlines()]
+    record = json.loads((tmp_path / "run_meta.json").read_text())
+    assert record["config"]["model"]["tokenizer_path"] == str(tokenizer_json)
+    assert record["data"]["tokens"] == len(tokenize_documents(training_documents(docs), tokenizer))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the checkpoint read in this process
+def test_training_with_llama3_style_assets_in_hf_assets_path(tmp_path, text_corpus, own_tokenizers):
+    """model.hf_assets_path alone: the shapes from its config.json, the tokenizer its
+    tokenizer.model (tiktoken ranks), used by the stream's tokenizer processes; the checkpoint
+    records the tokenizer's SHA-256 with the data it trained on."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+
+    folder, _ = text_corpus
+    _, assets = own_tokenizers
+    result = launch(2, [*OWN_TOKENIZER_JOB, "--model.flavor", "hf", "--model.hf_assets_path", str(assets),
+                        "--training.dataset", "c4", "--training.dataset_path", str(folder / "hub"),
+                        "--checkpoint.enable", "--checkpoint.interval", "20", "--job.dump_folder", str(tmp_path)])
+    train = check_trained(tmp_path, result)
+    assert train[-1]["tokens"] == 20 * 8 * 32
+    assert "embedding rows are never used" not in result.stdout  # the config.json's vocabulary is the tokenizer's
+    saved = {"dataloader": {"fingerprint": ""}}
+    dcp.load(saved, checkpoint_id=str(tmp_path / "checkpoint" / "step-20"), no_dist=True)
+    fingerprint = json.loads(saved["dataloader"]["fingerprint"])
+    assert fingerprint["tokenizer_sha256"] == hashlib.sha256((assets / "tokenizer.model").read_bytes()).hexdigest()

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: training, round trips, document encoding, errors, CLI."""
+"""Training tokenizers on local text (SentencePiece, and a byte-level BPE tokenizer.json) and the
+command line; the contract every kind of tokenizer keeps is tested in test_tokenizers.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from tests.launch import REPO
-from trainer.data.tokenizer import Tokenizer, TokenizerError, check_vocab_fits, train_tokenizer
+from trainer.data.tokenizer import TokenizerError, load_tokenizer, train_hf_tokenizer, train_tokenizer
 
 WORDS = ("the a model learns tokens from text data every step loss falls quickly slowly when rate is high low "
          "small large river mountain city garden music paper light window seven twelve").split()
@@ -29,7 +30,7 @@ def tokenizer_path(tmp_path_factory):
 
 
 def test_trained_model_has_requested_vocab_and_specials(tokenizer_path):
-    tok = Tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (400, 1, 2)
     assert len(tok.encode("the river")) < len("the river")  # merges learned from the corpus
 
@@ -39,50 +40,14 @@ def test_train_from_jsonl_with_a_custom_field(tmp_path):
         for s in sentences(1500, seed=1):
             f.write(json.dumps({"body": s}) + "\n")
     path = train_tokenizer([str(tmp_path / "docs.jsonl")], str(tmp_path / "j"), 350, text_field="body")
-    assert Tokenizer(path).vocab_size == 350
+    assert load_tokenizer(path).vocab_size == 350
 
 
-@pytest.mark.parametrize("text", ["The river falls slowly.", "Unseen words: xylophone quokka", "Zürich 2026 naïve café",
-                                  "digits 0123456789 and  double  spaces"])
-def test_round_trip(tokenizer_path, text):
-    tok = Tokenizer(tokenizer_path)
-    assert tok.decode(tok.encode(text)) == text
-
-
-def test_document_encoding(tokenizer_path):
-    tok = Tokenizer(tokenizer_path)
-    text = "A small garden."
-    assert tok.encode_document(text) == [1, *tok.encode(text), 2]
-    assert tok.encode(text, bos=True, eos=True) == tok.encode_document(text)
-    docs = sentences(5, seed=3)
-    assert tok.encode_batch_documents(docs) == [tok.encode_document(d) for d in docs]
-
-
-def test_a_pickled_tokenizer_loads_its_file_again(tokenizer_path):
-    """Tokenizer worker processes receive the tokenizer pickled."""
-    import pickle
-
-    tokenizer = Tokenizer(tokenizer_path)
-    copy = pickle.loads(pickle.dumps(tokenizer))
-    assert copy.path == tokenizer.path and copy.sha256 == tokenizer.sha256
-    assert copy.encode_batch_documents(["hello world", "again"]) == tokenizer.encode_batch_documents(["hello world", "again"])
-
-
-def test_vocab_must_fit_the_model(tokenizer_path):
-    tok = Tokenizer(tokenizer_path)
-    check_vocab_fits(tok, 400)
-    with pytest.raises(TokenizerError, match="has 400 pieces but the model's vocabulary has 256"):
-        check_vocab_fits(tok, 256)
-
-
-def test_errors(tmp_path, tokenizer_path):
-    with pytest.raises(TokenizerError, match="does not exist"):
-        Tokenizer(tmp_path / "missing.model")
-    (tmp_path / "garbage.model").write_bytes(b"not a model at all")
-    with pytest.raises(TokenizerError, match="is not a SentencePiece model"):
-        Tokenizer(tmp_path / "garbage.model")
+def test_training_input_must_exist(tmp_path):
     with pytest.raises(TokenizerError, match="--input: .* does not exist"):
         train_tokenizer([str(tmp_path / "nothing.txt")], str(tmp_path / "t"), 300)
+    with pytest.raises(TokenizerError, match="--input: .* does not exist"):
+        train_hf_tokenizer([str(tmp_path / "nothing.txt")], str(tmp_path / "t"), 300)
 
 
 def test_never_overwrites_without_permission(tmp_path):
@@ -93,7 +58,7 @@ def test_never_overwrites_without_permission(tmp_path):
         train_tokenizer([str(tmp_path / "c.txt")], str(tmp_path / "t"), 320)
     assert path.read_bytes() == before
     train_tokenizer([str(tmp_path / "c.txt")], str(tmp_path / "t"), 320, overwrite=True)
-    assert Tokenizer(path).vocab_size == 320
+    assert load_tokenizer(path).vocab_size == 320
 
 
 def test_command_line(tmp_path):
@@ -102,10 +67,10 @@ def test_command_line(tmp_path):
     done = subprocess.run([*command, "train", "--input", str(tmp_path / "c.txt"), "--vocab-size", "300",
                            "--output", str(tmp_path / "cli")], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
-    assert f"wrote {tmp_path / 'cli.model'} (300 pieces)" in done.stdout
+    assert f"wrote {tmp_path / 'cli.model'} (300 tokens; BOS 1, EOS 2)" in done.stdout
     ids = subprocess.run([*command, "encode", "--model", str(tmp_path / "cli.model"), "--text", "the river"],
                          capture_output=True, text=True, cwd=REPO)
-    assert Tokenizer(tmp_path / "cli.model").encode("the river") == [int(i) for i in ids.stdout.split()]
+    assert load_tokenizer(tmp_path / "cli.model").encode("the river") == [int(i) for i in ids.stdout.split()]
     failed = subprocess.run([*command, "train", "--input", str(tmp_path / "none.txt"), "--vocab-size", "300",
                              "--output", str(tmp_path / "x")], capture_output=True, text=True, cwd=REPO)
     assert failed.returncode == 2 and failed.stderr.startswith("error: --input")
@@ -121,11 +86,15 @@ def test_training_reads_folders_and_compressed_files_and_refuses_others(tmp_path
         f.writelines(json.dumps({"body": s}) + "\n" for s in sentences(800))
     (tmp_path / "corpus" / "b.txt").write_text("\n\n".join(sentences(400, seed=1)))
     path = train_tokenizer([str(tmp_path / "corpus")], str(tmp_path / "tok"), 300, text_field="body")
-    tokenizer = Tokenizer(path)
+    tokenizer = load_tokenizer(path)
     assert tokenizer.vocab_size == 300
     assert tokenizer.decode(tokenizer.encode("The quick model.")) == "The quick model."
+    hf = load_tokenizer(train_hf_tokenizer([str(tmp_path / "corpus")], str(tmp_path / "hf"), 300, text_field="body"))
+    assert hf.vocab_size == 300 and hf.decode(hf.encode("The quick model.")) == "The quick model."
     (tmp_path / "corpus" / "README.md").write_text("notes")
     with pytest.raises(TokenizerError, match="README.md is not a supported data file"):
         train_tokenizer([str(tmp_path / "corpus")], str(tmp_path / "tok2"), 300, text_field="body")
     with pytest.raises(TokenizerError, match="--text-field: .*a.jsonl.gz line 1 has no field 'text'"):
         train_tokenizer([str(tmp_path / "corpus" / "a.jsonl.gz")], str(tmp_path / "tok3"), 300)
+    with pytest.raises(TokenizerError, match="--text-field: .*a.jsonl.gz line 1 has no field 'text'"):
+        train_hf_tokenizer([str(tmp_path / "corpus" / "a.jsonl.gz")], str(tmp_path / "hf3"), 300)

@@ -83,8 +83,9 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
                             "python -m trainer.data.prepare)")
         return ShardSource(dataset_path, split, wrap=wrap, shuffle_seed=shuffle_seed, key=f"{key}.dataset_path")
     if tokenizer is None:
-        raise DataError(f"{key}.dataset {dataset!r} is text: set model.tokenizer_path to a SentencePiece "
-                        "model (train one with `python -m trainer.data.tokenizer train`)")
+        raise DataError(f"{key}.dataset {dataset!r} is text: set model.tokenizer_path to a tokenizer file, or "
+                        "model.hf_assets_path to a folder holding one (make one with "
+                        "`python -m trainer.data.tokenizer train`)")
     if dataset == "files":
         if not dataset_path:
             raise DataError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
@@ -117,14 +118,20 @@ def build_mixture(entries, split: str, *, wrap: bool, shuffle: bool, **common) -
     return MixtureSource(sources, mixture_names(entries), [entry.weight for entry in entries])
 
 
+def text_dataset(config) -> str:
+    """The first dataset of the job that is text (needs a tokenizer), or ""."""
+    t, v = config.training, config.validation
+    datasets = [entry.dataset for entry in t.datasets] or [t.dataset]
+    if v.enable and v.dataset:
+        datasets.append(v.dataset)
+    return next((d for d in datasets if d not in ("synthetic", "shards")), "")
+
+
 def build_sources(config, vocab_size: int):
     """(training source, validation source or None) for a JobConfig."""
-    tokenizer = None
-    if config.model.tokenizer_path:
-        from trainer.data.tokenizer import Tokenizer, check_vocab_fits
+    from trainer.data.tokenizer import configured_tokenizer
 
-        tokenizer = Tokenizer(config.model.tokenizer_path)
-        check_vocab_fits(tokenizer, vocab_size)
+    tokenizer = configured_tokenizer(config.model, vocab_size, needed_by=text_dataset(config))
     t, v = config.training, config.validation
     common = dict(vocab_size=vocab_size, seed=data_seed(config), tokenizer=tokenizer, text_field=t.dataset_text_field,
                   validation_fraction=t.validation_fraction)

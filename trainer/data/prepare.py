@@ -34,11 +34,11 @@ from trainer.data.documents import (FIELD_KEY, DataError, ReadCounts, file_forma
                                     read_file, read_jsonl_range, record_text)
 from trainer.data.hashing import document_unit
 from trainer.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, token_dtype
-from trainer.data.tokenizer import Tokenizer, TokenizerError
+from trainer.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-ENCODE_BATCH = 512  # documents per SentencePiece call
+ENCODE_BATCH = 512  # documents per tokenizer call
 RANGE_BYTES = 256 << 20  # an uncompressed .jsonl file is cut into parts of about this size
 
 
@@ -95,7 +95,7 @@ _tokenizer: Tokenizer | None = None
 
 def _load_tokenizer(path: str) -> None:
     global _tokenizer
-    _tokenizer = Tokenizer(path)
+    _tokenizer = load_tokenizer(path, "--tokenizer")
 
 
 def stream_part_name(dataset: str, split: str, index: int, count: int) -> str:
@@ -218,7 +218,7 @@ def prepare(inputs: list[str], tokenizer_path: str, output: str, *, text_field: 
         raise DataError(f"--validation-fraction: {validation_fraction} is not in [0, 1)")
     if bool(inputs) == bool(dataset):
         raise DataError("give either --input (local files) or --dataset (a Hugging Face dataset)")
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, "--tokenizer")
     out = Path(output)
     settings = {"tokenizer_sha256": tokenizer.sha256, "text_field": text_field, "validation_fraction": validation_fraction,
                 "dtype": token_dtype(tokenizer.vocab_size).str}
@@ -310,14 +310,16 @@ def main(argv: list[str] | None = None) -> int:
                         "fineweb, fineweb-edu), streamed; its data files are split among the workers")
     parser.add_argument("--dataset-path", default="", help="with --dataset: a local copy (folder of data files)")
     parser.add_argument("--split", default="train", help="with --dataset: the split to read (default train)")
-    parser.add_argument("--tokenizer", required=True, help="SentencePiece model (.model)")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer file: a Hugging Face tokenizer.json, a tiktoken "
+                        "ranks file (Llama 3's tokenizer.model) or a SentencePiece .model")
     parser.add_argument("--output", required=True, help="folder for the shards and manifest.json")
     parser.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet records (default: text)")
     parser.add_argument("--validation-fraction", type=float, default=0.05,
                         help="share of documents held out for validation, chosen by a hash of their text (default 0.05)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
     parser.add_argument("--encode-threads", type=int, default=1,
-                        help="SentencePiece threads per worker (default 1: the workers use the cores; -1: all cores)")
+                        help="tokenizer threads per worker (default 1: the workers use the cores; -1: all cores; a "
+                             "Hugging Face tokenizer takes all cores whenever this is not 1)")
     parser.add_argument("--overwrite", action="store_true", help="prepare every file again, whatever the folder holds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

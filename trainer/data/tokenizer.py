@@ -1,83 +1,78 @@
-"""SentencePiece tokenizer: loading, document encoding, and training on local text.
+"""Tokenizers: loading one of the three kinds (trainer.data.tokenizer_backends), the tokenizer a
+job configures, document encoding, and a command line to train and try them.
 
-    python -m trainer.data.tokenizer train --input corpus.txt --vocab-size 2048 --output my_tok
-    python -m trainer.data.tokenizer encode --model my_tok.model --text "hello"
+    python -m trainer.data.tokenizer train --input corpus.jsonl --vocab-size 2048 --output my_tok
+    python -m trainer.data.tokenizer train --kind hf --input corpus.jsonl --vocab-size 2048 --output my_tok
+    python -m trainer.data.tokenizer encode --model my_tok/tokenizer.json --text "hello"
+
+`train` writes a SentencePiece model (PREFIX.model) by default; `--kind hf` writes a byte-level
+BPE as a folder holding tokenizer.json and tokenizer_config.json. `encode` takes any kind.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 
 from trainer.data.shards import token_dtype
+from trainer.data.tokenizer_backends import KINDS, Tokenizer, TokenizerError, backend_class
+from trainer.data.tokenizer_train import train_hf_tokenizer, train_tokenizer
+
+__all__ = ["Tokenizer", "TokenizerError", "load_tokenizer", "tokenizer_file", "configured_tokenizer",
+           "tokenize_documents", "check_vocab_fits", "train_tokenizer", "train_hf_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+# What model.hf_assets_path is searched for, in this order (the layout of a model hub download).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
-class TokenizerError(ValueError):
-    """A problem with a tokenizer file or its training input; the message names the file."""
+def load_tokenizer(path: str | os.PathLike, key: str = "") -> Tokenizer:
+    """The tokenizer in `path`, of the kind its content shows; errors start with `key` (the
+    setting or option that named the file) when given."""
+    try:
+        return backend_class(path)(path)
+    except TokenizerError as e:
+        raise TokenizerError(f"{key}: {e}" if key else str(e)) from None
 
 
-class Tokenizer:
-    """A SentencePiece model. Documents are encoded as [BOS] text [EOS] and joined by the data
-    pipeline, so the model must define EOS."""
+def tokenizer_file(model, needed_by: str = "") -> tuple[str, str]:
+    """(file, config key) of the tokenizer a config's model section names: model.tokenizer_path
+    when set, else model.hf_assets_path's tokenizer.json, else its tokenizer.model; ("", "") when
+    there is none. needed_by (a text dataset's name) makes having none an error."""
+    if model.tokenizer_path:
+        return model.tokenizer_path, "model.tokenizer_path"
+    folder = model.hf_assets_path
+    if folder:
+        for name in HF_TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(folder, name)):
+                return os.path.join(folder, name), "model.hf_assets_path"
+        if needed_by:
+            raise TokenizerError(f"model.hf_assets_path: {folder} holds neither {' nor '.join(HF_TOKENIZER_FILES)}, "
+                                 f"and dataset {needed_by!r} is text and needs a tokenizer; put one there or set "
+                                 "model.tokenizer_path to a tokenizer file")
+    elif needed_by:
+        raise TokenizerError(f"model.tokenizer_path: dataset {needed_by!r} is text and needs a tokenizer: set "
+                             f"model.tokenizer_path to {KINDS}, or model.hf_assets_path to a folder holding "
+                             "tokenizer.json or tokenizer.model (make one: "
+                             "python -m trainer.data.tokenizer train --help)")
+    return "", ""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        self._sha256: str | None = None
-        if not os.path.isfile(self.path):
-            raise TokenizerError(f"model.tokenizer_path: {self.path!r} does not exist")
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.Load(self.path)
-        except (OSError, RuntimeError) as e:
-            raise TokenizerError(f"model.tokenizer_path: {self.path!r} is not a SentencePiece model ({e})") from None
-        self.vocab_size = self._sp.GetPieceSize()
-        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
-        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
-        if self.eos_id is None:
-            raise TokenizerError(f"model.tokenizer_path: {self.path!r} defines no end-of-sequence piece, "
-                                 "which separates documents")
 
-    def __getstate__(self) -> dict:  # pickled for tokenizer worker processes: they load the file
-        return {"path": self.path, "sha256": self._sha256}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
-        self._sha256 = state["sha256"]
-
-    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._sp.EncodeAsIds(text)
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
-
-    def decode(self, ids: list[int]) -> str:
-        return self._sp.DecodeIds(list(ids))
-
-    def _wrap(self, ids: list[int]) -> list[int]:
-        return ([self.bos_id] if self.bos_id is not None else []) + ids + [self.eos_id]
-
-    def encode_document(self, text: str) -> list[int]:
-        return self._wrap(self._sp.EncodeAsIds(text))
-
-    def encode_batch_documents(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        """One thread by default: the data pipeline runs one process per core (prepare's
-        workers, the training ranks), where each process's own thread pool gained nothing
-        (prepare with 2 workers on 2 cores: 2.76M tokens/s with 1 thread each, 2.84M with a pool
-        each) and would compete with its neighbours (benchmarks/data_shards.py)."""
-        return [self._wrap(ids) for ids in self._sp.Encode(list(texts), num_threads=num_threads)]
-
-    @property
-    def sha256(self) -> str:
-        """The model file's SHA-256: the tokenizer's identity in manifests and checkpoints."""
-        if self._sha256 is None:
-            with open(self.path, "rb") as f:
-                self._sha256 = hashlib.sha256(f.read()).hexdigest()
-        return self._sha256
+def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "") -> Tokenizer | None:
+    """The tokenizer of a config's model section (see tokenizer_file), checked against the
+    model's vocabulary; None when there is none."""
+    path, key = tokenizer_file(model, needed_by)
+    if not path:
+        return None
+    tokenizer = load_tokenizer(path, key)
+    check_vocab_fits(tokenizer, model_vocab_size, key)
+    return tokenizer
 
 
 def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np.ndarray:
@@ -89,81 +84,57 @@ def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
-def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int, key: str = "model.tokenizer_path") -> None:
+    """A tokenizer larger than the model's vocabulary is an error; a smaller one leaves embedding
+    rows unused, which is allowed and said once."""
     if tokenizer.vocab_size > model_vocab_size:
         raise TokenizerError(
-            f"model.tokenizer_path: {tokenizer.path} has {tokenizer.vocab_size} pieces but the model's vocabulary has "
-            f"{model_vocab_size}; use a model.flavor with a larger vocabulary or a tokenizer trained with "
-            f"--vocab-size <= {model_vocab_size}"
-        )
-
-
-def _training_lines(inputs: list[str], text_field: str):
-    """The text of the input files, line by line: files, folders and globs of every format the
-    data pipeline reads (trainer.data.documents), compressed or not."""
-    from trainer.data.documents import DataError, ReadCounts, find_data_files, read_files
-
-    try:
-        files = sorted({f for path in inputs for f in find_data_files(path, key="--input")})
-        for document in read_files(files, text_field, ReadCounts()):
-            yield from (line for line in document.splitlines() if line.strip())
-    except DataError as e:
-        raise TokenizerError(str(e).replace("training.dataset_text_field", "--text-field")) from None
-
-
-def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int, *, model_type: str = "bpe",
-                    text_field: str = "text", character_coverage: float = 1.0, max_sentences: int = 1_000_000,
-                    overwrite: bool = False) -> Path:
-    """Train a SentencePiece model (unk 0, BOS 1, EOS 2, byte fallback) and return its .model path."""
-    model_path = Path(f"{output_prefix}.model")
-    if model_path.exists() and not overwrite:
-        raise TokenizerError(f"--output: {model_path} exists; choose another name or pass --overwrite")
-    model_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as corpus:
-        for line in _training_lines(inputs, text_field):
-            corpus.write(line + "\n")
-    try:
-        spm.SentencePieceTrainer.Train(
-            input=corpus.name, model_prefix=output_prefix, vocab_size=vocab_size, model_type=model_type,
-            character_coverage=character_coverage, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=2, minloglevel=2,
-            # Lossless: keep text exactly as written (no Unicode normalization, no whitespace folding).
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-        )
-    except RuntimeError as e:
-        raise TokenizerError(f"training on {', '.join(inputs)} failed: {e}") from None
-    finally:
-        os.unlink(corpus.name)
-    return model_path
+            f"{key}: {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary has "
+            f"{model_vocab_size}; use a model.flavor with a vocabulary of at least {tokenizer.vocab_size}, or a "
+            f"tokenizer of at most {model_vocab_size} tokens (trained with --vocab-size <= {model_vocab_size})")
+    if tokenizer.vocab_size < model_vocab_size:
+        logger.info("tokenizer %s has %d tokens, the model's vocabulary %d: %d embedding rows are never used",
+                    tokenizer.path, tokenizer.vocab_size, model_vocab_size, model_vocab_size - tokenizer.vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.data.tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a SentencePiece model on local text")
+    train = commands.add_parser("train", help="train a tokenizer on local text")
     train.add_argument("--input", nargs="+", required=True,
                        help="files, folders or globs: .jsonl/.json/.parquet/.txt, optionally .gz/.bz2/.xz/.zst")
-    train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
-    train.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    train.add_argument("--vocab-size", type=int, required=True, help="tokens, BOS and EOS included")
+    train.add_argument("--kind", choices=["sentencepiece", "hf"], default="sentencepiece",
+                       help="sentencepiece (default): PREFIX.model and PREFIX.vocab; hf: a byte-level BPE, written "
+                            "as the folder OUTPUT holding tokenizer.json and tokenizer_config.json")
+    train.add_argument("--output", required=True, help="output prefix (sentencepiece) or folder (hf)")
+    train.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="sentencepiece only")
     train.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet records")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer of that name")
     encode = commands.add_parser("encode", help="print the token ids of a text")
-    encode.add_argument("--model", required=True)
+    encode.add_argument("--model", required=True, help="a tokenizer file of any kind")
     encode.add_argument("--text", required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            path = train_tokenizer(args.input, args.output, args.vocab_size, model_type=args.model_type,
-                                   text_field=args.text_field, overwrite=args.overwrite)
-            print(f"wrote {path} ({Tokenizer(path).vocab_size} pieces)")
+            path = _train(args)
+            tokenizer = load_tokenizer(path)
+            print(f"wrote {path} ({tokenizer.vocab_size} tokens; BOS {tokenizer.bos_id}, EOS {tokenizer.eos_id})")
         else:
-            print(" ".join(map(str, Tokenizer(args.model).encode(args.text))))
+            print(" ".join(map(str, load_tokenizer(args.model, "--model").encode(args.text))))
     except TokenizerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train(args) -> Path:
+    if args.kind == "hf":
+        return train_hf_tokenizer(args.input, args.output, args.vocab_size, text_field=args.text_field,
+                                  overwrite=args.overwrite)
+    return train_tokenizer(args.input, args.output, args.vocab_size, model_type=args.model_type,
+                           text_field=args.text_field, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":
