@@ -12,6 +12,7 @@ from the model's shapes without building it, with MemAvailable of /proc/meminfo.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -50,8 +51,9 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
 def check_wandb_installed(config: JobConfig) -> None:
     """metrics.enable_wandb needs the optional wandb package: say so before any process starts."""
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.enable_wandb: the wandb package is not installed; install it with "
-                          "pip install -e '.[wandb]', or turn metrics.enable_wandb off")
+        raise ConfigError(f"metrics.enable_wandb: the wandb package is not installed in {sys.executable}; install "
+                          f"it from the repository root with {sys.executable} -m pip install -e '.[wandb]', or turn "
+                          "metrics.enable_wandb off")
 
 
 def check_data(config: JobConfig) -> None:
@@ -79,7 +81,7 @@ def _check_data(c: JobConfig) -> None:
     if c.validation.enable and c.validation.dataset:
         sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
     tokenized = sorted({dataset for _, dataset, _ in sections} - {"synthetic", "shards"})
-    tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=tokenized[0] if tokenized else "")
+    tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=tokenized[0] if tokenized else "", say_unused=False)
     tokenizer_key = tokenizer_file(c.model)[1]
     if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
         raise ConfigError("training.document_masking: the synthetic source has no documents; use 'shards', 'files' or "
@@ -348,6 +350,23 @@ def check_host_memory(config: JobConfig, need: MemoryNeed | None, meminfo: str |
         "TRAINER_SKIP_MEMORY_CHECK=1)")
 
 
+def say_unused_hf_shapes(config: JobConfig) -> None:
+    """A config.json in model.hf_assets_path describes a model; with a shipped model.flavor it is
+    not used (the folder may be there for its tokenizer only): say so when the shapes differ."""
+    from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, model_args
+
+    folder = config.model.hf_assets_path
+    if config.model.flavor == "hf" or not folder or not (Path(folder) / "config.json").is_file():
+        return
+    try:
+        check_hf_config(json.loads((Path(folder) / "config.json").read_text()), model_args(config.model.flavor),
+                        f"{folder}/config.json")
+    except (HFConfigError, ValueError) as e:
+        logger.warning("model.hf_assets_path: the shapes of model.flavor %s are used, not those of its config.json "
+                       "(model.flavor = \"hf\" trains the folder's model): %s", config.model.flavor,
+                       str(e).split(". To build")[0])
+
+
 def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:
     """The seed checkpoint's check: host memory for the whole model in one process."""
     check_host_memory(config, seed_memory_need(config), meminfo)
@@ -359,6 +378,7 @@ def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | No
     options, host memory (of a machine running `local_procs` of the `nproc` processes)."""
     plan = plan_run(config, nproc)
     check_device_options(config, device_type)
+    say_unused_hf_shapes(config)
     local = nproc if local_procs is None else local_procs
     check_host_memory(config, training_memory_need(config, plan.dims, device_type, local), meminfo)
     return plan

@@ -4,6 +4,7 @@ per-rank model state by its degree, and the data-parallel strategies train ident
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,3 +104,13 @@ def test_data_streams_benchmark_reads_each_ranks_lanes_only(tmp_path, measured):
     waits = [line for line in out.splitlines() if line.startswith(("in the training process", "1 worker process"))]
     assert len(waits) == 2
     measured(f"data_streams (2 MB): {len(rows)} configurations; {waits}")
+
+
+def test_tied_init_prints_one_row_per_std():
+    out = run_script("tied_init.py", "--flavor", "tiny", "--steps", "3")
+    rows = table_rows(out)
+    assert [r[0] for r in rows] == ["dim^-0.5 (the trainer's)", "0.02", "1/dim"]
+    assert [float(r[1]) for r in rows] == [0.125, 0.02, 0.0156]
+    # Step 1 loss grows with the std: the current token's own logit starts near dim x std.
+    first = [float(r[2]) for r in rows]
+    assert first[0] > first[1] > math.log(256) - 0.1, first

@@ -265,3 +265,9 @@ def test_converter_command_with_shapes_from_the_folder(tmp_path):
 
     back, original = (load_file(str(tmp_path / f / "model.safetensors")) for f in ("hf2", "hf"))
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
+
+
+def test_export_with_flavor_hf_needs_the_folder_of_shapes(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "trainer.hf", "export", "--dcp", str(tmp_path), "--flavor", "hf",
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2 and "--flavor hf takes the shapes from a config.json: give --hf-assets" in result.stderr

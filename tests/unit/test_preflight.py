@@ -45,3 +45,21 @@ def test_a_missing_hf_assets_folder_is_refused_by_name():
         load_config(["--model.hf_assets_path", "/some/folder"])
     with pytest.raises(ConfigError, match='model.flavor = "hf" takes the shapes from model.hf_assets_path'):
         load_config(["--model.flavor", "hf"])
+
+
+def test_a_config_json_the_flavor_ignores_is_mentioned(tmp_path, caplog):
+    import json
+    import logging
+
+    from trainer.models.llama3 import get_flavor
+    from trainer.models.llama3.hf_config import hf_config
+    from trainer.preflight import say_unused_hf_shapes
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(get_flavor("tiny"))))
+    with caplog.at_level(logging.WARNING):
+        say_unused_hf_shapes(load_config(["--model.flavor", "tiny", "--model.hf_assets_path", str(tmp_path)]))
+        assert not caplog.records  # the same shapes: nothing to say
+        say_unused_hf_shapes(load_config(["--model.hf_assets_path", str(tmp_path)]))
+    [record] = caplog.records
+    assert "the shapes of model.flavor debugmodel are used, not those of its config.json" in record.getMessage()
+    assert "hidden_size = 64 (the configured model has 256)" in record.getMessage()

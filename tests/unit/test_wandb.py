@@ -180,11 +180,12 @@ def test_a_missing_wandb_package_is_one_error_before_the_launch(monkeypatch, cap
     config = load_config(["--metrics.enable_wandb"])
     with pytest.raises(ConfigError) as error:
         plan_run(config, 1)
-    assert str(error.value) == ("metrics.enable_wandb: the wandb package is not installed; install it with "
-                                "pip install -e '.[wandb]', or turn metrics.enable_wandb off")
+    assert str(error.value) == (
+        f"metrics.enable_wandb: the wandb package is not installed in {sys.executable}; install it from the "
+        f"repository root with {sys.executable} -m pip install -e '.[wandb]', or turn metrics.enable_wandb off")
 
     assert preflight_main(["--nproc", "2", "--device", "cpu", "--metrics.enable_wandb"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1 and "pip install -e '.[wandb]'" in err
+    assert err.count("error:") == 1 and f"{sys.executable} -m pip install -e '.[wandb]'" in err
 
     plan_run(load_config(["--metrics.no_enable_wandb"]), 1)  # not needed when off

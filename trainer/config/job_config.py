@@ -405,7 +405,7 @@ class Metrics:
     enable_wandb: bool = False
     """Log the TensorBoard metrics (same tags and steps) to a Weights & Biases run whose config is
     the resolved job config, from the rank that logs (with save_for_all_ranks: one run per rank,
-    named rank_<r>, in one group); needs the `wandb` package: pip install -e '.[wandb]'. The
+    named rank_<r>, in one group); needs the `wandb` package: .venv/bin/python -m pip install -e '.[wandb]'. The
     project is WANDB_PROJECT, else 'llama-pretrain'; the run's files go under job.dump_folder/wandb.
     WANDB_MODE=offline trains without an account or network (upload later with `wandb sync`);
     the other WANDB_* variables apply as usual. A failed run is marked failed."""

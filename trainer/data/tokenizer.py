@@ -64,14 +64,15 @@ def tokenizer_file(model, needed_by: str = "") -> tuple[str, str]:
     return "", ""
 
 
-def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "") -> Tokenizer | None:
+def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "", say_unused: bool = True) -> Tokenizer | None:
     """The tokenizer of a config's model section (see tokenizer_file), checked against the
-    model's vocabulary; None when there is none."""
+    model's vocabulary; None when there is none. say_unused=False: the preflight's check, which
+    leaves saying that rows are unused to the data pipeline (once)."""
     path, key = tokenizer_file(model, needed_by)
     if not path:
         return None
     tokenizer = load_tokenizer(path, key)
-    check_vocab_fits(tokenizer, model_vocab_size, key)
+    check_vocab_fits(tokenizer, model_vocab_size, key, say_unused)
     return tokenizer
 
 
@@ -84,7 +85,8 @@ def tokenize_documents(documents: list[str], tokenizer, chunk: int = 1024) -> np
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
-def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int, key: str = "model.tokenizer_path") -> None:
+def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int, key: str = "model.tokenizer_path",
+                     say_unused: bool = True) -> None:
     """A tokenizer larger than the model's vocabulary is an error; a smaller one leaves embedding
     rows unused, which is allowed and said once."""
     if tokenizer.vocab_size > model_vocab_size:
@@ -92,7 +94,7 @@ def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int, key: str = "mo
             f"{key}: {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary has "
             f"{model_vocab_size}; use a model.flavor with a vocabulary of at least {tokenizer.vocab_size}, or a "
             f"tokenizer of at most {model_vocab_size} tokens (trained with --vocab-size <= {model_vocab_size})")
-    if tokenizer.vocab_size < model_vocab_size:
+    if say_unused and tokenizer.vocab_size < model_vocab_size:
         logger.info("tokenizer %s has %d tokens, the model's vocabulary %d: %d embedding rows are never used",
                     tokenizer.path, tokenizer.vocab_size, model_vocab_size, model_vocab_size - tokenizer.vocab_size)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,9 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(a.out).exists():
             raise HFCheckpointError(f"--out: {a.out} exists; choose a new folder")
+        if a.command == "export" and a.flavor == "hf" and not a.hf_assets:
+            raise HFCheckpointError("--flavor hf takes the shapes from a config.json: give --hf-assets FOLDER (the "
+                                    "Hugging Face folder the checkpoint was imported from, or any with its shapes)")
         if a.command == "import":
             args = model_args(a.flavor, a.hf)
-            dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
+            with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
         else:
             args = model_args(a.flavor, a.hf_assets)
             write_hf_folder(a.out, read_model_state(Path(a.dcp)), args, getattr(torch, a.dtype))

@@ -161,5 +161,5 @@ def check_hf_config(config: dict, args: LlamaModelArgs, source: str) -> None:
              for key, (_, wanted, found) in fields.items() if wanted != found]
     if wrong:
         raise HFConfigError(f"{source} does not match the configured model.flavor: " + "; ".join(wrong)
-                            + '. To build the model from its shapes, set model.flavor = "hf" and '
-                            "model.hf_assets_path to its folder")
+                            + '. To build the model from its shapes, use flavor "hf" with this folder (in a job: '
+                            'model.flavor = "hf" and model.hf_assets_path; in python -m trainer.hf: --flavor hf)')
