@@ -323,7 +323,9 @@ def test_training_with_a_tokenizer_json_of_ones_own(tmp_path, text_corpus, own_t
     train = check_trained(tmp_path, result)
     tokenizer = load_tokenizer(tokenizer_json)
     assert train[-1]["tokens"] == 20 * 8 * 32  # steps x global batch x sequence length
-    assert (f"tokenizer {tokenizer_json} has {tokenizer.vocab_size} tokens, the model's vocabulary 2048"
+    unused = f"tokenizer {tokenizer_json} has {tokenizer.vocab_size} tokens, the model's vocabulary 2048"
+    assert result.stdout.count(unused) == 1  # said once (by the data pipeline, not again by the preflight)
+    assert (f"tokenizer: {tokenizer_json} (huggingface, {tokenizer.vocab_size} tokens, from model.tokenizer_path)"
             in result.stdout)
     docs = [json.loads(line)["text"] for line in (folder / "docs.jsonl").read_text().splitlines()]
     record = json.loads((tmp_path / "run_meta.json").read_text())
@@ -348,6 +350,8 @@ def test_training_with_llama3_style_assets_in_hf_assets_path(tmp_path, text_corp
     train = check_trained(tmp_path, result)
     assert train[-1]["tokens"] == 20 * 8 * 32
     assert "embedding rows are never used" not in result.stdout  # the config.json's vocabulary is the tokenizer's
+    assert f"tokenizer: {assets / 'tokenizer.model'} (tiktoken, " in result.stdout
+    assert "from model.hf_assets_path)" in result.stdout
     saved = {"dataloader": {"fingerprint": ""}}
     dcp.load(saved, checkpoint_id=str(tmp_path / "checkpoint" / "step-20"), no_dist=True)
     fingerprint = json.loads(saved["dataloader"]["fingerprint"])

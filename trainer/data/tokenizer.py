@@ -73,6 +73,8 @@ def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "", say_
         return None
     tokenizer = load_tokenizer(path, key)
     check_vocab_fits(tokenizer, model_vocab_size, key, say_unused)
+    if say_unused:  # the data pipeline's call: say which file the job reads, once
+        logger.info("tokenizer: %s (%s, %d tokens, from %s)", tokenizer.path, tokenizer.kind, tokenizer.vocab_size, key)
     return tokenizer
 
 
