@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity
 
-from trainer.config.job_config import Profiling
+from trainer.config.observability import Profiling
 
 logger = logging.getLogger(__name__)
 

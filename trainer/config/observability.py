@@ -1,0 +1,84 @@
+"""The [metrics] and [profiling] sections: what a run records about itself besides its
+checkpoints (console, metrics.jsonl, TensorBoard, W&B; profiler traces, memory snapshots).
+
+Part of the job configuration (trainer/config/job_config.py), in its own module for size; like
+it, every field's docstring is the reference, and nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Metrics:
+    """Console, metrics.jsonl and TensorBoard logging."""
+
+    log_freq: int = 10
+    """Log every this many steps (and step 1 and the last step)."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard events under job.dump_folder/save_tb_folder."""
+
+    enable_wandb: bool = False
+    """Log the TensorBoard metrics (same tags and steps) to a Weights & Biases run whose config is
+    the resolved job config, from the rank that logs (with save_for_all_ranks: one run per rank,
+    named rank_<r>, in one group); needs the `wandb` package: .venv/bin/python -m pip install -e '.[wandb]'. The
+    project is WANDB_PROJECT, else 'llama-pretrain'; the run's files go under job.dump_folder/wandb.
+    WANDB_MODE=offline trains without an account or network (upload later with `wandb sync`);
+    the other WANDB_* variables apply as usual. A failed run is marked failed."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder; each run gets a time-stamped subfolder."""
+
+    disable_color_printing: bool = False
+    """Plain console lines without ANSI colors (colors are only used when the output is a terminal,
+    never in log files)."""
+
+    save_for_all_ranks: bool = False
+    """Every rank writes its own TensorBoard folder (default: only the rank that logs)."""
+
+    count_collectives: bool = False
+    """Count the collectives of the first step of each start (by mesh dimension, forward or
+    backward, and operation, with the tensor-parallel syncs per forward pass): logged, written to
+    metrics.jsonl (kind "collectives") and run_meta.json. The step runs under a dispatch mode that
+    sees every operation, so it is slower; later steps are unaffected. Not with compile.enable."""
+
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU. 0: look the GPU up in the built-in table; on CPU MFU is omitted."""
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = False
+    """Record a torch.profiler trace on every rank of the profiler_active steps that end at each
+    multiple of profile_freq (CPU activity, and CUDA kernels on GPUs), written as Chrome-trace JSON
+    to job.dump_folder/save_traces_folder/iteration_<step>/rank<r>_trace.json; open it in Perfetto
+    (ui.perfetto.dev) or chrome://tracing. A window cut short by the end of training writes nothing."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+
+    profile_freq: int = 10
+    """Profile once every this many steps: traces end at steps profile_freq, 2 x profile_freq, ...
+    (counted from step 0, also after a resume); memory snapshots are written at those steps. Must
+    be >= profiler_warmup + profiler_active, so that one window ends before the next starts."""
+
+    profiler_warmup: int = 3
+    """Steps the profiler runs unrecorded before each recorded window (its start-up cost stays
+    out of the trace); >= 0."""
+
+    profiler_active: int = 1
+    """Steps recorded in each trace, the last one a multiple of profile_freq; >= 1."""
+
+    enable_memory_snapshot: bool = False
+    """Record the CUDA caching allocator's history (its last 100,000 events, with stack traces) and
+    write it every profile_freq steps to iteration_<step>/rank<r>_memory_snapshot.pickle under
+    job.dump_folder/save_memory_snapshot_folder, and when a step runs out of memory to
+    iteration_<step>_exit/; open it at https://pytorch.org/memory_viz. Needs CUDA devices:
+    refused on the CPU."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder."""
