@@ -26,11 +26,11 @@ sys.path.insert(0, str(REPO))
 from trainer.config.manager import load_config  # noqa: E402
 from trainer.data.loader import BatchLoader  # noqa: E402
 from trainer.data.synthetic import SyntheticMarkovSource  # noqa: E402
-from trainer.models.llama3.hf_config import model_args  # noqa: E402
+from trainer.models.llama3.hf_config import configured_model_args  # noqa: E402
 
 
 def loader_tokens_per_s(config, seconds: float) -> float:
-    vocab_size = model_args(config.model.flavor, config.model.hf_assets_path).vocab_size
+    vocab_size = configured_model_args(config.model).vocab_size
     source = SyntheticMarkovSource(vocab_size=vocab_size, seed=config.debug.seed)
     loader = BatchLoader(source, seq_len=config.training.seq_len, global_batch_size=config.training.local_batch_size,
                          local_batch_size=config.training.local_batch_size, dp_rank=0, dp_degree=1,

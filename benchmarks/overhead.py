@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
 from trainer.models.llama3 import Transformer
-from trainer.models.llama3.hf_config import model_args
+from trainer.models.llama3.hf_config import configured_model_args
 from trainer.preflight import plan_run
 from trainer.process_exit import run_process
 from trainer.train import Trainer
@@ -38,7 +38,7 @@ class PlainLoop:
     """A hand-written training loop of the same model, batch and optimizer."""
 
     def __init__(self, config, steps: int):
-        args = model_args(config.model.flavor, config.model.hf_assets_path)
+        args = configured_model_args(config.model)
         args.max_seq_len = config.training.seq_len
         with torch.device("meta"):
             self.model = Transformer(args)

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
-from trainer.models.llama3.hf_config import model_args
+from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.optim import clip_grad_norm
 from trainer.preflight import plan_run
@@ -94,7 +94,7 @@ def main() -> None:
                 [[e.key[:60], f"{e.self_cpu_time_total / 1000 / args.steps:.2f}",
                   f"{100 * e.self_cpu_time_total / profiled:.1f}", f"{e.count / args.steps:g}"] for e in events]))
     tokens = config.training.local_batch_size * config.training.seq_len
-    shapes = model_args(config.model.flavor, config.model.hf_assets_path)
+    shapes = configured_model_args(config.model)
     model_flops = flops_per_token(shapes, config.training.seq_len) * tokens * args.steps / total
     peak = matmul_flops_per_s()
     print(f"model FLOP/s of the step {model_flops / 1e9:.1f} G; a 2048 x 2048 float32 matmul here "

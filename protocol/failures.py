@@ -61,11 +61,11 @@ def seed_memory(launch: Launch) -> str:
     """How much host memory the seed run needs: the whole model, in fp32, in one process."""
     from trainer.config.manager import ConfigError, load_config
     from trainer.models.llama3.args import num_params
-    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.hf_config import configured_model_args
 
     try:
         model = load_config(list(launch.args)).model
-        flavor, count = model.flavor, num_params(model_args(model.flavor, model.hf_assets_path))
+        flavor, count = model.flavor, num_params(configured_model_args(model))
     except (ConfigError, ValueError):
         return "the seed run holds the whole model in fp32 (4 bytes per parameter) in one process"
     need = count * BYTES_PER_PARAMETER

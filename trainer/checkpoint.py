@@ -39,7 +39,8 @@ from trainer.checkpoint_layout import (
     read_checkpoint_record,
 )
 from trainer.async_checkpoint import AsyncSaver
-from trainer.checkpoint_items import ModelState, aliased_names, OptimizerState, SchedulerState, optimizer_state_is_nested
+from trainer.checkpoint_items import (ModelState, OptimizerState, SchedulerState, aliased_names,
+                                      optimizer_state_is_nested)
 from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position

@@ -12,7 +12,6 @@ from the model's shapes without building it, with MemAvailable of /proc/meminfo.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -44,8 +43,8 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
             raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory)")
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot: records the CUDA caching allocator, so it needs CUDA "
-                          f"devices, and this run is on the {device_type.upper()}; turn it off (profiling.enable_profiling "
-                          "traces CPU runs)")
+                          f"devices, and this run is on the {device_type.upper()}; turn it off "
+                          "(profiling.enable_profiling traces CPU runs)")
 
 
 def check_wandb_installed(config: JobConfig) -> None:
@@ -68,20 +67,20 @@ def check_data(config: JobConfig) -> None:
 
 
 def _check_data(c: JobConfig) -> None:
+    from trainer.data.build import text_dataset
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
     from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
-    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.hf_config import configured_model_args
 
-    vocab_size = model_args(c.model.flavor, c.model.hf_assets_path).vocab_size
+    vocab_size = configured_model_args(c.model).vocab_size
     fraction = c.training.validation_fraction
     if fraction is not None and not 0 <= fraction < 1:
         raise ConfigError(f"training.validation_fraction: {fraction} is not in [0, 1)")
     sections = _check_mixture(c) or [("training", c.training.dataset, c.training.dataset_path)]
     if c.validation.enable and c.validation.dataset:
         sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
-    tokenized = sorted({dataset for _, dataset, _ in sections} - {"synthetic", "shards"})
-    tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=tokenized[0] if tokenized else "", say_unused=False)
+    tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=text_dataset(c), say_unused=False)
     tokenizer_key = tokenizer_file(c.model)[1]
     if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
         raise ConfigError("training.document_masking: the synthetic source has no documents; use 'shards', 'files' or "
@@ -240,9 +239,9 @@ def count(n: int) -> str:
 def model_sizes(config: JobConfig) -> tuple[int, int]:
     """(parameters, elements of the largest parameter) of the configured model, from its shapes alone."""
     from trainer.models.llama3.args import num_params
-    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.hf_config import configured_model_args
 
-    args = model_args(config.model.flavor, config.model.hf_assets_path)
+    args = configured_model_args(config.model)
     largest = args.dim * max(args.vocab_size, args.ffn_hidden_dim, args.n_heads * args.head_dim)
     return num_params(args), largest
 
@@ -353,18 +352,21 @@ def check_host_memory(config: JobConfig, need: MemoryNeed | None, meminfo: str |
 def say_unused_hf_shapes(config: JobConfig) -> None:
     """A config.json in model.hf_assets_path describes a model; with a shipped model.flavor it is
     not used (the folder may be there for its tokenizer only): say so when the shapes differ."""
-    from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, model_args
+    from trainer.models.llama3.hf_config import (HFConfigError, configured_model_args, hf_config_differences,
+                                                 read_config_json)
 
     folder = config.model.hf_assets_path
     if config.model.flavor == "hf" or not folder or not (Path(folder) / "config.json").is_file():
         return
+    source = f"{folder}/config.json"
     try:
-        check_hf_config(json.loads((Path(folder) / "config.json").read_text()), model_args(config.model.flavor),
-                        f"{folder}/config.json")
-    except (HFConfigError, ValueError) as e:
+        differences = hf_config_differences(read_config_json(folder), configured_model_args(config.model), source)
+    except HFConfigError as e:  # fields this model cannot follow at all
+        differences = [str(e)]
+    if differences:
         logger.warning("model.hf_assets_path: the shapes of model.flavor %s are used, not those of its config.json "
-                       "(model.flavor = \"hf\" trains the folder's model): %s", config.model.flavor,
-                       str(e).split(". To build")[0])
+                       "(model.flavor = \"hf\" trains the folder's model): %s: %s", config.model.flavor, source,
+                       "; ".join(differences))
 
 
 def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:

@@ -42,7 +42,7 @@ from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_sca
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.models.llama3 import Transformer
 from trainer.hf.model_io import HFWeights
-from trainer.models.llama3.hf_config import model_args as configured_model_args
+from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -82,7 +82,7 @@ class Trainer:
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
 
-        model_args = configured_model_args(config.model.flavor, config.model.hf_assets_path)
+        model_args = configured_model_args(config.model)
         model_args.max_seq_len = max(config.training.seq_len, config.validation.seq_len if config.validation.enable else 0)
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name
@@ -378,7 +378,7 @@ def create_seed_checkpoint(config: JobConfig) -> int:
     folder = Path(config.job.dump_folder) / config.checkpoint.folder
     refuse_overwrite(folder / "step-0", config.checkpoint.overwrite)  # before the (long) init
     check_seed(config)  # the whole model in float32 in this process: refuse before the allocator fails
-    model_args = configured_model_args(config.model.flavor, config.model.hf_assets_path)
+    model_args = configured_model_args(config.model)
     model_args.max_seq_len = config.training.seq_len
     with torch.device("meta"):
         model = Transformer(model_args)

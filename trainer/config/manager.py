@@ -278,7 +278,7 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
 
 def validate(config: JobConfig) -> None:
     """Check values every run needs; raise ConfigError listing every problem found."""
-    from trainer.models.llama3.hf_config import HFConfigError, flavor_names, model_args  # light: no torch
+    from trainer.models.llama3.hf_config import HFConfigError, configured_model_args, flavor_names  # light: no torch
 
     c = config
     problems = []
@@ -291,7 +291,7 @@ def validate(config: JobConfig) -> None:
          f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
     if c.model.flavor == "hf" or c.model.hf_assets_path:
         try:
-            model_args(c.model.flavor, c.model.hf_assets_path)
+            configured_model_args(c.model)
             if c.model.hf_assets_path and not Path(c.model.hf_assets_path).is_dir():
                 raise HFConfigError(f"model.hf_assets_path: {c.model.hf_assets_path} is not a folder")
         except (HFConfigError, ValueError) as e:

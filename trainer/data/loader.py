@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 # The settings behind a fingerprint's entries, named in the message when they change.
 SETTING_OF = {"seq_len": "training.seq_len", "shuffle_seed": "training.data_seed, or debug.seed when unset",
-              "stream_lanes": "training.stream_lanes", "tokenizer_sha256": "model.tokenizer_path, or model.hf_assets_path's tokenizer when unset"}
+              "stream_lanes": "training.stream_lanes",
+              "tokenizer_sha256": "model.tokenizer_path, or model.hf_assets_path's tokenizer when unset"}
 
 
 class LocalPeers:

@@ -64,7 +64,8 @@ def tokenizer_file(model, needed_by: str = "") -> tuple[str, str]:
     return "", ""
 
 
-def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "", say_unused: bool = True) -> Tokenizer | None:
+def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "",
+                         say_unused: bool = True) -> Tokenizer | None:
     """The tokenizer of a config's model section (see tokenizer_file), checked against the
     model's vocabulary; None when there is none. say_unused=False: the preflight's check, which
     leaves saying that rows are unused to the data pipeline (once)."""

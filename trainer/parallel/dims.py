@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.manager import ConfigError
-from trainer.parallel.stages import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches, plan_stages
+from trainer.parallel.stages import (V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches,
+                                     plan_stages)
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -130,20 +131,20 @@ def stage_plan(config, dims: ParallelDims) -> StagePlan | None:
     """The pipeline stage split of this layout (None without pipeline parallelism)."""
     if dims.pp == 1:
         return None
-    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.hf_config import configured_model_args
 
     p = config.parallelism
-    return plan_stages(model_args(config.model.flavor, config.model.hf_assets_path).n_layers, dims.pp, p.pipeline_parallel_schedule,
+    return plan_stages(configured_model_args(config.model).n_layers, dims.pp, p.pipeline_parallel_schedule,
                        p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_first_stage_less_layers,
                        p.pipeline_parallel_last_stage_less_layers)
 
 
 def layout_problems(config, dims: ParallelDims) -> list[str]:
     """Every reason the degrees cannot run this model and batch, each with the fix."""
-    from trainer.models.llama3.hf_config import model_args
+    from trainer.models.llama3.hf_config import configured_model_args
 
     c, p = config, config.parallelism
-    model = model_args(c.model.flavor, c.model.hf_assets_path)
+    model = configured_model_args(c.model)
     problems = []
     if dims.tp > 1:
         for what, size in (("n_heads", model.n_heads), ("n_kv_heads", model.kv_heads),

@@ -43,6 +43,11 @@ def model_args(flavor: str, hf_assets_path: str = "") -> LlamaModelArgs:
     return args_from_hf_config(read_config_json(hf_assets_path), f"{hf_assets_path}/config.json")
 
 
+def configured_model_args(model) -> LlamaModelArgs:
+    """The shapes a job's [model] section configures (model.flavor, model.hf_assets_path)."""
+    return model_args(model.flavor, model.hf_assets_path)
+
+
 def flavor_names() -> list[str]:
     return [*FLAVORS, HF_FLAVOR]
 
@@ -144,21 +149,26 @@ def hf_config(args: LlamaModelArgs, dtype_name: str = "float32") -> dict:
     return config
 
 
-def check_hf_config(config: dict, args: LlamaModelArgs, source: str) -> None:
-    """Refuse a config.json whose model differs from the configured one, naming each difference."""
+def hf_config_differences(config: dict, args: LlamaModelArgs, source: str) -> list[str]:
+    """Each config.json field whose value differs from the configured model, with both values."""
     theirs = args_from_hf_config(config, source)
     fields = {
-        "hidden_size": ("dim", args.dim, theirs.dim),
-        "intermediate_size": ("ffn", args.ffn_hidden_dim, theirs.ffn_hidden_dim),
-        "num_hidden_layers": ("n_layers", args.n_layers, theirs.n_layers),
-        "num_attention_heads": ("n_heads", args.n_heads, theirs.n_heads),
-        "num_key_value_heads": ("n_kv_heads", args.kv_heads, theirs.kv_heads),
-        "vocab_size": ("vocab", args.vocab_size, theirs.vocab_size),
-        "rope_theta": ("rope", args.rope_theta, theirs.rope_theta),
-        "tie_word_embeddings": ("tied", args.tie_embeddings, theirs.tie_embeddings),
+        "hidden_size": (args.dim, theirs.dim),
+        "intermediate_size": (args.ffn_hidden_dim, theirs.ffn_hidden_dim),
+        "num_hidden_layers": (args.n_layers, theirs.n_layers),
+        "num_attention_heads": (args.n_heads, theirs.n_heads),
+        "num_key_value_heads": (args.kv_heads, theirs.kv_heads),
+        "vocab_size": (args.vocab_size, theirs.vocab_size),
+        "rope_theta": (args.rope_theta, theirs.rope_theta),
+        "tie_word_embeddings": (args.tie_embeddings, theirs.tie_embeddings),
     }
-    wrong = [f"{key} = {found} (the configured model has {wanted})"
-             for key, (_, wanted, found) in fields.items() if wanted != found]
+    return [f"{key} = {found} (the configured model has {wanted})"
+            for key, (wanted, found) in fields.items() if wanted != found]
+
+
+def check_hf_config(config: dict, args: LlamaModelArgs, source: str) -> None:
+    """Refuse a config.json whose model differs from the configured one, naming each difference."""
+    wrong = hf_config_differences(config, args, source)
     if wrong:
         raise HFConfigError(f"{source} does not match the configured model.flavor: " + "; ".join(wrong)
                             + '. To build the model from its shapes, use flavor "hf" with this folder (in a job: '
