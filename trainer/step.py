@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from trainer.loss import count_targets, cross_entropy_sum
 from trainer.models.llama3.model import document_index
 from trainer.optim import NormReduction
+from trainer.parallel.compile import compile_loss
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
 from trainer.parallel.tensor import loss_context
@@ -35,8 +36,8 @@ class StepRunner:
         self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
         self.pp_degree = dims.pp
         self.loss_parallel = dims.tp > 1 and not p.disable_loss_parallel
-        compile_loss = config.compile.enable and "loss" in config.compile.components
-        self.cross_entropy_sum = torch.compile(cross_entropy_sum, backend=config.compile.backend) if compile_loss \
+        loss_compiled = config.compile.enable and "loss" in config.compile.components
+        self.cross_entropy_sum = compile_loss(cross_entropy_sum, config.compile.backend) if loss_compiled \
             else cross_entropy_sum
         # Gradient accumulation: the all-reduce across replicas (HSDP, DDP) runs once, after the
         # last microbatch; see `_all_reduce_only_after`.

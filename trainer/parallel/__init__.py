@@ -48,7 +48,7 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device."""
     from trainer.parallel.checkpointing import apply_ac
-    from trainer.parallel.compile import apply_compile
+    from trainer.parallel.compile import apply_compile, isolate_compile_cache
     from trainer.parallel.context import apply_cp
     from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
     from trainer.parallel.pipeline import RankModel, split_into_stages
@@ -62,6 +62,8 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     data_parallel = needs_fsdp(dims, param_dtype, config.training.enable_cpu_offload)
     # Every gradient reduction runs in this dtype: FSDP's, TP's norm weights, CP's keys/values.
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+    if config.compile.enable:
+        isolate_compile_cache(mesh.world.get_rank(), dims.degrees())
     for stage in stages.values():
         if dims.tp > 1:
             apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
