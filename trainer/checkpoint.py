@@ -28,12 +28,13 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint_layout import (
     CHECKPOINT_RECORD,
+    HF_EXPORT_DIR,
     MODEL_ONLY_DIR,
-    check_initial_load_path,
     complete_checkpoints,
     finished_partials,
     fingerprint,
     check_step_folders,
+    initial_load_folder,
     named_step,
     partial_path,
     read_checkpoint_record,
@@ -168,11 +169,13 @@ class CheckpointManager:
         elif found:
             path = self._resume_point(found)
         elif self.cfg.initial_load_path:
-            path = Path(self.cfg.initial_load_path)
+            named = Path(self.cfg.initial_load_path)
             try:
-                check_initial_load_path(path, self.cfg.initial_load_in_hf)
+                path = initial_load_folder(named, self.cfg.initial_load_in_hf, self.cfg.initial_load_model_only)
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
+            if path != named:
+                logger.info("checkpoint.initial_load_path %s: reading its Hugging Face export %s", named, path)
             if self.cfg.initial_load_in_hf:
                 self._load_external(path)
                 self.start = {"kind": "hugging_face", "path": str(path.resolve()), "step": 0,
@@ -272,7 +275,7 @@ class CheckpointManager:
         for step, partial in finished_partials(self.folder).items():
             problem = incomplete_reason(partial)
             if problem is None and read_checkpoint_record(partial) is None:
-                if any((partial / sub).exists() for sub in (MODEL_ONLY_DIR, "hf")):
+                if any((partial / sub).exists() for sub in (MODEL_ONLY_DIR, HF_EXPORT_DIR)):
                     problem = "its exports were being written when the run stopped"
                 else:  # written by an earlier version of this trainer, which wrote the record last
                     write_checkpoint_record(partial, checkpoint_record(

@@ -15,6 +15,7 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_FOLDER = re.compile(r"^\.step-(\d+)\.partial$")
 CHECKPOINT_RECORD = "checkpoint.json"  # beside DCP's .metadata: what saved the checkpoint (see read_checkpoint_record)
 MODEL_ONLY_DIR = "model_only"  # inside the last step-N with checkpoint.last_save_model_only: the weights alone
+HF_EXPORT_DIR = "hf"  # inside the last step-N with checkpoint.last_save_in_hf: the Hugging Face export
 
 
 def checkpoint_folder(config) -> Path:
@@ -87,13 +88,43 @@ def named_step(folder: Path, found: dict[int, Path], step: int) -> Path:
                      f"complete checkpoints: {available}")
 
 
-def check_initial_load_path(path: Path, in_hf: bool) -> None:
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def initial_load_folder(path: Path, in_hf: bool, model_only: bool = True) -> Path:
+    """The folder checkpoint.initial_load_path reads, or ValueError naming the path and what
+    would be valid.
+
+    Without initial_load_in_hf: a DCP checkpoint (.metadata). With it: a Hugging Face folder
+    (config.json + safetensors), or a step-N checkpoint folder whose HF_EXPORT_DIR holds the
+    export of checkpoint.last_save_in_hf; a run can thus start from what another run saved,
+    in either format, by naming the same step-N."""
+    key = "checkpoint.initial_load_path"
     if not path.exists():
-        raise ValueError(f"checkpoint.initial_load_path: {path} does not exist")
-    if in_hf and not (path / "config.json").is_file():
-        raise ValueError(f"checkpoint.initial_load_path: {path} has no config.json; expected a Hugging Face model folder")
-    if not in_hf and not (path / ".metadata").is_file():
-        raise ValueError(f"checkpoint.initial_load_path: {path} is not a complete DCP checkpoint (no .metadata file)")
+        raise ValueError(f"{key}: {path} does not exist")
+    export = path / HF_EXPORT_DIR
+    if in_hf:
+        if not model_only:  # a Hugging Face folder has no optimizer, schedule or data position to load
+            raise ValueError(f"checkpoint.initial_load_model_only = false: {key} {path} is read as Hugging Face "
+                             "weights (checkpoint.initial_load_in_hf), which hold the model only; set "
+                             "initial_load_model_only = true, or load a DCP checkpoint without initial_load_in_hf")
+        if _is_hf_folder(path):
+            return path
+        if _is_hf_folder(export):
+            return export
+        dcp_note = (f"; {path} is a DCP checkpoint, which loads without --checkpoint.initial_load_in_hf"
+                    if (path / ".metadata").is_file() else "")
+        raise ValueError(f"{key}: {path} has no config.json, nor {HF_EXPORT_DIR}/config.json; with "
+                         "checkpoint.initial_load_in_hf it must be a Hugging Face model folder (config.json + "
+                         f"*.safetensors) or a step-N checkpoint folder saved with checkpoint.last_save_in_hf (the "
+                         f"export is in its {HF_EXPORT_DIR}/){dcp_note}")
+    if (path / ".metadata").is_file():
+        return path
+    hf = next((folder for folder in (path, export) if _is_hf_folder(folder)), None)
+    hint = f"; {hf} holds Hugging Face weights, which load with --checkpoint.initial_load_in_hf" if hf else ""
+    raise ValueError(f"{key}: {path} is not a complete DCP checkpoint (no .metadata file); expected a DCP "
+                     f"checkpoint folder (a step-N, or a seed checkpoint){hint}")
 
 
 def check_load_options(config) -> None:
@@ -108,7 +139,7 @@ def check_load_options(config) -> None:
     if c.enable and c.load_step != -1:
         named_step(folder, found, c.load_step)
     elif not found and c.initial_load_path:
-        check_initial_load_path(Path(c.initial_load_path), c.initial_load_in_hf)
+        initial_load_folder(Path(c.initial_load_path), c.initial_load_in_hf, c.initial_load_model_only)
 
 
 def fingerprint(path: Path) -> str | None:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints
+from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.parallel.dims import ParallelDims, layout_problems
@@ -289,7 +289,8 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
     params, largest = model_sizes(config)
     world = dims.world_size
     share = min(local_procs, world) * dims.dp_replicate / world  # of one full model state
-    hf = Path(config.checkpoint.initial_load_path) if loads_hf_folder(config) else None
+    c = config.checkpoint  # the Hugging Face folder itself, or the hf/ export of a step-N folder
+    hf = initial_load_folder(Path(c.initial_load_path), True) if loads_hf_folder(config) else None
     hf_bytes = hf_folder_bytes(hf) if hf is not None else 0
     parts, advice = [], []
     state = 0

@@ -441,6 +441,42 @@ def test_hugging_face_weights_in_and_out_of_a_run(tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
+def test_a_step_folder_loads_from_its_hugging_face_export(tmp_path):
+    """A run saved with last_save_in_hf; a new run names that step-N with initial_load_in_hf and
+    reads step-N/hf/. Its step-1 loss equals that of a run loading step-N's own (DCP) weights."""
+    saved = tmp_path / "saved" / "checkpoint"
+    result = launch(2, [*TINY_JOB, "--training.steps", "3", "--training.local_batch_size", "4", "--checkpoint.enable",
+                        "--checkpoint.interval", "2", "--checkpoint.last_save_in_hf",
+                        "--job.dump_folder", str(tmp_path / "saved")])
+    assert result.returncode == 0, describe(result)
+    assert sorted(p.name for p in (saved / "step-3").iterdir() if p.is_dir()) == ["hf", "model_only"]
+
+    def first_loss(name: str, *load: str) -> tuple[float, str]:
+        result = launch(1, [*TINY_JOB, "--training.steps", "1", "--training.local_batch_size", "8",
+                            "--checkpoint.initial_load_path", *load, "--job.dump_folder", str(tmp_path / name)])
+        assert result.returncode == 0, describe(result)
+        return read_metrics(tmp_path / name)[0]["loss"], result.stdout
+
+    from_dcp, _ = first_loss("from-dcp", str(saved / "step-3"))
+    from_hf, output = first_loss("from-hf", str(saved / "step-3"), "--checkpoint.initial_load_in_hf")
+    assert f"checkpoint.initial_load_path {saved / 'step-3'}: reading its Hugging Face export {saved / 'step-3' / 'hf'}" \
+        in output
+    assert f"loaded model weights from the Hugging Face folder {saved / 'step-3' / 'hf'}" in output
+    print(f"step-1 loss from step-3: DCP {from_dcp:.8f}, its hf/ export {from_hf:.8f}")
+    assert from_hf == from_dcp  # float32 export: the same weights, bitwise
+    start = json.loads((tmp_path / "from-hf" / "run_meta.json").read_text())["start"]
+    assert (start["kind"], start["path"]) == ("hugging_face", str((saved / "step-3" / "hf").resolve()))
+
+    # step-2 was a periodic save, without an export: refused before any process starts.
+    refused = launch(1, [*TINY_JOB, "--training.steps", "1", "--training.local_batch_size", "8",
+                         "--checkpoint.initial_load_path", str(saved / "step-2"), "--checkpoint.initial_load_in_hf",
+                         "--job.dump_folder", str(tmp_path / "refused")])
+    assert refused.returncode == 2, describe(refused)
+    assert (f"checkpoint.initial_load_path: {saved / 'step-2'} has no config.json, nor hf/config.json; with "
+            "checkpoint.initial_load_in_hf it must be a Hugging Face model folder") in refused.stderr
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
 def test_exclude_from_loading(tmp_path, killed_at_10, uninterrupted):
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
     result = launch(2, [*RESUMABLE, "--training.steps", "11", "--checkpoint.exclude_from_loading", "dataloader",

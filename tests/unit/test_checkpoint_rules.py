@@ -129,3 +129,77 @@ def test_a_finished_partial_save_counts_as_a_checkpoint_to_load(tmp_path):
     config.checkpoint.load_only = True
     with pytest.raises(ValueError, match="finished but was never published; a run without checkpoint.load_only"):
         check_load_options(config)
+
+
+def test_initial_load_folder_reads_the_hugging_face_export_of_a_step_folder(tmp_path):
+    """With initial_load_in_hf, checkpoint.initial_load_path names a Hugging Face folder or a
+    step-N saved with last_save_in_hf (its hf/); a folder with neither is refused, saying what
+    would be valid, and a DCP checkpoint without the option is read as before."""
+    from trainer.checkpoint_layout import initial_load_folder
+
+    step = tmp_path / "checkpoint" / "step-6"
+    make_checkpoint(tmp_path / "checkpoint", 6, FULL)
+    assert initial_load_folder(step, in_hf=False) == step
+    with pytest.raises(ValueError) as refused:
+        initial_load_folder(step, in_hf=True)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint.initial_load_path: {step} has no config.json, nor hf/config.json")
+    assert "a Hugging Face model folder (config.json + *.safetensors)" in message
+    assert "a step-N checkpoint folder saved with checkpoint.last_save_in_hf" in message
+    assert "is a DCP checkpoint, which loads without --checkpoint.initial_load_in_hf" in message
+
+    (step / "hf").mkdir()
+    (step / "hf" / "config.json").write_text("{}")
+    assert initial_load_folder(step, in_hf=True) == step / "hf"
+    assert initial_load_folder(step / "hf", in_hf=True) == step / "hf"
+    assert initial_load_folder(step, in_hf=False) == step  # the DCP checkpoint, not the export
+    with pytest.raises(ValueError, match="initial_load_model_only = false: .* hold the model only"):
+        initial_load_folder(step, in_hf=True, model_only=False)
+    with pytest.raises(ValueError) as refused:
+        initial_load_folder(step / "hf", in_hf=False)
+    assert str(refused.value) == (
+        f"checkpoint.initial_load_path: {step / 'hf'} is not a complete DCP checkpoint (no .metadata file); expected "
+        f"a DCP checkpoint folder (a step-N, or a seed checkpoint); {step / 'hf'} holds Hugging Face weights, which "
+        "load with --checkpoint.initial_load_in_hf")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"has no config.json, nor hf/config.json; .*\(the export is in its hf/\)$"):
+        initial_load_folder(empty, in_hf=True)
+    with pytest.raises(ValueError, match=r"no .metadata file\); expected a DCP checkpoint folder \(a step-N, or a "
+                                         r"seed checkpoint\)$"):
+        initial_load_folder(empty, in_hf=False)
+    with pytest.raises(ValueError, match="does not exist"):
+        initial_load_folder(tmp_path / "nope", in_hf=True)
+
+
+def test_a_step_folder_with_its_hf_export_passes_the_launch_checks(tmp_path):
+    from trainer.checkpoint_layout import check_load_options
+
+    make_checkpoint(tmp_path / "saved" / "checkpoint", 4, FULL)
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path / "new")
+    config.checkpoint.initial_load_path = str(tmp_path / "saved" / "checkpoint" / "step-4")
+    config.checkpoint.initial_load_in_hf = True
+    with pytest.raises(ValueError, match="step-4 has no config.json, nor hf/config.json"):
+        check_load_options(config)
+    (tmp_path / "saved" / "checkpoint" / "step-4" / "hf").mkdir()
+    (tmp_path / "saved" / "checkpoint" / "step-4" / "hf" / "config.json").write_text("{}")
+    check_load_options(config)
+
+
+def test_host_memory_counts_the_hf_export_of_a_step_folder(tmp_path):
+    """Every rank reads the safetensors files in full: those of step-N/hf/ when step-N is named."""
+    from trainer.config.manager import load_config
+    from trainer.preflight import plan_run, training_memory_need
+
+    step = tmp_path / "saved" / "checkpoint" / "step-4"
+    (step / "hf").mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"x")
+    (step / "hf" / "config.json").write_text("{}")
+    with open(step / "hf" / "model.safetensors", "wb") as f:
+        f.truncate(3_000_000_000)  # sparse: 3 GB on paper
+    config = load_config(["--job.config_file", "llama3_8b.toml", "--checkpoint.initial_load_path", str(step),
+                          "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path / "run")])
+    need = training_memory_need(config, plan_run(config, 8).dims, "cuda", 8)
+    assert need.bytes == 8 * 3_000_000_000 and str(step / "hf") in need.what

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint_layout import HF_EXPORT_DIR
 from trainer.dcp_files import read_model_state
 from trainer.hf.folder import read_hf_folder, write_hf_folder
 from trainer.models.llama3.args import LlamaModelArgs
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 class HFWeights:
     """The configured model's weights in Hugging Face form."""
 
-    folder_name = "hf"  # the export's folder inside the checkpoint
+    folder_name = HF_EXPORT_DIR  # the export's folder inside the checkpoint
 
     def __init__(self, model: torch.nn.Module, args: LlamaModelArgs):
         self.model, self.args = model, args
