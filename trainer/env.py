@@ -57,7 +57,10 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: int = 0) -> tuple[int, int]:
-    """Join (or, when started without torchrun, create) the process group; returns (rank, world size)."""
+    """Join (or, when started without torchrun, create) the process group; returns (rank, world size).
+    A process that already joined one (several runs in one process group, as tests do) keeps it."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":  # the NCCL flight recorder reads this when the group is created
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(nccl_trace_entries))
     if "RANK" not in os.environ:  # a plain `python -m trainer.train` is a world of one
