@@ -8,6 +8,7 @@ import base64
 import json
 import logging
 import pickle
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -214,14 +215,30 @@ def test_bos_and_eos_of_a_hugging_face_tokenizer(built, tmp_path):
     assert (load_tokenizer(framed).bos_id, load_tokenizer(framed).eos_id) == (1, 0)
 
 
-def test_a_tokenizer_without_eos_is_refused(built, tmp_path):
-    no_eos = write_hf(tmp_path / "no_eos", built, post_processor=None, added=[])
-    with pytest.raises(TokenizerError, match=f"{no_eos} defines no end-of-sequence token, which separates documents"):
-        load_tokenizer(no_eos)
-    unknown = write_hf(tmp_path / "unknown", built, beside={"tokenizer_config.json": {"eos_token": "<|eot_id|>"}})
-    with pytest.raises(TokenizerError, match=r"tokenizer_config.json names '<\|eot_id\|>' as a special token, but "
-                                             f".*{unknown.parent.name}/tokenizer.json has no such token"):
-        load_tokenizer(unknown)
+def test_an_eos_named_nowhere_is_supplied_and_a_null_eos_is_refused(built, tmp_path):
+    """(Adding tokens a folder names: tests/unit/test_tokenizer_specials.py.)"""
+    size = load_tokenizer(built["huggingface"]).vocab_size
+    # Named nowhere: the conventional spellings, here in the trained vocabulary already (ids 0 and 1).
+    unnamed = load_tokenizer(write_hf(tmp_path / "unnamed", built, post_processor=None, added=[]))
+    assert (unnamed.bos_id, unnamed.eos_id, unnamed.vocab_size, unnamed.added) == (0, 1, size, [])
+    assert unnamed.notes == [
+        f"{unnamed.path} names no {role} token, nor does a tokenizer_config.json or special_tokens_map.json beside "
+        f"it: using its {spelling!r} (id {token_id}) as {short}"
+        for role, spelling, token_id, short in (("beginning-of-sequence", "<|begin_of_text|>", 0, "BOS"),
+                                                ("end-of-sequence", "<|end_of_text|>", 1, "EOS"))]
+    # Named by tokenizer_config.json, missing from tokenizer.json: added after the vocabulary.
+    unknown = load_tokenizer(write_hf(tmp_path / "unknown", built,
+                                      beside={"tokenizer_config.json": {"eos_token": "<|eot_id|>"}}))
+    assert (unknown.bos_id, unknown.eos_id, unknown.vocab_size) == (0, size, size + 1)
+    assert unknown.notes == [f"added '<|eot_id|>' (EOS) to {unknown.path} at id {size}: "
+                             f"{tmp_path / 'unknown' / 'tokenizer_config.json'} names it"]
+    # A config that says there is none: documents could not be separated.
+    null = write_hf(tmp_path / "null", built, beside={"tokenizer_config.json": {"eos_token": None}})
+    with pytest.raises(TokenizerError, match=re.escape(
+            f"{null} defines no end-of-sequence token, which separates documents ({null.parent}/tokenizer_config.json "
+            "sets eos_token to null: set it to a token of the tokenizer, or remove the key to have '<|end_of_text|>' "
+            "added)")):
+        load_tokenizer(null)
 
 
 def test_errors_name_the_file_and_the_setting(built, tmp_path):

@@ -95,7 +95,7 @@ _tokenizer: Tokenizer | None = None
 
 def _load_tokenizer(path: str) -> None:
     global _tokenizer
-    _tokenizer = load_tokenizer(path, "--tokenizer")
+    _tokenizer = load_tokenizer(path, "--tokenizer", say_added=False)  # the parent process said it
 
 
 def stream_part_name(dataset: str, split: str, index: int, count: int) -> str:

@@ -32,13 +32,19 @@ logger = logging.getLogger(__name__)
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
-def load_tokenizer(path: str | os.PathLike, key: str = "") -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, key: str = "", say_added: bool = True) -> Tokenizer:
     """The tokenizer in `path`, of the kind its content shows; errors start with `key` (the
-    setting or option that named the file) when given."""
+    setting or option that named the file) when given. say_added: log the special tokens added
+    on loading (trainer.data.tokenizer_specials), one line each; False where another load in
+    the same job says it (a check before the job, worker processes)."""
     try:
-        return backend_class(path)(path)
+        tokenizer = backend_class(path)(path)
     except TokenizerError as e:
         raise TokenizerError(f"{key}: {e}" if key else str(e)) from None
+    if say_added:
+        for note in tokenizer.notes:
+            logger.info("tokenizer: %s", note)
+    return tokenizer
 
 
 def tokenizer_file(model, needed_by: str = "") -> tuple[str, str]:
@@ -68,11 +74,11 @@ def configured_tokenizer(model, model_vocab_size: int, needed_by: str = "",
                          say_unused: bool = True) -> Tokenizer | None:
     """The tokenizer of a config's model section (see tokenizer_file), checked against the
     model's vocabulary; None when there is none. say_unused=False: the preflight's check, which
-    leaves saying that rows are unused to the data pipeline (once)."""
+    leaves saying that rows are unused and which tokens were added to the data pipeline (once)."""
     path, key = tokenizer_file(model, needed_by)
     if not path:
         return None
-    tokenizer = load_tokenizer(path, key)
+    tokenizer = load_tokenizer(path, key, say_added=say_unused)
     check_vocab_fits(tokenizer, model_vocab_size, key, say_unused)
     if say_unused:  # the data pipeline's call: say which file the job reads, once
         logger.info("tokenizer: %s (%s, %d tokens, from %s)", tokenizer.path, tokenizer.kind, tokenizer.vocab_size, key)
@@ -93,10 +99,14 @@ def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int, key: str = "mo
     """A tokenizer larger than the model's vocabulary is an error; a smaller one leaves embedding
     rows unused, which is allowed and said once."""
     if tokenizer.vocab_size > model_vocab_size:
+        beyond = [f"{spelling!r} ({token_id})" for spelling, token_id in tokenizer.added
+                  if token_id >= model_vocab_size]
         raise TokenizerError(
             f"{key}: {tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary has "
             f"{model_vocab_size}; use a model.flavor with a vocabulary of at least {tokenizer.vocab_size}, or a "
-            f"tokenizer of at most {model_vocab_size} tokens (trained with --vocab-size <= {model_vocab_size})")
+            f"tokenizer of at most {model_vocab_size} tokens (trained with --vocab-size <= {model_vocab_size})"
+            + ("; the ids beyond the model's hold special tokens added on loading, as its folder names them and "
+               f"tokenizer.json lacks them: {', '.join(beyond)}" if beyond else ""))
     if say_unused and tokenizer.vocab_size < model_vocab_size:
         logger.info("tokenizer %s has %d tokens, the model's vocabulary %d: %d embedding rows are never used",
                     tokenizer.path, tokenizer.vocab_size, model_vocab_size, model_vocab_size - tokenizer.vocab_size)

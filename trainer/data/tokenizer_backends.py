@@ -1,7 +1,9 @@
 """The tokenizer interface and its three backends, told apart by the file's content:
 
 - Hugging Face: tokenizer.json (a JSON object). BOS / EOS: as tokenizer_config.json or
-  special_tokens_map.json beside it name them, else as tokenizer.json itself shows them.
+  special_tokens_map.json beside it name them, else as tokenizer.json itself shows them. Tokens
+  those files name that tokenizer.json lacks are added, and so are conventional BOS / EOS tokens
+  when no file names any (trainer.data.tokenizer_specials).
 - tiktoken: BPE ranks, one "base64-token rank" per line (Llama 3's original tokenizer.model),
   with Llama 3's special tokens after them. BOS / EOS: <|begin_of_text|> / <|end_of_text|>.
 - SentencePiece: a binary SentencePiece model (.model). BOS / EOS: the model's own pieces.
@@ -25,31 +27,28 @@ import sentencepiece as spm
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 
+from trainer.data.tokenizer_specials import (LLAMA3_BOS, LLAMA3_EOS, TokenizerError, add_missing_specials,
+                                             named_specials)
+
 # Llama 3's pre-tokenization: contractions, letter runs, numbers of up to 3 digits, punctuation
 # runs, newline runs and other whitespace.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_BOS, LLAMA3_EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # Llama 3's 256 special tokens, numbered from the number of base ranks on.
 LLAMA3_SPECIAL_TOKENS = [
     LLAMA3_BOS, LLAMA3_EOS, *(f"<|reserved_special_token_{i}|>" for i in range(4)),
     "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
     *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
 ]
-# Conventional spellings of BOS and EOS, for a tokenizer.json that names them nowhere else.
-BOS_SPELLINGS = (LLAMA3_BOS, "<s>", "<|startoftext|>", "<bos>")
-EOS_SPELLINGS = (LLAMA3_EOS, "</s>", "<|endoftext|>", "<eos>")
 KINDS = "a Hugging Face tokenizer.json, a tiktoken BPE ranks file (Llama 3's tokenizer.model) or a SentencePiece model"
-
-
-class TokenizerError(ValueError):
-    """A problem with a tokenizer file or its training input; the message names the file."""
 
 
 class Tokenizer:
     """The interface. Tokenizer(path) loads the file with the backend its content calls for;
     backends set vocab_size (every id, special ones included), bos_id (None: no BOS) and eos_id,
-    and implement _encode_text, decode and, where they can do better, _encode_texts."""
+    and implement _encode_text, decode and, where they can do better, _encode_texts. `added`
+    lists the tokens added to the file on loading ([spelling, id]), `notes` says why, one line
+    each (trainer.data.tokenizer.load_tokenizer logs them)."""
 
     kind = ""
 
@@ -64,6 +63,8 @@ class Tokenizer:
         self.vocab_size: int = 0
         self.bos_id: int | None = None
         self.eos_id: int | None = None
+        self.added: list[list] = []
+        self.notes: list[str] = []
 
     def __getstate__(self) -> dict:  # pickled for tokenizer worker processes: they load the file
         return {"path": self.path, "sha256": self._sha256}
@@ -100,10 +101,15 @@ class Tokenizer:
 
     @property
     def sha256(self) -> str:
-        """The file's SHA-256: the tokenizer's identity in manifests and checkpoints."""
+        """The tokenizer's identity in manifests and checkpoints: the file's SHA-256, taken over
+        the tokens added on loading too when there are any (the same file beside another
+        tokenizer_config.json can be another tokenizer)."""
         if self._sha256 is None:
             with open(self.path, "rb") as f:
-                self._sha256 = hashlib.sha256(f.read()).hexdigest()
+                digest = hashlib.sha256(f.read())
+            if self.added:
+                digest.update(json.dumps(self.added).encode())
+            self._sha256 = digest.hexdigest()
         return self._sha256
 
     def _require_eos(self, looked_in: str) -> None:
@@ -168,39 +174,17 @@ class HuggingFaceTokenizer(Tokenizer):
         except Exception as e:  # the library raises a bare Exception for malformed files
             raise TokenizerError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
         self._tok.encode_special_tokens = True  # a special token's spelling in a document stays text
+        named = named_specials(self.path, spec)
+        self.added, self.notes = add_missing_specials(self._tok, self.path, named)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1  # the embedding must hold the largest id
-        specials = self._named_specials(spec)
-        self.bos_id, self.eos_id = (self._id_of(specials.get(role)) for role in ("bos", "eos"))
-        self._require_eos("tokenizer_config.json and special_tokens_map.json beside it, and its post-processor "
-                          f"and added tokens for one of {', '.join(EOS_SPELLINGS)}")
-
-    def _named_specials(self, spec: dict) -> dict:
-        """{"bos": (spelling or None, where named), "eos": ...}: what the files beside
-        tokenizer.json name first (a key set to null there means: none), then tokenizer.json."""
-        named: dict = {}
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            beside = Path(self.path).parent / name
-            if beside.is_file():
-                try:
-                    config = json.loads(beside.read_text())
-                except ValueError as e:
-                    raise TokenizerError(f"{beside} is not valid JSON ({e})") from None
-                for role in ("bos", "eos"):
-                    if role not in named and f"{role}_token" in config:
-                        named[role] = (_spelling(config[f"{role}_token"]), str(beside))
-        for role, spelling in _specials_shown(spec).items():
-            named.setdefault(role, (spelling, self.path))
-        return named
-
-    def _id_of(self, named: tuple[str | None, str] | None) -> int | None:
-        if named is None or named[0] is None:
-            return None
-        spelling, where = named
-        token_id = self._tok.token_to_id(spelling)
-        if token_id is None:
-            raise TokenizerError(f"{where} names {spelling!r} as a special token, but {self.path} has no such token")
-        return token_id
+        spellings = {role: named.roles.get(role, (None, ""))[0] for role in ("bos", "eos")}
+        self.bos_id, self.eos_id = (self._tok.token_to_id(spellings[role]) if spellings[role] else None
+                                    for role in ("bos", "eos"))
+        if self.eos_id is None:
+            raise TokenizerError(f"{self.path} defines no end-of-sequence token, which separates documents "
+                                 f"({named.roles['eos'][1]} sets eos_token to null: set it to a token of the "
+                                 f"tokenizer, or remove the key to have {LLAMA3_EOS!r} added)")
 
     def _encode_text(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -212,38 +196,6 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def _spelling(token) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, null, or {"content": ...}."""
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _specials_shown(spec: dict) -> dict:
-    """BOS and EOS as tokenizer.json shows them: the special tokens its post-processor puts
-    before and after a sequence, else special added tokens of a conventional spelling."""
-    shown: dict = {}
-    processors = [spec.get("post_processor") or {}]
-    processors += processors[0].get("processors", [])  # a Sequence of processors
-    for processor in processors:
-        if processor.get("type") == "TemplateProcessing":
-            template = processor.get("single", [])
-            where = next((i for i, item in enumerate(template) if "Sequence" in item), len(template))
-            before = [item["SpecialToken"]["id"] for item in template[:where] if "SpecialToken" in item]
-            after = [item["SpecialToken"]["id"] for item in template[where:] if "SpecialToken" in item]
-            if before:
-                shown["bos"] = before[0]
-            if after:
-                shown["eos"] = after[-1]
-        elif processor.get("type") in ("RobertaProcessing", "BertProcessing"):
-            shown.update(bos=processor["cls"][0], eos=processor["sep"][0])
-    added = {token["content"] for token in spec.get("added_tokens", []) if token.get("special")}
-    for role, spellings in (("bos", BOS_SPELLINGS), ("eos", EOS_SPELLINGS)):
-        if role not in shown:
-            found = next((s for s in spellings if s in added), None)
-            if found:
-                shown[role] = found
-    return shown
 
 
 class TiktokenTokenizer(Tokenizer):
