@@ -67,7 +67,7 @@ def check_data(config: JobConfig) -> None:
 
 
 def _check_data(c: JobConfig) -> None:
-    from trainer.data.build import text_dataset
+    from trainer.data.build import check_location, text_dataset
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
     from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
@@ -96,6 +96,8 @@ def _check_data(c: JobConfig) -> None:
                                  "(a folder written by python -m trainer.data.prepare)"))
         if dataset == "files":
             find_data_files(path, path_key)
+        if key in ("training", "validation"):  # a named dataset's local copy, or the hub (mixtures hold neither)
+            check_location(dataset, path, key)
         if dataset == "shards":
             manifest = read_manifest(path, path_key)
             _check_shards(manifest, path, path_key, vocab_size, (tokenizer, tokenizer_key), fraction)

@@ -132,12 +132,17 @@ class Training:
     """Data source: 'synthetic' (built in: a random Markov chain with a known best loss), 'shards'
     (a folder of token shards written by `python -m trainer.data.prepare`, read from disk as needed: the
     format for real corpora), 'files' (local .jsonl/.json/.parquet/.txt at dataset_path,
-    tokenized into memory at every start: small corpora), or a Hugging Face dataset streamed by
-    name ('c4', 'fineweb', 'fineweb-edu' or a hub id 'org/name')."""
+    tokenized into memory at every start: small corpora), 'c4_test' (torchtitan's name for its
+    small sample of C4: read as 'files' from dataset_path), or a Hugging Face dataset streamed by
+    name ('c4', 'c4_validation' = C4's validation split, 'fineweb', 'fineweb-edu' or a hub id
+    'org/name')."""
 
     dataset_path: str = ""
-    """'shards': the prepared folder. 'files': a file, folder or glob. Hugging Face datasets: a
-    local copy (folder of data files) loaded instead of the hub. Refused with 'synthetic'."""
+    """'shards': the prepared folder. 'files' and 'c4_test' (required): a file, folder or glob.
+    Hugging Face datasets: a local copy (a folder of data files named by split, as on the hub)
+    loaded instead of the hub; without one and without hub access (HF_HUB_OFFLINE=1, or no
+    network), a run is refused at start unless the Hugging Face cache holds the dataset.
+    Refused with 'synthetic'."""
 
     dataset_text_field: str = "text"
     """Field holding the document text in .jsonl/.json/.parquet records and Hugging Face datasets."""

@@ -11,9 +11,15 @@ raises DataExhausted past the end of a finite source that does not wrap.
 
 | dataset        | class                                   | validation split                          |
 | synthetic      | synthetic.SyntheticMarkovSource         | other walks of the same chain             |
-| files          | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
+| files, c4_test | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
 | hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split (one lane, in order) |
+
+`c4_test` is the name torchtitan's configs give its 2,000-document sample of C4, a JSON-lines
+file in its repository (tests/assets/c4_test/data.json): small local data, so it is read as
+`files` are, from dataset_path (which it requires), with their held-out split. `c4_validation` is
+C4's validation split, streamed like any hub dataset (text_sources.HUB_ALIASES), from the hub or
+a local copy at dataset_path.
 
 [[training.datasets]] mixes files and shards sources by weight (mixture.MixtureSource); its
 validation split is the same mixture of the sources' validation splits.
@@ -33,12 +39,31 @@ from trainer.data.synthetic import SyntheticMarkovSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FRACTION = 0.05
-FINITE = ("files", "shards")
+LOCAL_FILES = ("files", "c4_test")  # names read by files_source, from dataset_path
+FINITE = ("shards", *LOCAL_FILES)
+C4_TEST = ("a small sample of C4 read from local files: torchtitan keeps it in its repository as "
+           "tests/assets/c4_test/data.json, one JSON object per line with the document in \"text\"")
 
 
 def is_streamed(dataset: str) -> bool:
     """A Hugging Face dataset by name or id, read as a stream."""
-    return dataset not in ("synthetic", "files", "shards")
+    return dataset not in ("synthetic", "shards", *LOCAL_FILES)
+
+
+def check_location(dataset: str, dataset_path: str, section: str) -> None:
+    """Before any work, without reading data: the data of `dataset` can be found (a local copy at
+    dataset_path, or for a streamed dataset the hub or its cache). section: 'training' or
+    'validation', whose dataset_path messages name."""
+    from trainer.data.text_sources import check_stream_location
+
+    key = f"{section}.dataset_path"
+    if dataset == "c4_test":
+        if not dataset_path:
+            raise DataError(f"{key}: required for dataset 'c4_test', {C4_TEST}: set {key} to that folder or file (or "
+                            "to any .jsonl/.json/.parquet/.txt file, folder or glob)")
+        find_data_files(dataset_path, key)
+    elif is_streamed(dataset):
+        check_stream_location(dataset, dataset_path, section)
 
 
 def data_seed(config) -> int:
@@ -86,15 +111,20 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
         raise DataError(f"{key}.dataset {dataset!r} is text: set model.tokenizer_path to a tokenizer file, or "
                         "model.hf_assets_path to a folder holding one (make one with "
                         "`python -m trainer.data.tokenizer train`)")
-    if dataset == "files":
+    if dataset in LOCAL_FILES:
+        check_location(dataset, dataset_path, key)  # c4_test: says what it is and where it comes from
         if not dataset_path:
             raise DataError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
         fraction = DEFAULT_VALIDATION_FRACTION if validation_fraction is None else validation_fraction
         return files_source(dataset_path, split, tokenizer=tokenizer, text_field=text_field, wrap=wrap,
                             shuffle_seed=shuffle_seed, validation_fraction=fraction, key=f"{key}.dataset_path")
-    opener = text.hub_stream_opener(dataset, dataset_path, split)
-    return text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap,
-                                    shuffle_seed=shuffle_seed, **(stream or {}))
+    check_location(dataset, dataset_path, key)  # again here: the launcher turns the hub off after its own checks
+    opener = text.hub_stream_opener(dataset, dataset_path, split, section=key)
+    source = text.StreamingTextSource(opener, tokenizer, text_field=text_field, name=f"{dataset}:{split}", wrap=wrap,
+                                      shuffle_seed=shuffle_seed, **(stream or {}))
+    if dataset_path:
+        source.files()  # a local copy opens in moments: one without the split it needs is refused now, not when read
+    return source
 
 
 def document_eos(config, source) -> int | None:

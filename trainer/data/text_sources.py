@@ -10,11 +10,14 @@ length, whatever the parallel layout.
 - Hugging Face datasets by name are streamed in lanes (trainer.data.stream_lanes): each
   data-parallel rank reads and tokenizes (in worker processes, ahead of use) only the lanes its
   rows come from; the rows do not depend on the layout, and a run resumes under any layout.
+  The same `load_dataset` call reads the hub or a local copy (dataset_path); a name may stand
+  for a hub id, a config and a split (HUB_ALIASES: c4_validation is C4's validation split).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -23,11 +26,23 @@ from trainer.data.stream_lanes import Lane, LaneState, StreamFiles, start_worker
 
 logger = logging.getLogger(__name__)
 
-HUB_ALIASES = {  # short names -> (hub id, config)
-    "c4": ("allenai/c4", "en"),
-    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
-    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+HUB_ALIASES = {  # short names -> (hub id, config, the split always read; None: the split asked for)
+    "c4": ("allenai/c4", "en", None),
+    "c4_validation": ("allenai/c4", "en", "validation"),  # torchtitan's configs' name for C4's validation split
+    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT", None),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT", None),
 }
+# What a local copy (dataset_path) of a streamed dataset holds: `datasets` tells a folder's splits
+# apart by the names of its files.
+LOCAL_COPY = {
+    "c4_validation": "a folder holding C4's validation files as the hub names them (en/c4-validation.00000-of-00008"
+                     ".json.gz ... from huggingface.co/datasets/allenai/c4), or files of JSON lines with a \"text\" "
+                     "field whose names say 'validation' (e.g. validation.jsonl)",
+}
+LOCAL_COPY_DEFAULT = ("a folder of the dataset's data files (.jsonl, .json, .parquet, optionally compressed) named by "
+                      "split as on the hub, e.g. data/train-00000-of-00001.jsonl and "
+                      "data/validation-00000-of-00001.jsonl")
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,20 +163,70 @@ class StreamingTextSource:
                 "data_files": self.files().count, "stream_lanes": self.lanes, "shuffle_seed": self.shuffle_seed}
 
 
-def hub_stream_opener(dataset: str, dataset_path: str, split: str):
+def hub_dataset(dataset: str, split: str) -> tuple[str, str | None, str]:
+    """(hub id, config or None, split read) of a streamed dataset's name."""
+    hub_id, config, fixed_split = HUB_ALIASES.get(dataset, (dataset, None, None))
+    return hub_id, config, fixed_split or split
+
+
+def hub_stream_opener(dataset: str, dataset_path: str, split: str, section: str = "training"):
     """A function opening the named dataset as a stream. dataset_path, when set, is a local copy
-    (a folder of data files) loaded through the same `load_dataset` call instead of the hub."""
+    (a folder of data files) loaded through the same `load_dataset` call instead of the hub.
+    section: the config section naming the dataset, for messages."""
     import datasets
 
-    hub_id, config = HUB_ALIASES.get(dataset, (dataset, None))
-    location = dataset_path or hub_id
+    hub_id, config, split = hub_dataset(dataset, split)
 
     def open_stream():
         try:
             if dataset_path:
-                return datasets.load_dataset(location, split=split, streaming=True)
-            return datasets.load_dataset(location, config, split=split, streaming=True)
+                return datasets.load_dataset(dataset_path, split=split, streaming=True)
+            return datasets.load_dataset(hub_id, config, split=split, streaming=True)
         except Exception as e:
-            raise DataError(f"training.dataset: cannot open {location!r} split {split!r}: {type(e).__name__}: {e}") from None
+            if dataset_path:
+                raise DataError(f"{section}.dataset_path: cannot open {dataset_path!r} split {split!r} as a local copy "
+                                f"of {dataset!r}: {type(e).__name__}: {e}; it should be "
+                                f"{LOCAL_COPY.get(dataset, LOCAL_COPY_DEFAULT)}") from None
+            raise DataError(f"{section}.dataset: cannot open {hub_id!r} split {split!r}: "
+                            f"{type(e).__name__}: {e}") from None
 
     return open_stream
+
+
+def check_stream_location(dataset: str, dataset_path: str, section: str) -> None:
+    """Before any work, without reading data: the local copy exists, or the dataset can come from
+    the hub, or (offline) from the Hugging Face cache. Raises DataError naming the key."""
+    what = LOCAL_COPY.get(dataset, LOCAL_COPY_DEFAULT)
+    if dataset_path:
+        if not os.path.exists(dataset_path):
+            raise DataError(f"{section}.dataset_path: {dataset_path!r} does not exist; for dataset {dataset!r} it is a "
+                            f"local copy: {what}")
+        return
+    offline = next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")), None)
+    hub_id, config, fixed_split = HUB_ALIASES.get(dataset, (dataset, None, None))
+    if offline and not _in_hf_cache(hub_id):
+        shown = ", ".join([hub_id] + [f"config {config}"] * bool(config) + [f"split {fixed_split}"] * bool(fixed_split))
+        raise DataError(f"{section}.dataset_path: dataset {dataset!r} is streamed from the Hugging Face hub ({shown}), "
+                        f"which {offline}=1 turns off, and the Hugging Face datasets cache ({_hf_cache()}) does not "
+                        f"hold it: set {section}.dataset_path to a local copy, {what}")
+
+
+def _hf_cache() -> str:
+    """The `datasets` cache folder, as the library finds it from the environment."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return os.environ["HF_DATASETS_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return os.path.join(home, "datasets")
+
+
+def _in_hf_cache(hub_id: str) -> bool:
+    """Whether the cache holds a folder of `hub_id` (as owner___name; the library writes the
+    name in snake case, so case and underscores are ignored here). Only its absence is certain:
+    the folder may lack the config or split, which opening the stream then says."""
+    wanted = hub_id.replace("/", "").replace("_", "").lower()
+    try:
+        entries = os.listdir(_hf_cache())
+    except OSError:
+        return False
+    return any(entry.replace("_", "").lower() == wanted for entry in entries)
