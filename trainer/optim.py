@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-
-from trainer.config.manager import to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: fl
 
     Warmup: step/warmup_steps for steps 1..warmup_steps, so the first step already moves and the
     last warmup step runs at the peak. Then a stable phase at the peak (when decay_ratio < 1),
-    then decay to min_lr_factor, reached exactly at the last step.
+    then decay to min_lr_factor, reached exactly at step total_steps and kept after it.
     """
     if step <= warmup_steps:
         return step / warmup_steps
@@ -118,9 +117,16 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: fl
     return min_lr_factor + (1.0 - min_lr_factor) * remaining
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR over lr_factor. LambdaLR calls the lambda with the number of steps taken so far,
-    so index i holds the factor of optimizer step i + 1."""
+def schedule_horizon(cfg, training_steps: int) -> int:
+    """The steps the schedule is laid out over: lr_scheduler.total_steps, else training.steps."""
+    return training_steps if getattr(cfg, "total_steps", None) is None else cfg.total_steps
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over lr_factor, over the [lr_scheduler] section's horizon (schedule_horizon).
+    LambdaLR calls the lambda with the number of steps taken so far, so index i holds the factor
+    of optimizer step i + 1."""
+    total_steps = schedule_horizon(cfg, training_steps)
 
     def factor(steps_taken: int) -> float:
         return lr_factor(steps_taken + 1, total_steps=total_steps, warmup_steps=cfg.warmup_steps,
@@ -140,11 +146,15 @@ def set_schedule_position(scheduler, steps_taken: int) -> None:
 
 def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
     """Why the learning rates of steps 1..steps_done would differ under this run's schedule from
-    the schedule they were trained with (training.steps or [lr_scheduler] changed), or None."""
+    the schedule they were trained with (its horizon or [lr_scheduler] changed), or None."""
     saved_steps = saved_config.get("training", {}).get("steps", config.training.steps)
-    now = to_dict(config)["lr_scheduler"]
-    saved = {**now, **saved_config.get("lr_scheduler", {})}
-    if saved_steps == config.training.steps and saved == now:
+    # A key missing from the saved record is unset (None is not written) or newer than the record:
+    # either way its default, which is what the saving run used.
+    saved = {**dataclasses.asdict(type(config.lr_scheduler)()), **saved_config.get("lr_scheduler", {})}
+    saved_horizon = saved.get("total_steps") or saved_steps
+    horizon = schedule_horizon(config.lr_scheduler, config.training.steps)
+    now = dataclasses.asdict(config.lr_scheduler)
+    if saved_horizon == horizon and saved == now:
         return None
 
     def factors(total: int, s: dict) -> list[float]:
@@ -152,15 +162,21 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
                           decay_type=s["decay_type"], min_lr_factor=s["min_lr_factor"])
                 for step in range(1, steps_done + 1)]
 
-    before, after = factors(saved_steps, saved), factors(config.training.steps, now)
+    before, after = factors(saved_horizon, saved), factors(horizon, now)
     differing = [step for step, (a, b) in enumerate(zip(before, after), 1) if a != b]
     if not differing:
         return None
-    return (f"steps {differing[0]}-{steps_done} were trained with the learning-rate schedule of training.steps = "
-            f"{saved_steps}, which differs from this run's (training.steps = {config.training.steps}); steps "
+    return (f"steps {differing[0]}-{steps_done} were trained with the learning-rate schedule of "
+            f"{horizon_name(saved.get('total_steps'), saved_steps)}, which differs from this run's "
+            f"({horizon_name(config.lr_scheduler.total_steps, config.training.steps)}); steps "
             f"{steps_done + 1}-{config.training.steps} follow this run's schedule, so the curve is not the one of a "
-            f"run configured this way from the start (a schedule with a stable phase, lr_scheduler.decay_ratio, "
-            "keeps earlier steps unchanged while they are before the decay)")
+            f"run configured this way from the start (lr_scheduler.total_steps set from the first start fixes the "
+            "schedule whatever training.steps is; a stable phase, lr_scheduler.decay_ratio, keeps earlier steps "
+            "unchanged while they are before the decay)")
+
+
+def horizon_name(total_steps: int | None, training_steps: int) -> str:
+    return f"training.steps = {training_steps}" if total_steps is None else f"lr_scheduler.total_steps = {total_steps}"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
+from trainer.config.saved_config import check_saved_config_file
 from trainer.parallel.dims import ParallelDims, layout_problems
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def _check_data(c: JobConfig) -> None:
     sections = _check_mixture(c) or [("training", c.training.dataset, c.training.dataset_path)]
     if c.validation.enable and c.validation.dataset:
         sections.append(("validation", c.validation.dataset, c.validation.dataset_path))
+    check_whole_split(c)
     tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=text_dataset(c), say_unused=False)
     tokenizer_key = tokenizer_file(c.model)[1]
     if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
@@ -103,6 +105,28 @@ def _check_data(c: JobConfig) -> None:
             _check_shards(manifest, path, path_key, vocab_size, (tokenizer, tokenizer_key), fraction)
             if key == "training" and c.validation.enable and not c.validation.dataset:
                 _check_held_out(manifest, path, c.validation.seq_len or c.training.seq_len)
+
+
+def check_whole_split(c: JobConfig) -> None:
+    """validation.steps = -1 reads every sequence of the validation split once: only a finite
+    split of known length has that."""
+    from trainer.config.validation import WHOLE_SPLIT
+    from trainer.data.build import FINITE
+
+    if not c.validation.enable or c.validation.steps != WHOLE_SPLIT:
+        return
+    fix = "set validation.steps to a number of batches (e.g. 10)"
+    if c.training.datasets and not c.validation.dataset:
+        raise ConfigError("validation.steps: -1 (the whole validation split) is not defined for a [[training.datasets]] "
+                          "mixture, which draws its sources by weight and repeats the small ones; set "
+                          f"validation.dataset to one source of known length, or {fix}")
+    dataset = c.validation.dataset or c.training.dataset
+    if dataset in FINITE:
+        return
+    why = ("an endless stream" if dataset == "synthetic" else
+           "streamed, so its length is known only once it has been read")
+    raise ConfigError(f"validation.steps: -1 (the whole validation split) needs a split of known length ("
+                      f"{', '.join(map(repr, FINITE))}), but the validation data {dataset!r} is {why}; {fix}")
 
 
 def _check_held_out(manifest: dict, path: str, seq_len: int) -> None:
@@ -162,6 +186,7 @@ def _check_shards(manifest: dict, path: str, path_key: str, vocab_size: int, con
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     """Resolve parallel degrees and the batch split; raise ConfigError naming the key to fix."""
     check_wandb_installed(config)
+    check_saved_config_file(config)
     check_data(config)
     try:
         check_load_options(config)
@@ -214,8 +239,9 @@ def describe_degrees(dims: ParallelDims) -> str:
 
 MEMINFO = "/proc/meminfo"
 FP32_BYTES = 4
-# Adam in float32: the parameter, its gradient, exp_avg and exp_avg_sq.
-TRAINING_BYTES_PER_PARAMETER = 16
+# Adam: the parameter, its gradient, exp_avg and exp_avg_sq, each of training.dtype.
+TENSORS_PER_PARAMETER = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -284,7 +310,8 @@ def loads_hf_folder(config: JobConfig) -> bool:
 def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str,
                          local_procs: int) -> MemoryNeed | None:
     """What the `local_procs` processes of one machine hold in host memory, at least: on a CPU
-    the model state (parameters, gradients, Adam state in float32: 16 bytes per parameter, over
+    the model state (parameters, gradients, Adam state in training.dtype: 16 bytes per parameter
+    in float32, 8 in bfloat16, over
     the ranks of one replica whatever the sharding, times dp_replicate); with
     checkpoint.initial_load_in_hf, on any device, every rank's full copy of the safetensors files.
     None when neither applies (the model state lives on the accelerators)."""
@@ -297,15 +324,17 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
     parts, advice = [], []
     state = 0
     if device_type == "cpu":
-        # Weights (4 bytes) exist from init on; gradients and Adam state from the first step.
-        state = int(TRAINING_BYTES_PER_PARAMETER * params * share)
-        init = local_procs * FP32_BYTES * largest  # init_weights' full-size buffer, per process
-        parts.append(f"parameters, gradients and Adam state in float32 ({count(params)} parameters x 16 bytes"
-                     f"{f' x {share:g}' if share != 1 else ''}, plus each process's init buffer)")
+        # Weights exist from init on; gradients and Adam state from the first step.
+        dtype = config.training.dtype
+        per_parameter = TENSORS_PER_PARAMETER * DTYPE_BYTES[dtype]
+        state = int(per_parameter * params * share)
+        init = local_procs * FP32_BYTES * largest  # init_weights' full-size float32 buffer, per process
+        parts.append(f"parameters, gradients and Adam state in {dtype} ({count(params)} parameters x "
+                     f"{per_parameter} bytes{f' x {share:g}' if share != 1 else ''}, plus each process's init buffer)")
         advice.append("use a smaller model.flavor, or train on GPUs")
         need = state + init
         if hf_bytes:
-            need = max(need, int(FP32_BYTES * params * share) + init + local_procs * hf_bytes)
+            need = max(need, int(DTYPE_BYTES[dtype] * params * share) + init + local_procs * hf_bytes)
     elif hf_bytes:
         need = local_procs * hf_bytes
     else:

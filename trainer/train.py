@@ -32,7 +32,8 @@ from trainer.checkpoint import (
 )
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
-from trainer.data.loader import BatchLoader, ProcessGroupPeers, check_evaluation_fits
+from trainer.config.saved_config import write_config_file
+from trainer.data.loader import BatchLoader, ProcessGroupPeers, evaluation_batches
 from trainer.parallel.collectives import CollectiveCounter, mesh_group_names
 from trainer.parallel.collectives import describe as describe_collectives
 from trainer.data.build import build_sources, document_eos
@@ -47,7 +48,7 @@ from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parallel import ParallelModel, parallelize
-from trainer.parallel.fsdp import resolve_param_dtype
+from trainer.parallel.fsdp import DTYPES, parameters_in, resolve_param_dtype
 from trainer.perturbation import perturb_weights
 from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
 from trainer.process_exit import report_error, run_process
@@ -112,6 +113,7 @@ class Trainer:
         if self.rank == 0:
             self.record = run_record.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
                                            resumed_step=self.state.step)
+            write_config_file(config)  # job.save_config_file, when set
         self.metrics = MetricsLogger(
             config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
             flops_per_token=flops_per_token(model_args, config.training.seq_len), run_stamp=stamp,
@@ -120,8 +122,9 @@ class Trainer:
         self.metrics_num_params = count_params_on_meta(model_args)
 
     def _build_model(self, model_args) -> ParallelModel:
-        """Build on the meta device, parallelize, then materialize: no full copy ever exists."""
-        with torch.device("meta"):
+        """Build on the meta device, parallelize, then materialize: no full copy ever exists. The
+        parameters are of training.dtype from the start (FSDP keeps what it is given)."""
+        with torch.device("meta"), parameters_in(DTYPES[self.config.training.dtype]):
             model = Transformer(model_args)
         parallel = parallelize(model, self.plan.dims, self.mesh, self.config, self.device)
         for stage in parallel.stages.values():
@@ -152,7 +155,7 @@ class Trainer:
             local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
             name="validation", pad_uneven=True, document_eos=eos,
         )
-        check_evaluation_fits(validation, v.steps)
+        self.validation_batches = evaluation_batches(validation, v.steps)
         return train, validation
 
     def _tensorboard_stamp(self) -> str | None:
@@ -227,11 +230,12 @@ class Trainer:
 
     @torch.no_grad()
     def validation_loss(self) -> float:
-        """Global mean token cross-entropy over the same validation batches every time."""
+        """Global mean token cross-entropy over the same validation batches every time (all of
+        the split with validation.steps = -1)."""
         self.model.eval()
         self.val_loader.reset()
         totals = torch.zeros(2, device=self.device)  # cross-entropy sum, target tokens
-        for _ in range(self.config.validation.steps):
+        for _ in range(self.validation_batches):
             totals += self.runner.evaluate(self.val_loader.next_batch())
         self.model.train()
         return (totals[0] / totals[1]).item()
@@ -394,10 +398,10 @@ def create_seed_checkpoint(config: JobConfig) -> int:
     return 0
 
 
-def configure_logging() -> None:
+def configure_logging(stream=None) -> None:
     # torchrun prefixes each line with the rank already.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout)
+                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
     # process without a Python traceback; this prints every thread's Python stack first.
     faulthandler.enable(file=sys.__stderr__)
-    configure_logging()
+    configure_logging(sys.stderr)  # what loading the config says stays off stdout, where --job.print_config writes TOML
     try:
         if "--help" in argv or "-h" in argv:
             rest = [a for a in argv if a not in ("--help", "-h")]
@@ -423,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             config.job.print_config = False  # so the printed file trains when loaded back
             sys.stdout.write(to_toml(config))
             return 0
+        configure_logging()
         if config.checkpoint.create_seed_checkpoint:
             return create_seed_checkpoint(config)
         plan = plan_run(config, int(os.environ.get("WORLD_SIZE", "1")))

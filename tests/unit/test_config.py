@@ -344,3 +344,58 @@ def test_python_m_trainer_train_prints_the_default_config():
                           text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert 'flavor = "debugmodel"' in done.stdout and "seq_len = 128" in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# training.dtype, lr_scheduler.total_steps, validation.steps = -1, job.save_config_file
+
+
+def test_full_bfloat16_training_computes_in_bfloat16():
+    config = load_config(["--training.dtype", "bfloat16"])
+    assert (config.training.dtype, config.training.mixed_precision_param) == ("bfloat16", "bfloat16")
+    assert load_config(["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"]) == config
+    assert load_config([]).training.mixed_precision_param == "auto"  # float32 runs keep auto
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--training.mixed_precision_param", "float32"],
+     "training.mixed_precision_param: 'float32' would cast the bfloat16 parameters of training.dtype = 'bfloat16' up "
+     "for compute; use 'auto' or 'bfloat16'"),
+    (["--training.mixed_precision_param", "float16"],
+     "training.mixed_precision_param: 'float16' (computed with dynamic loss scaling) cannot be combined with "
+     "training.dtype = 'bfloat16'"),
+    (["--debug.init_perturbation", "1"], "debug.init_perturbation: 1.0 rounding errors cannot be applied to weights "
+     "stored in bfloat16"),
+])
+def test_what_full_bfloat16_training_cannot_be_combined_with_is_refused(argv, fragment):
+    assert fragment in error_of(["--training.dtype", "bfloat16", *argv])
+
+
+def test_training_dtype_values():
+    assert "choose one of 'float32', 'bfloat16'" in error_of(["--training.dtype", "float16"])
+
+
+def test_schedule_horizon_and_whole_split_values():
+    assert load_config(["--lr_scheduler.total_steps", "200"]).lr_scheduler.total_steps == 200
+    assert load_config(["--lr_scheduler.total_steps", "none"]).lr_scheduler.total_steps is None
+    assert "lr_scheduler.total_steps: must be >= 1, or unset" in error_of(["--lr_scheduler.total_steps", "0"])
+    assert load_config(["--validation.steps", "-1"]).validation.steps == -1
+    assert ("validation.steps: must be >= 1 (batches per evaluation) or -1 (the whole validation split), got 0"
+            in error_of(["--validation.steps", "0"]))
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("/tmp/config.toml", "leaves job.dump_folder"),
+    ("../config.toml", "leaves job.dump_folder"),
+    ("sub/../../config.toml", "leaves job.dump_folder"),
+    ("metrics.jsonl", "is where the run writes metrics.jsonl itself"),
+    ("run_meta.json", "is where the run writes run_meta.json itself"),
+    ("checkpoint/config.toml", "is where the run writes checkpoint itself"),
+    ("tb", "is where the run writes tb itself"),
+    ("configs/", "is not a file name"),
+])
+def test_a_saved_config_file_stays_a_file_of_its_own_in_the_dump_folder(name, fragment):
+    message = error_of(["--job.save_config_file", name])
+    assert f"job.save_config_file: {name!r}" in message and fragment in message
+    assert load_config(["--job.save_config_file", "configs/job.toml"]).job.save_config_file == "configs/job.toml"
+    assert load_config(["--job.save_config_file", "job_config.json"]).job.save_config_file == "job_config.json"

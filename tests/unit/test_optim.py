@@ -192,3 +192,73 @@ def test_state_created_up_front_trains_like_the_lazy_state_and_survives_a_save()
                 p.grad = g.clone()
             o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), lazy_model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# lr_scheduler.total_steps: the schedule's horizon, independent of training.steps
+
+
+def learning_rates(cfg: LRScheduler, training_steps: int, steps: int, start_from=None) -> list[float]:
+    """The learning rates of optimizer steps 1..steps (or, from a saved scheduler state, of the
+    steps after it), as the trainer's scheduler gives them."""
+    from trainer.optim import set_schedule_position
+
+    optimizer = build_optimizer([("w", torch.nn.Parameter(torch.zeros(1)))], Optimizer(lr=0.1))
+    scheduler = build_lr_scheduler(optimizer, cfg, training_steps)
+    if start_from is not None:
+        scheduler.load_state_dict(start_from)
+        set_schedule_position(scheduler, scheduler.last_epoch)
+    used = []
+    for _ in range(steps):
+        used.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return used
+
+
+def test_total_steps_lays_the_schedule_out_whatever_training_steps_is():
+    cfg = LRScheduler(warmup_steps=4, total_steps=20, decay_ratio=0.5, min_lr_factor=0.1)
+    long = learning_rates(cfg, 20, 20)
+    assert long == pytest.approx([0.1 * f for f in factors(20, 4, 0.5, "linear", 0.1)], abs=1e-15)
+    assert learning_rates(cfg, 8, 8) == long[:8]  # stopped early: the first 8 steps of the long run
+    # Past the horizon the learning rate stays at its floor.
+    assert learning_rates(cfg, 25, 25)[19:] == pytest.approx([0.1 * 0.1] * 6, abs=1e-15)
+    # Unset: the horizon is training.steps, as before.
+    assert learning_rates(LRScheduler(warmup_steps=4, decay_ratio=0.5, min_lr_factor=0.1), 20, 20) == long
+
+
+def test_a_run_with_a_horizon_is_extended_exactly():
+    """Train 8 of 20 steps, save the scheduler, resume with training.steps raised to 20: the
+    learning rates are those of one 20-step run, and the resume says nothing changed."""
+    from trainer.config.manager import load_config, to_dict
+    from trainer.optim import schedule_change
+
+    cfg = LRScheduler(warmup_steps=4, total_steps=20, decay_ratio=0.5)
+    optimizer = build_optimizer([("w", torch.nn.Parameter(torch.zeros(1)))], Optimizer(lr=0.1))
+    first = build_lr_scheduler(optimizer, cfg, 8)
+    for _ in range(8):
+        optimizer.step()
+        first.step()
+    resumed = learning_rates(cfg, 20, 12, start_from=first.state_dict())
+    assert resumed == learning_rates(cfg, 20, 20)[8:]
+    horizon = ["--lr_scheduler.warmup_steps", "4", "--lr_scheduler.total_steps", "20", "--lr_scheduler.decay_ratio",
+               "0.5"]
+    saved = to_dict(load_config(["--training.steps", "8", *horizon]))
+    assert schedule_change(saved, load_config(["--training.steps", "20", *horizon]), 8) is None
+    # Without the horizon, the first run decayed over its own 8 steps: the resume names it.
+    saved = to_dict(load_config(["--training.steps", "8", *horizon[:2], *horizon[4:]]))
+    message = schedule_change(saved, load_config(["--training.steps", "20", *horizon]), 8)
+    assert message.startswith("steps 7-8 were trained with the learning-rate schedule of training.steps = 8, which "
+                              "differs from this run's (lr_scheduler.total_steps = 20)")
+    assert "lr_scheduler.total_steps set from the first start fixes the schedule" in message
+
+
+def test_a_key_the_saved_run_left_unset_is_compared_as_unset():
+    """A saved record omits unset (None) keys: they are their defaults, not this run's values."""
+    from trainer.config.manager import load_config, to_dict
+    from trainer.optim import schedule_change
+
+    saved = to_dict(load_config(["--training.steps", "10", "--lr_scheduler.warmup_steps", "2"]))
+    now = load_config(["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio",
+                       "0.5"])
+    assert schedule_change(saved, now, 6).startswith("steps 3-6 were trained with the learning-rate schedule")

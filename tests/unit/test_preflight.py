@@ -63,3 +63,56 @@ def test_a_config_json_the_flavor_ignores_is_mentioned(tmp_path, caplog):
     [record] = caplog.records
     assert "the shapes of model.flavor debugmodel are used, not those of its config.json" in record.getMessage()
     assert "hidden_size = 64 (the configured model has 256)" in record.getMessage()
+
+
+# ---------------------------------------------------------------------------------------------
+# validation.steps = -1 and training.dtype
+
+
+WHOLE = ["--validation.enable", "--validation.steps", "-1"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([], "validation.steps: -1 (the whole validation split) needs a split of known length ('shards', 'files', "
+         "'c4_test'), but the validation data 'synthetic' is an endless stream; set validation.steps to a number of "
+         "batches (e.g. 10)"),
+    (["--training.dataset", "c4"], "the validation data 'c4' is streamed, so its length is known only once it has "
+                                   "been read; set validation.steps to a number of batches"),
+    (["--validation.dataset", "org/corpus"], "the validation data 'org/corpus' is streamed"),
+])
+def test_the_whole_validation_split_needs_one_of_known_length(argv, fragment):
+    with pytest.raises(ConfigError) as info:
+        plan_run(load_config(["--model.tokenizer_path", "", *WHOLE, *argv]), 1)
+    assert fragment in str(info.value)
+
+
+def test_the_whole_split_of_a_mixture_is_refused(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text('[[training.datasets]]\npath = "/data/a"\n[[training.datasets]]\npath = "/data/b"\n')
+    with pytest.raises(ConfigError, match=r"validation.steps: -1 \(the whole validation split\) is not defined for a "
+                                          r"\[\[training.datasets\]\] mixture"):
+        plan_run(load_config(["--job.config_file", str(path), *WHOLE]), 1)
+
+
+def test_the_whole_split_is_only_checked_when_validating():
+    plan_run(load_config(["--validation.steps", "-1"]), 1)  # torchtitan's default, validation off: fine
+
+
+def test_bfloat16_state_halves_the_host_memory_need():
+    from trainer.preflight import training_memory_need
+
+    def need(*argv):
+        config = load_config(["--model.flavor", "debugmodel", *argv])
+        return training_memory_need(config, plan_run(config, 2).dims, "cpu", 2)
+
+    float32, bfloat16 = need(), need("--training.dtype", "bfloat16")
+    assert "Adam state in bfloat16 (" in bfloat16.what and "x 8 bytes" in bfloat16.what
+    # 2 of 2 processes hold one whole model state: 16 bytes a parameter in float32, 8 in bfloat16
+    # (the init buffers, drawn in float32 either way, are the same).
+    assert float32.bytes - bfloat16.bytes == (16 - 8) * count_parameters("debugmodel")
+
+
+def count_parameters(flavor: str) -> int:
+    from trainer.models.llama3.args import get_flavor, num_params
+
+    return num_params(get_flavor(flavor))

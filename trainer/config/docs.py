@@ -14,6 +14,7 @@ import typing
 from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import field_docs, field_types, sections, type_name
+from trainer.config.torchtitan_keys import OWN_KEYS, TORCHTITAN_KEYS, TORCHTITAN_VERSION, table
 
 INTRO = """\
 # Configuration reference
@@ -30,6 +31,8 @@ A job is configured by a TOML file (`--job.config_file`, looked up in the workin
 Unknown sections and keys, wrong types and invalid values stop the launch with one message naming
 the key, where it came from, and what is valid (exit code 2). `--help` prints this table;
 `--job.print_config` prints the resolved configuration as TOML that loads back to the same config.
+torchtitan's configs and command-line flags load as they are: [Coming from
+torchtitan](#coming-from-torchtitan) says what each of its keys does here.
 
 This file is generated: `python -m trainer.config.docs > docs/configuration.md`.
 """
@@ -55,7 +58,7 @@ def render() -> str:
             entry = table_entry_type(field_types(cls)[f.name])
             if entry is not None:
                 out += render_entry(f"{section}.{f.name}", entry)
-    return render_ignored(out)
+    return render_torchtitan(out)
 
 
 def table_entry_type(tp) -> type | None:
@@ -74,12 +77,22 @@ def render_entry(name: str, cls: type) -> list[str]:
     return out + [""]
 
 
-def render_ignored(out: list[str]) -> str:
-    out += ["## Accepted but ignored", "",
-            "These torchtitan v0.2.2 options load without error and are named in one warning:", "",
-            "- sections: " + ", ".join(f"`[{s}]`" for s in sorted(IGNORED_SECTIONS))]
-    for section, keys in IGNORED_KEYS.items():
-        out.append(f"- `[{section}]`: " + ", ".join(f"`{k}`" for k in sorted(keys)))
+def render_torchtitan(out: list[str]) -> str:
+    """The "Coming from torchtitan" table: every torchtitan key and what this trainer does with it."""
+    out += ["## Coming from torchtitan", "",
+            f"Every key of torchtitan {TORCHTITAN_VERSION}'s configuration, and what this trainer does with it: "
+            "*same* (same meaning, default and values), *different* (how), *ignored with a warning* (accepted in "
+            "a TOML file and on the command line, named in one warning, without effect) or *refused* (an unknown "
+            "key, stopping the launch; why). A key that names a table covers every key inside it, as in "
+            "torchtitan's `--quantize.linear.float8.filter_fqns`.", "",
+            "| torchtitan key | here | how, or why |", "| --- | --- | --- |"]
+    out += [f"| `{key}` | {state} | {escape(note)} |" for key, state, note in table()]
+    listed = {f"{section}.{key.split('.')[0]}" for section, keys in TORCHTITAN_KEYS.items() for key in keys}
+    earlier = [f"`[{s}]`" for s in sorted(IGNORED_SECTIONS) if s not in TORCHTITAN_KEYS]
+    earlier += [f"`{section}.{key}`" for section, keys in IGNORED_KEYS.items() for key in sorted(keys)
+                if f"{section}.{key}" not in listed]
+    out += ["", "Also ignored with a warning, from earlier torchtitan versions: " + ", ".join(earlier) + ".", "",
+            "Keys of this trainer that torchtitan does not have: " + ", ".join(f"`{key}`" for key in OWN_KEYS) + "."]
     return "\n".join(out) + "\n"
 
 

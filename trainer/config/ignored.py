@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-# torchtitan v0.2.2 sections and keys this trainer does not implement. A config that uses them
-# still loads (so upstream configs work as they are), with one warning naming what is ignored.
+# torchtitan sections and keys this trainer does not implement (v0.2.2's, and a few of earlier
+# versions). A config that uses them still loads, from the TOML file or the command line alike
+# (so upstream configs and launch scripts work as they are), with one warning naming what is
+# ignored. A key here that names a table (training.dataloader) covers every key inside it, and
+# an ignored section any key inside it.
 IGNORED_SECTIONS = frozenset(
     {"fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
 )
@@ -16,6 +19,8 @@ IGNORED_KEYS = {
         "enable_compiled_autograd",
         "expert_parallel_degree",
         "expert_tensor_parallel_degree",
+        "expert_parallel_comm_backend",  # MoE only: no effect on Llama
+        "pipeline_parallel_expert_parallel_overlap",  # MoE only: no effect on Llama
         "module_fqns_per_model_part",
         "pipeline_parallel_schedule_csv",
         "pipeline_parallel_split_points",
@@ -30,4 +35,11 @@ IGNORED_KEYS = {
     },
     "comm": {"save_traces_folder", "save_traces_file_prefix"},
     "debug": {"moe_force_load_balance"},
+    "validation": {"dataloader"},
 }
+
+
+def is_ignored(section: str, key: str = "") -> bool:
+    """Whether `section.key` is an ignored option; `key` is dotted below a table
+    ("dataloader.num_workers"), empty for the section itself."""
+    return section in IGNORED_SECTIONS or key.split(".")[0] in IGNORED_KEYS.get(section, ())

@@ -1,5 +1,5 @@
 """The job configuration: one dataclass per TOML section ([metrics] and [profiling] live in
-trainer/config/observability.py).
+trainer/config/observability.py, [validation] in trainer/config/validation.py).
 
 Section and key names follow the torchtitan v0.2.2 TOML format so that its configs load here.
 Every field carries a docstring (the string literal right below it); `--help` and
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from trainer.config.observability import Metrics, Profiling
+from trainer.config.validation import Validation
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -33,6 +34,13 @@ class Job:
 
     print_config: bool = False
     """Print the resolved configuration as TOML and exit without training."""
+
+    save_config_file: Optional[str] = None
+    """A file name in job.dump_folder: a training run's rank 0 writes the resolved configuration
+    there as TOML (what job.print_config prints, loadable with --job.config_file) at every start,
+    a resume included. The dump folder is the run's own, so the file is replaced at each start,
+    but only when this trainer wrote it: a file it did not write is never overwritten (refused
+    before launch). Must stay inside job.dump_folder (no absolute path, no '..'). Unset: none."""
 
 
 @dataclass
@@ -94,7 +102,15 @@ class LRScheduler:
     """Learning-rate schedule: linear warmup, an optional stable phase, then decay."""
 
     warmup_steps: int = 200
-    """Steps of linear warmup from lr/warmup_steps to lr. Longer than training.steps: the peak is never reached."""
+    """Steps of linear warmup from lr/warmup_steps to lr. Longer than the schedule (total_steps,
+    else training.steps): the peak is never reached."""
+
+    total_steps: Optional[int] = None
+    """Steps of the schedule, when they differ from training.steps: warmup, stable phase and decay
+    are laid out over this many steps, whatever training.steps is, and steps past it train at
+    lr x min_lr_factor. A run that sets it can be stopped early and later extended (raising
+    training.steps, up to total_steps) on exactly the learning rates of one long run. Unset:
+    training.steps."""
 
     decay_ratio: Optional[float] = None
     """Fraction of the post-warmup steps spent decaying; the rest is a stable phase at peak lr.
@@ -210,8 +226,18 @@ class Training:
     steps: int = 10000
     """Optimizer steps to train."""
 
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters are stored and trained in. bfloat16: full bfloat16 training, with
+    parameters, gradients and optimizer state all in bfloat16 and no float32 master copy (half the
+    memory of float32 state; updates smaller than bfloat16's resolution of a weight are lost).
+    The initial weights are drawn in float32 and rounded; RMSNorm statistics, rotary embeddings,
+    the loss and the gradient norm stay in float32, and gradient reductions run in
+    mixed_precision_reduce. mixed_precision_param must then be auto or bfloat16 (nothing is cast
+    up for compute), and debug.init_perturbation 0."""
+
     mixed_precision_param: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype FSDP casts parameters to for compute. auto: bfloat16 on CUDA, float32 on CPU."""
+    """Dtype FSDP casts parameters to for compute. auto: bfloat16 on CUDA, float32 on CPU, and
+    bfloat16 with training.dtype = "bfloat16" (the resolved configuration then says bfloat16)."""
 
     mixed_precision_reduce: DType = "float32"
     """Dtype of every gradient reduction: FSDP's reduce-scatter and all-reduce, the TP all-reduce
@@ -440,41 +466,6 @@ class Debug:
 
     init_perturbation_seed: int = 1
     """Seed of init_perturbation's noise; each noise control of the protocol uses its own."""
-
-
-@dataclass
-class Validation:
-    """Held-out evaluation during training."""
-
-    enable: bool = False
-    """Compute validation loss every `freq` steps."""
-
-    dataset: str = ""
-    """Validation data source, named as training.dataset. Empty: the held-out split of
-    training.dataset (synthetic: other walks of the same chain; files and shards: the documents
-    of training.validation_fraction, which training never reads; Hugging Face: the 'validation'
-    split)."""
-
-    dataset_path: str = ""
-    """Local path for the validation source (as training.dataset_path)."""
-
-    global_batch_size: int = 64
-    """Sequences per validation batch over all ranks: the same rows, and so the same loss, in
-    every parallel layout. Each data-parallel rank evaluates its share (the last ranks' shares
-    padded with sequences that count for nothing when it does not divide evenly)."""
-
-    local_batch_size: Optional[int] = None
-    """Sequences per forward pass of a data-parallel rank in validation (a memory bound, not a
-    batch definition). Unset: training.local_batch_size."""
-
-    seq_len: Optional[int] = None
-    """Tokens per validation sequence. Unset: training.seq_len."""
-
-    freq: int = 500
-    """Validate every this many training steps."""
-
-    steps: int = 10
-    """Validation batches per evaluation (the same batches every time)."""
 
 
 @dataclass

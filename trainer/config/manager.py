@@ -18,14 +18,15 @@ import difflib
 import functools
 import inspect
 import logging
-import math
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
+from trainer.config.checks import validate
+from trainer.config.errors import ConfigError
+from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
 from trainer.config.job_config import JobConfig
 
 if sys.version_info >= (3, 11):
@@ -39,10 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_CONFIGS_DIR = REPO_ROOT / "train_configs"
 DEFAULT_CONFIG_FILE = "debug_model.toml"  # what the entry points train without --job.config_file
 BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-
-
-class ConfigError(ValueError):
-    """A mistake in the configuration a user can fix; the message says how."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +200,9 @@ def read_toml(path: Path) -> dict:
 
 
 def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
-    """Turn arguments into (section, key, raw value) triples; raw values stay strings or bools."""
+    """Turn arguments into (section, key, raw value) triples; raw values stay strings or bools.
+    A torchtitan option this trainer ignores (trainer.config.ignored) comes out as well, its key
+    dotted as typed (quantize, "linear.float8.emulate"): load_config names and drops it."""
     known = sections()
     overrides = []
     i = 0
@@ -214,8 +213,22 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
         name, has_value, value = arg[2:].partition("=")
         section, _, key = name.partition(".")
         key = key.replace("-", "_")
+        ignored_key = ignored_option(section, key)
+        if ignored_key is not None:
+            # Its type is not known here: a bare flag unless a value follows (no option does).
+            if has_value:
+                overrides.append((section, ignored_key, value))
+                i += 1
+            elif ignored_key != key or i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                overrides.append((section, ignored_key, ignored_key == key))  # --x.no_flag: false
+                i += 1
+            else:
+                overrides.append((section, ignored_key, argv[i + 1]))
+                i += 2
+            continue
         if section not in known:
-            raise ConfigError(f"argument {arg!r}: unknown section {section!r}{suggestion(section, list(known))}")
+            raise ConfigError(f"argument {arg!r}: unknown section {section!r}"
+                              f"{suggestion(section, [*known, *IGNORED_SECTIONS])}")
         cls = known[section]
         types_ = field_types(cls)
         negated = key.startswith("no_") and key[3:] in types_ and types_[key[3:]] is bool
@@ -226,7 +239,8 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
             i += 1
             continue
         if key not in types_:
-            raise ConfigError(f"argument {arg!r}: unknown key {section}.{key}{suggestion(key, list(types_))}")
+            raise ConfigError(f"argument {arg!r}: unknown key {section}.{key}"
+                              f"{suggestion(key, [*types_, *IGNORED_KEYS.get(section, ())])}")
         if has_value:
             overrides.append((section, key, value))
             i += 1
@@ -247,6 +261,16 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     return overrides
 
 
+def ignored_option(section: str, key: str) -> str | None:
+    """The key of a command-line option this trainer ignores (`no_` dropped from a negated
+    flag), or None when the option is not one of trainer.config.ignored's."""
+    if is_ignored(section, key):
+        return key
+    if key.startswith("no_") and is_ignored(section, key[3:]):
+        return key[3:]
+    return None
+
+
 def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
     """Set values from a parsed TOML table; returns the names of ignored torchtitan options."""
     known = sections()
@@ -263,123 +287,13 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
         types_ = field_types(cls)
         target = getattr(config, section)
         for key, value in table.items():
-            if key in IGNORED_KEYS.get(section, ()):
+            if is_ignored(section, key):
                 ignored.append(f"{section}.{key}")
                 continue
             if key not in types_:
                 raise ConfigError(f"{path}: unknown key {section}.{key}{suggestion(key, list(types_))}")
             setattr(target, key, convert(value, types_[key], f"{path}: {section}.{key}"))
     return ignored
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation of values (parallel degrees against a world size are checked in trainer.parallel.dims)
-
-
-def validate(config: JobConfig) -> None:
-    """Check values every run needs; raise ConfigError listing every problem found."""
-    from trainer.models.llama3.hf_config import HFConfigError, configured_model_args, flavor_names  # light: no torch
-
-    c = config
-    problems = []
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
-
-    need(c.model.flavor in flavor_names(),
-         f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
-    if c.model.flavor == "hf" or c.model.hf_assets_path:
-        try:
-            configured_model_args(c.model)
-            if c.model.hf_assets_path and not Path(c.model.hf_assets_path).is_dir():
-                raise HFConfigError(f"model.hf_assets_path: {c.model.hf_assets_path} is not a folder")
-        except (HFConfigError, ValueError) as e:
-            problems.append(str(e))
-    need(c.training.steps >= 1, f"training.steps: must be >= 1, got {c.training.steps}")
-    need(c.training.local_batch_size >= 1, f"training.local_batch_size: must be >= 1, got {c.training.local_batch_size}")
-    need(
-        c.training.global_batch_size == -1 or c.training.global_batch_size >= 1,
-        f"training.global_batch_size: must be -1 (local x data-parallel degree) or >= 1, got {c.training.global_batch_size}",
-    )
-    need(c.training.seq_len >= 2, f"training.seq_len: must be >= 2, got {c.training.seq_len}")
-    need(c.training.stream_lanes >= 1, f"training.stream_lanes: must be >= 1, got {c.training.stream_lanes}")
-    need(c.training.stream_workers >= 0, f"training.stream_workers: must be >= 0, got {c.training.stream_workers}")
-    need(c.training.stream_prefetch >= 1, f"training.stream_prefetch: must be >= 1, got {c.training.stream_prefetch}")
-    for key in ("loss_scale_initial", "loss_scale_min"):
-        value = getattr(c.training, key)
-        need(value > 0 and math.frexp(value)[0] == 0.5, f"training.{key}: must be a power of two (so that unscaling "
-             f"is exact), e.g. 65536 or 1, got {value}")
-    need(c.training.loss_scale_min <= c.training.loss_scale_initial,
-         f"training.loss_scale_min: must be <= training.loss_scale_initial ({c.training.loss_scale_initial}), "
-         f"got {c.training.loss_scale_min}")
-    need(c.training.loss_scale_growth_interval >= 1,
-         f"training.loss_scale_growth_interval: must be >= 1, got {c.training.loss_scale_growth_interval}")
-    for key in ("init_timeout_seconds", "train_timeout_seconds"):
-        need(getattr(c.comm, key) >= 1, f"comm.{key}: must be >= 1 (seconds), got {getattr(c.comm, key)}")
-    need(c.training.gc_freq >= 1, f"training.gc_freq: must be >= 1, got {c.training.gc_freq}")
-    need(c.optimizer.lr >= 0, f"optimizer.lr: must be >= 0, got {c.optimizer.lr}")
-    for key in ("beta1", "beta2"):
-        beta = getattr(c.optimizer, key)
-        need(0.0 <= beta < 1.0, f"optimizer.{key}: must be in [0, 1), got {beta}")
-    need(c.optimizer.eps > 0, f"optimizer.eps: must be > 0, got {c.optimizer.eps}")
-    need(c.optimizer.weight_decay >= 0, f"optimizer.weight_decay: must be >= 0, got {c.optimizer.weight_decay}")
-    need(c.lr_scheduler.warmup_steps >= 0, f"lr_scheduler.warmup_steps: must be >= 0, got {c.lr_scheduler.warmup_steps}")
-    ratio = c.lr_scheduler.decay_ratio
-    need(ratio is None or 0.0 <= ratio <= 1.0, f"lr_scheduler.decay_ratio: must be in [0, 1] or unset, got {ratio}")
-    need(
-        0.0 <= c.lr_scheduler.min_lr_factor <= 1.0,
-        f"lr_scheduler.min_lr_factor: must be in [0, 1], got {c.lr_scheduler.min_lr_factor}",
-    )
-    need(0 <= c.debug.init_perturbation <= 64, "debug.init_perturbation: must be in [0, 64] rounding errors of the "
-         f"compute dtype (1 is the protocol's noise controls; 0 is off), got {c.debug.init_perturbation}")
-    need(c.metrics.log_freq >= 1, f"metrics.log_freq: must be >= 1, got {c.metrics.log_freq}")
-    need(c.metrics.peak_flops >= 0, f"metrics.peak_flops: must be >= 0, got {c.metrics.peak_flops}")
-    prof = c.profiling  # checked also when off: a typo shows at once, not when profiling is turned on
-    need(prof.profile_freq >= 1, f"profiling.profile_freq: must be >= 1, got {prof.profile_freq}")
-    need(prof.profiler_warmup >= 0, f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")
-    need(prof.profiler_active >= 1, f"profiling.profiler_active: must be >= 1, got {prof.profiler_active}")
-    need(prof.profiler_warmup + prof.profiler_active <= prof.profile_freq,
-         f"profiling.profiler_warmup + profiling.profiler_active: {prof.profiler_warmup} + {prof.profiler_active} steps "
-         f"must fit in one profiling.profile_freq window of {prof.profile_freq} steps (windows must not overlap); "
-         f"lower them or raise profile_freq to at least {prof.profiler_warmup + prof.profiler_active}")
-    need(c.checkpoint.interval >= 1, f"checkpoint.interval: must be >= 1, got {c.checkpoint.interval}")
-    need(c.checkpoint.keep_latest_k >= 0, f"checkpoint.keep_latest_k: must be >= 0 (0 keeps all), got {c.checkpoint.keep_latest_k}")
-    need(c.checkpoint.load_step >= -1, f"checkpoint.load_step: must be -1 (newest) or a step, got {c.checkpoint.load_step}")
-    need(not c.checkpoint.last_save_in_hf or c.checkpoint.enable,
-         "checkpoint.last_save_in_hf: needs checkpoint.enable (the export is part of the last save)")
-    need(not c.checkpoint.initial_load_in_hf or bool(c.checkpoint.initial_load_path),
-         "checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
-    loadable = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
-    for item in c.checkpoint.exclude_from_loading:
-        need(item in loadable, f"checkpoint.exclude_from_loading: {item!r} is unknown; choose from {', '.join(sorted(loadable))}")
-    for item in c.compile.components:
-        need(item in ("model", "loss"), f"compile.components: {item!r} is unknown; choose from 'model', 'loss'")
-    option = c.activation_checkpoint.selective_ac_option
-    need(
-        option == "op" or (option.isdigit() and int(option) >= 1),
-        f"activation_checkpoint.selective_ac_option: must be 'op' or a positive integer, got {option!r}",
-    )
-    p = c.parallelism
-    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
-        need(getattr(p, key) >= 1, f"parallelism.{key}: must be >= 1, got {getattr(p, key)}")
-    need(
-        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-        f"parallelism.data_parallel_shard_degree: must be -1 (the rest of the world) or >= 1, got {p.data_parallel_shard_degree}",
-    )
-    need(
-        p.pipeline_parallel_microbatch_size >= 1,
-        f"parallelism.pipeline_parallel_microbatch_size: must be >= 1, got {p.pipeline_parallel_microbatch_size}",
-    )
-    need(p.context_parallel_rotate_method == "allgather",
-         f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not available; context "
-         "parallelism here gathers keys and values ('allgather')")
-    for key in ("validation.global_batch_size", "validation.local_batch_size", "validation.seq_len", "validation.freq",
-                "validation.steps"):
-        section, name = key.split(".")
-        need(getattr(getattr(c, section), name) >= 1, f"{key}: must be >= 1, got {getattr(getattr(c, section), name)}")
-    if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,10 +315,15 @@ def load_config(argv: list[str]) -> JobConfig:
     overrides = parse_cli(argv)
     config_files = [value for section, key, value in overrides if (section, key) == ("job", "config_file")]
     path = resolve_config_file(str(config_files[-1])) if config_files and config_files[-1] else None
+    ignored = {}
     if path is not None:
-        ignored = apply_toml(config, read_toml(path), path)
-        if ignored:
-            logger.warning("%s: ignoring options this trainer does not implement: %s", path, ", ".join(ignored))
+        ignored[str(path)] = apply_toml(config, read_toml(path), path)
+    ignored["command line"] = list(dict.fromkeys(f"--{section}.{key}" for section, key, _ in overrides
+                                                 if is_ignored(section, key)))
+    overrides = [(section, key, value) for section, key, value in overrides if not is_ignored(section, key)]
+    if any(ignored.values()):
+        logger.warning("ignoring options this trainer does not implement (torchtitan's; docs/configuration.md lists "
+                       "them): %s", "; ".join(f"{where}: {', '.join(names)}" for where, names in ignored.items() if names))
     known = sections()
     for section, key, value in overrides:
         cls = known[section]
@@ -417,12 +336,15 @@ def load_config(argv: list[str]) -> JobConfig:
 
 
 def inherit_unset(config: JobConfig) -> None:
-    """Keys whose unset value means "as another key": validation batches take training's shape."""
+    """Keys whose unset value means "as another key": validation batches take training's shape,
+    and full bfloat16 training computes in bfloat16 (mixed_precision_param auto)."""
     v, t = config.validation, config.training
     if v.local_batch_size is None:
         v.local_batch_size = t.local_batch_size
     if v.seq_len is None:
         v.seq_len = t.seq_len
+    if t.dtype == "bfloat16" and t.mixed_precision_param == "auto":
+        t.mixed_precision_param = "bfloat16"
 
 
 def to_dict(config: JobConfig) -> dict:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import torch
 
+from trainer.config.validation import WHOLE_SPLIT
 from trainer.data.documents import DataError
-from trainer.data.finite_sources import DataExhausted
+from trainer.data.finite_sources import DataExhausted, FiniteTokenSource
 from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class BatchLoader:
     """pad_uneven (evaluation): a global batch that does not split into whole local batches per
     DP rank is padded with sequences whose labels are ignored, so the same global batch (and
     loss) serves every layout; every rank still runs the same number of microbatches.
+    end_row (evaluation of a whole finite split, set by evaluation_batches): rows from it on are
+    padding too, so the last batch ends with the split.
     document_eos (document masking): labels following this token (EOS) are ignored."""
 
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
@@ -104,6 +108,8 @@ class BatchLoader:
         self.epoch = 0
         self.accept_data_change = accept_data_change
         self.document_eos = document_eos  # document masking: the token after an EOS is no target
+        self.pad_uneven = pad_uneven
+        self.end_row: int | None = None
         self._initial_source_state = None if source.random_access else source.state_dict()
         self._saved_keys: set[str] | None = None  # the keys of the checkpoint about to be loaded
 
@@ -113,6 +119,11 @@ class BatchLoader:
 
     def _rank_rows(self):
         first, count = self.rows_consumed, self.own_stop - self.own_first
+        if self.end_row is not None:  # a whole split: this rank's rows that are before its end
+            start = min(first + self.own_first, self.end_row)
+            count = min(first + self.own_stop, self.end_row) - start
+            return self.source.rows(start, count, self.row_length) if count else \
+                np.zeros((0, self.row_length), dtype=np.int64)
         if self.source.random_access:
             # Decided on the whole global batch, so every rank stops at the same step (a rank
             # whose own rows still exist must not train on while its peers have stopped).
@@ -241,20 +252,46 @@ def only_saved(state: dict, saved: set[str], prefix: str = "") -> dict:
     return kept
 
 
-def check_evaluation_fits(loader: BatchLoader, steps: int) -> None:
-    """An evaluation reads `steps` global batches from the start of the validation split: refuse
-    a split without one whole sequence, and warn when an evaluation would read some twice."""
-    if not hasattr(loader.source, "rows_per_epoch"):  # endless, or a stream of unknown length
-        return
+def evaluation_batches(loader: BatchLoader, steps: int) -> int:
+    """The global batches one evaluation reads: `steps` (validation.steps), or with WHOLE_SPLIT
+    (-1) as many as it takes to read every sequence of a finite split once, from its start, the
+    last batch padded up to the global batch size. The loss is the same global mean whatever the
+    layout, since each sequence counts once and padding counts for nothing."""
+    if steps != WHOLE_SPLIT:
+        check_evaluation_fits(loader, steps)
+        return steps
+    if not isinstance(loader.source, FiniteTokenSource) or not loader.pad_uneven:
+        # The preflight refuses these (trainer.preflight.check_validation); this is the backstop.
+        raise DataError(f"validation.steps = -1: {loader.source.describe()['source']} is not a finite split of "
+                        "known length ('files', 'c4_test' or 'shards'); set validation.steps to a number of batches")
+    check_not_empty(loader)
     available = loader.source.rows_per_epoch(loader.row_length)
+    loader.end_row = available
+    batches = -(-available // loader.global_batch_size)
+    logger.info("%s data: one evaluation reads the whole split (validation.steps = -1): %d sequences of %d tokens "
+                "in %d batches of %d", loader.name, available, loader.row_length - 1, batches,
+                loader.global_batch_size)
+    return batches
+
+
+def check_not_empty(loader: BatchLoader) -> None:
     try:
         loader.source.check_available(0, loader.row_length)  # DataError when it holds no whole sequence
     except DataError as e:
         raise DataError(f"{e}: the validation split is empty for this sequence length; lower validation.seq_len, "
                         "hold out more documents (training.validation_fraction, or prepare --validation-fraction), "
                         "or set validation.dataset") from None
+
+
+def check_evaluation_fits(loader: BatchLoader, steps: int) -> None:
+    """An evaluation reads `steps` global batches from the start of the validation split: refuse
+    a split without one whole sequence, and warn when an evaluation would read some twice."""
+    if not hasattr(loader.source, "rows_per_epoch"):  # endless, or a stream of unknown length
+        return
+    available = loader.source.rows_per_epoch(loader.row_length)
+    check_not_empty(loader)
     needed = steps * loader.global_batch_size
     if needed > available:
         logger.warning("%s data: one evaluation reads %d sequences of %d tokens but the split holds %d, so some are "
-                       "read twice; lower validation.steps or validation.local_batch_size, or add validation data",
+                       "read twice; lower validation.steps (or -1: the whole split, once), or add validation data",
                        loader.name, needed, loader.row_length - 1, available)

@@ -10,6 +10,8 @@ rows, so their gradients are summed like those of data-parallel ranks.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -17,10 +19,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' computes in bfloat16 on CUDA and float32 on CPU (where bfloat16 matmuls are slow)."""
+    """'auto' computes in bfloat16 on CUDA and float32 on CPU (where bfloat16 matmuls are slow).
+    (With training.dtype = "bfloat16" the config resolves 'auto' to 'bfloat16' itself.)"""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+@contextmanager
+def parameters_in(dtype: torch.dtype):
+    """Modules built inside hold parameters of `dtype` (training.dtype): torch's default dtype,
+    set for the block and restored after. Buffers that fix their own dtype (the complex RoPE
+    table) keep it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
@@ -33,6 +49,10 @@ def apply_fsdp(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype, reduce
     loss is already divided by the global token count (trainer/loss.py), so averaging again
     would be wrong.
     """
+    stored = {p.dtype for p in model.parameters()}
+    if any(torch.finfo(param_dtype).bits > torch.finfo(dtype).bits for dtype in stored):
+        # Full bfloat16 training must stay bfloat16: the config refuses a wider compute dtype.
+        raise ValueError(f"FSDP would cast {sorted(map(str, stored))} parameters up to {param_dtype} for compute")
     policy = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),

@@ -256,9 +256,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: torch.device | str | None = None) -> None:
-        """Fill every parameter deterministically from (seed, name), whatever its sharding."""
+        """Fill every parameter deterministically from (seed, name), whatever its sharding. Drawn in
+        float32 and rounded to the parameter's dtype (bfloat16 under training.dtype), so every
+        dtype starts from the same weights up to that rounding."""
         for name, param in self.named_parameters():
-            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             spec = self.init_std(name)
             if spec is None:
                 full.fill_(1.0)

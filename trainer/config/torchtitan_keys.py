@@ -1,0 +1,179 @@
+"""Every key of torchtitan v0.2.2's JobConfig and what this trainer does with it: the data of
+the "Coming from torchtitan" table in docs/configuration.md (trainer/config/docs.py renders it).
+
+A key's status is derived, so it cannot drift from the code: a key of this trainer's schema is
+the same as torchtitan's unless DIFFERENT says how it differs; a key of trainer.config.ignored
+is ignored with a warning; any other key must be in REFUSED with the reason (a unit test checks
+that every key has exactly one status). Nested torchtitan tables are dotted
+(training.dataloader.num_workers is [training.dataloader] num_workers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from trainer.config.ignored import is_ignored
+from trainer.config.job_config import JobConfig
+
+TORCHTITAN_VERSION = "v0.2.2"
+
+# torchtitan v0.2.2's sections in its JobConfig order, each with its keys in declaration order.
+TORCHTITAN_KEYS: dict[str, tuple[str, ...]] = {
+    "job": ("config_file", "dump_folder", "description", "print_config", "save_config_file", "custom_config_module"),
+    "profiling": ("enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup",
+                  "enable_memory_snapshot", "save_memory_snapshot_folder"),
+    "metrics": ("log_freq", "enable_tensorboard", "disable_color_printing", "save_tb_folder", "save_for_all_ranks",
+                "enable_wandb"),
+    "model": ("name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion"),
+    "optimizer": ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "early_step_in_backward"),
+    "lr_scheduler": ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"),
+    "training": ("dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps",
+                 "enable_cpu_offload", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq",
+                 "gc_debug", "dataloader.num_workers", "dataloader.persistent_workers", "dataloader.pin_memory",
+                 "dataloader.prefetch_factor"),
+    "parallelism": ("data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "pipeline_parallel_degree", "module_fqns_per_model_part",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+                    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_expert_parallel_overlap", "context_parallel_degree",
+                    "context_parallel_load_balancer", "context_parallel_rotate_method", "expert_parallel_degree",
+                    "expert_tensor_parallel_degree", "expert_parallel_comm_backend"),
+    "checkpoint": ("enable", "enable_ft_dataloader_checkpoints", "folder", "interval", "initial_load_path",
+                   "initial_load_model_only", "initial_load_in_hf", "initial_load_in_hf_quantized",
+                   "last_save_model_only", "last_save_in_hf", "export_dtype", "async_mode", "keep_latest_k",
+                   "load_step", "exclude_from_loading", "enable_first_step_checkpoint", "create_seed_checkpoint",
+                   "load_only"),
+    "activation_checkpoint": ("mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "early_stop", "memory_budget", "visualize_memory_budget_pareto", "preserve_rng_state",
+                              "determinism_check", "debug"),
+    "compile": ("enable", "components", "backend"),
+    "quantize": ("linear.float8.enable_fsdp_float8_all_gather", "linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+                 "linear.float8.recipe_name", "linear.float8.filter_fqns", "linear.float8.emulate",
+                 "linear.mx.mxfp8_dim1_cast_kernel_choice", "linear.mx.recipe_name", "linear.mx.filter_fqns",
+                 "grouped_mm.float8.fqns", "grouped_mm.mx.recipe_name", "grouped_mm.mx.fqns"),
+    "comm": ("init_timeout_seconds", "train_timeout_seconds", "trace_buf_size", "save_traces_folder",
+             "save_traces_file_prefix", "mode"),
+    "memory_estimation": ("enable", "disable_fake_mode"),
+    "fault_tolerance": ("enable", "process_group", "process_group_timeout_ms", "replica_id", "group_size",
+                        "min_replica_size", "semi_sync_method"),
+    "experimental": ("custom_import", "custom_args_module"),
+    "validation": ("enable", "dataset", "dataset_path", "local_batch_size", "seq_len", "freq", "steps",
+                   "dataloader.num_workers", "dataloader.persistent_workers", "dataloader.pin_memory",
+                   "dataloader.prefetch_factor"),
+    "debug": ("seed", "deterministic", "deterministic_warn_only", "moe_force_load_balance"),
+}
+
+# Keys this trainer implements differently from torchtitan v0.2.2: how.
+DIFFERENT: dict[str, str] = {
+    "job.config_file": "a bare name is also looked up in train_configs/; the launchers load debug_model.toml "
+                       "when it is not given",
+    "job.description": "default empty (torchtitan: 'default job')",
+    "job.print_config": "prints the resolved configuration as TOML and exits without training (torchtitan logs it "
+                        "as JSON and trains)",
+    "job.save_config_file": "written as TOML (what job.print_config prints), not JSON; must stay inside "
+                            "job.dump_folder, and a file this trainer did not write is never overwritten",
+    "model.name": "llama3 only",
+    "model.flavor": "debugmodel, 8B, 70B and 405B as in torchtitan, plus tiny, 125M, 1B, 3B and hf (the shapes of "
+                    "model.hf_assets_path's config.json); not the flex and varlen attention flavors",
+    "model.hf_assets_path": "default empty (torchtitan: ./tests/assets/tokenizer); gives the tokenizer and, with "
+                            "flavor hf, the shapes, but not weights: checkpoint.initial_load_in_hf reads "
+                            "checkpoint.initial_load_path",
+    "model.tokenizer_path": "not deprecated: a tokenizer.json, tiktoken or SentencePiece file; empty: the one of "
+                            "model.hf_assets_path",
+    "optimizer.implementation": "default foreach (torchtitan: fused)",
+    "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
+                                 "reached)",
+    "lr_scheduler.total_steps": "steps past it train at lr x min_lr_factor (torchtitan extrapolates the decay "
+                                "formula)",
+    "lr_scheduler.decay_ratio": "the fraction of the steps after warmup (torchtitan: of all steps, warmup "
+                                "included); the decay reaches lr x min_lr_factor at the last step (torchtitan stops "
+                                "one step short of it)",
+    "training.dataset": "default synthetic; also shards, files, c4_test (read as files from dataset_path, which "
+                        "it needs) and Hugging Face datasets streamed by name (c4, c4_validation, fineweb, "
+                        "fineweb-edu, org/name)",
+    "training.dataset_path": "its meaning depends on training.dataset (a prepared shard folder, local files, a "
+                             "local copy of a Hugging Face dataset)",
+    "training.max_norm": "<= 0 turns clipping off, the norm still logged (torchtitan clips to that norm)",
+    "training.dtype": "mixed_precision_param float32 or float16 and debug.init_perturbation are refused with "
+                      "bfloat16; the initial weights are drawn in float32 and rounded",
+    "training.mixed_precision_param": "default auto (bfloat16 on CUDA, float32 on CPU) and also float16 (with "
+                                      "loss scaling); applied by FSDP in every layout, never by autocast",
+    "training.mixed_precision_reduce": "also bfloat16 and float16; applies to every gradient reduction (FSDP, "
+                                       "DDP/HSDP, tensor and context parallelism)",
+    "parallelism.pipeline_parallel_schedule": "one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+                                              "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
+    "parallelism.context_parallel_rotate_method": "only allgather; alltoall is refused",
+    "checkpoint.initial_load_in_hf": "needs checkpoint.initial_load_path (torchtitan falls back to "
+                                     "model.hf_assets_path)",
+    "checkpoint.keep_latest_k": "1 is accepted (torchtitan refuses it): the newest complete checkpoint is "
+                                "published only once written",
+    "checkpoint.async_mode": "async_with_pinned_mem reuses CPU buffers in the training process (no separate "
+                             "process); the last save is always synchronous",
+    "activation_checkpoint.mode": "default none (torchtitan: selective); memory_budget is refused",
+    "validation.dataset": "default empty: the held-out split of training.dataset (torchtitan: c4_validation)",
+    "validation.local_batch_size": "default: training.local_batch_size (torchtitan: 8); batches are defined by "
+                                   "validation.global_batch_size",
+    "validation.seq_len": "default: training.seq_len (torchtitan: 2048)",
+    "validation.freq": "default 500 (torchtitan: 10)",
+    "validation.steps": "default 10 (torchtitan: -1); -1 needs a files, c4_test or shards split (refused for "
+                        "synthetic, streamed datasets and mixtures) and gives the same loss in every layout",
+    "debug.seed": "always set, default 0 (torchtitan: unset, whatever state torch's generator starts in)",
+}
+
+# torchtitan v0.2.2 keys refused as unknown here (neither implemented nor ignored): why.
+REFUSED: dict[str, str] = {
+    "activation_checkpoint.preserve_rng_state": "not implemented (the model draws no random numbers, so "
+                                                "recomputation needs no saved RNG state)",
+    "activation_checkpoint.determinism_check": "not implemented",
+    "activation_checkpoint.debug": "not implemented",
+    "comm.mode": "only real communication; torchtitan's fake_backend (dry run) and local_tensor modes are not "
+                 "implemented",
+}
+
+# This trainer's keys that torchtitan v0.2.2 does not have (so every key of the schema is either
+# torchtitan's, above, or here: a new key is placed on purpose).
+OWN_KEYS: tuple[str, ...] = (
+    "optimizer.weight_decay_exclude",
+    "training.dataset_text_field", "training.dataset_end", "training.datasets", "training.document_masking",
+    "training.shuffle", "training.stream_lanes", "training.stream_workers", "training.stream_prefetch",
+    "training.data_seed", "training.validation_fraction", "training.loss_scale_initial",
+    "training.loss_scale_growth_interval", "training.loss_scale_min",
+    "parallelism.tensor_parallel_sync", "parallelism.tensor_parallel_sync_group",
+    "checkpoint.accept_data_change", "checkpoint.overwrite",
+    "metrics.count_collectives", "metrics.peak_flops",
+    "debug.init_perturbation", "debug.init_perturbation_seed",
+    "validation.global_batch_size",
+)
+
+SAME, DIFFERENT_STATUS, IGNORED, REFUSED_STATUS = "same", "different", "ignored with a warning", "refused"
+
+
+def schema_keys() -> set[str]:
+    """section.key of every key of this trainer's schema."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f"{section.name}.{field.name}" for section in dataclasses.fields(JobConfig)
+            for field in dataclasses.fields(hints[section.name])}
+
+
+def status(key: str, known: set[str] | None = None) -> tuple[str, str]:
+    """(status, how or why) of torchtitan's `section.key`; KeyError for a key without one."""
+    known = schema_keys() if known is None else known
+    section, _, rest = key.partition(".")
+    if key in known:
+        return (DIFFERENT_STATUS, DIFFERENT[key]) if key in DIFFERENT else (SAME, "")
+    if is_ignored(section, rest):
+        return IGNORED, ""
+    if key in REFUSED:
+        return REFUSED_STATUS, REFUSED[key]
+    raise KeyError(f"torchtitan's {key} has no status: implement it, list it in trainer/config/ignored.py, or give "
+                   "the reason it is refused in REFUSED")
+
+
+def table() -> list[tuple[str, str, str]]:
+    """(key, status, how or why) of every torchtitan key, in torchtitan's order."""
+    known = schema_keys()
+    return [(f"{section}.{key}", *status(f"{section}.{key}", known))
+            for section, keys in TORCHTITAN_KEYS.items() for key in keys]
