@@ -359,7 +359,9 @@ class Trainer:
                 "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
             )
 
-    def close(self) -> None:
+    def close(self, end_process_group: bool = True) -> None:
+        """Release what the run holds; `end_process_group` False leaves the process group to
+        another run in the same processes."""
         gc.enable()
         for loader in (getattr(self, "loader", None), getattr(self, "val_loader", None)):
             if loader is not None:
@@ -369,7 +371,7 @@ class Trainer:
         if self.record is not None:
             status = "failed" if self.error else self.status
             run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
-        if dist.is_initialized():
+        if end_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

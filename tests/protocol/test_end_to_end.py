@@ -33,6 +33,8 @@ APPLIED = {
                        "FSDP over 2 ranks",
     "4D FSDP+TP2+CP2+PP2": "PP 2 (Interleaved1F1B, 4 stages), TP 2 with sequence parallelism and loss parallelism, "
                            "CP 2 (load-balanced, all-gathered keys/values), FSDP over 4 ranks",
+    "2D FSDP+TP2 compiled": "TP 2 with sequence parallelism and loss parallelism, activation checkpointing "
+                            "selective (2), torch.compile per block (inductor), FSDP over 2 ranks",
     "2D FSDP+CP2": "CP 2 (load-balanced, all-gathered keys/values), FSDP over 4 ranks",
     "AC full": "activation checkpointing full",
 }
@@ -60,7 +62,7 @@ def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
                  f"{r['max_abs_diff']:.1e}, grad-norm max rel diff {r['grad_norm_max_rel_diff']:.1e}, "
                  f"final loss {r['final_loss']:.5f}")
     markdown = (out / "report.md").read_text()
-    assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 4
+    assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 5
     for png in ("loss.png", "grad_norm.png", "lr.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

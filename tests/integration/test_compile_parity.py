@@ -1,0 +1,192 @@
+"""torch.compile changes no number, in every combination a user can configure.
+
+Each combination is compiled and compared with the same layout run eagerly (activation
+checkpointing off): three steps of the tiny Llama in fp32 with deterministic algorithms, from the
+same initial weights (init is layout-invariant) on the same batches. Compiled and eager must agree
+within 1e-6 (loss, absolute) and 1e-6 (gradient norm, relative) at every step: what fp32 rounding
+of a fused kernel moves, and 1,000 times less than the bugs below. The eager layouts themselves are
+compared with the 1D FSDP control by tests/integration/test_parallel_parity.py.
+
+The matrix: {FSDP, TP, TP with loss parallelism off, PP, CP, reduced-sync TP} x activation
+checkpointing {none, selective op, selective layer, full} on 2 processes, compiled with inductor
+(the default backend); FSDP x TP x PP x the same four modes on 8 processes; and tied embeddings
+(TP, PP), document masking (FSDP, TP, CP), float16 with loss scaling, DDP, and a warm compile
+cache. The 2-process runs share one process group and the 8-process runs another
+(tests/workers/run_many.py), so the matrix pays the start of torch twice.
+
+What it catches (each found on torch 2.13, fixed in trainer/parallel/compile.py):
+- the embedding's AsyncCollectiveTensor handed to the first compiled TP block: a step-1 gradient
+  norm 1.7e-3 (relative) off, or a crash in backward;
+- a second run from a warm compile cache under TP: every rank loaded the loss-parallel graph one
+  rank had written, loss 5.69 instead of 6.07 at step 1 ("TP, warm compile cache");
+- full recomputation inside a compiled TP block: a crash in the compiled forward.
+The 8-process runs compile with aot_eager: what FSDP x TP x PP adds to the 2-process layouts is
+how the graphs are cut and composed (stages, FSDP hooks, DTensor inputs), which AOTAutograd
+decides; inductor's code for the same blocks is checked on 2 processes, and inductor on 8
+processes would cost minutes of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tests.launch import REPO
+from tests.unit.test_tokenizer import sentences
+from trainer.data.tokenizer import train_tokenizer
+from trainer.models.llama3.args import get_flavor
+from trainer.models.llama3.hf_config import hf_config
+
+STEPS = 3
+BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),
+        "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--optimizer.weight_decay", "0",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.no_enable_tensorboard",
+        "--debug.deterministic", "--checkpoint.no_enable"]
+LOSS_ATOL, NORM_RTOL = 1e-6, 1e-6
+
+AC = {
+    "AC none": ["--activation_checkpoint.mode", "none"],
+    "AC selective op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "AC selective layer": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "AC full": ["--activation_checkpoint.mode", "full"],
+}
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+LAYOUTS_2 = {
+    "FSDP": [],
+    "TP": TP2,
+    "TP, loss parallel off": [*TP2, "--parallelism.disable_loss_parallel"],
+    "PP": PP2,
+    "CP": ["--parallelism.context_parallel_degree", "2"],
+    "TP reduced-sync": [*TP2, "--parallelism.tensor_parallel_sync", "per_block"],
+}
+LAYOUTS_8 = {"FSDP x TP x PP": [*TP2, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"]}
+
+
+def matrix(layouts: dict[str, list[str]], backend: str) -> dict[str, tuple[str, list[str]]]:
+    """compiled run name -> (its eager reference's name, its overrides), and the references."""
+    runs = {}
+    for layout, overrides in layouts.items():
+        runs[f"{layout} eager"] = ("", [*overrides, *AC["AC none"]])
+        for mode, ac in AC.items():
+            runs[f"{layout} compiled, {mode}"] = (f"{layout} eager", [*overrides, *ac, "--compile.enable",
+                                                                      "--compile.backend", backend])
+    return runs
+
+
+def extras(tied: str, corpus: tuple[str, str, str]) -> dict[str, tuple[str, list[str]]]:
+    """Options that change what a compiled block or loss computes, each with its own reference."""
+    tied_model = ["--model.flavor", "hf", "--model.hf_assets_path", tied]
+    model, docs, tokenizer = corpus
+    documents = ["--model.flavor", "hf", "--model.hf_assets_path", model, "--training.dataset", "files",
+                 "--training.dataset_path", docs, "--model.tokenizer_path", tokenizer, "--training.document_masking"]
+    # A first loss scale float16 gradients overflow at: compiled and eager must skip the same steps.
+    fp16 = ["--training.mixed_precision_param", "float16", "--training.loss_scale_initial", str(2 ** 22)]
+    ddp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    references = {"tied TP": [*tied_model, *TP2], "tied PP": [*tied_model, *PP2],
+                  "documents FSDP": documents, "documents TP": [*documents, *TP2],
+                  "documents CP": [*documents, "--parallelism.context_parallel_degree", "2"],
+                  "float16 FSDP": fp16, "DDP": ddp}
+    # float16 is compared by test_compiled_float16_skips_the_same_steps, the others by compare().
+    runs = {}
+    for name, overrides in references.items():
+        runs[f"{name} eager"] = ("", overrides)
+        runs[f"{name} compiled"] = (f"{name} eager", [*overrides, "--compile.enable"])
+    runs["tied TP compiled, AC full"] = ("tied TP eager", [*references["tied TP"], *AC["AC full"], "--compile.enable"])
+    # The first compiled TP run wrote the compile cache; this one reads it.
+    runs["TP, warm compile cache"] = ("TP eager", [*TP2, *AC["AC none"], "--compile.enable"])
+    return runs
+
+
+def run_matrix(nproc: int, runs: dict[str, tuple[str, list[str]]], folder) -> dict:
+    spec = {"base": BASE, "runs": [{"name": name, "overrides": overrides} for name, (_, overrides) in runs.items()]}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    # A fresh compile cache: the first compile of each graph is cold, a repeated one warm.
+    # One compile thread per rank: a pool of compile processes per rank costs more than it saves
+    # on the tiny graphs of 2 or 8 ranks sharing a few cores.
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
+               TORCHINDUCTOR_CACHE_DIR=str(folder / "compile_cache"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "-m", "tests.workers.run_many", str(folder / "spec.json"), str(folder / "results.json")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The tiny model's config.json tied, and with a 512-token vocabulary beside a corpus of
+    documents and its 512-token tokenizer."""
+    tied, text = tmp_path_factory.mktemp("compile-tied"), tmp_path_factory.mktemp("compile-text")
+    (tied / "config.json").write_text(json.dumps(hf_config(replace(get_flavor("tiny"), tie_embeddings=True))))
+    (text / "config.json").write_text(json.dumps(hf_config(replace(get_flavor("tiny"), vocab_size=512))))
+    with open(text / "docs.jsonl", "w") as f:
+        for doc in sentences(400):
+            f.write(json.dumps({"text": doc}) + "\n")
+    tokenizer = train_tokenizer([str(text / "docs.jsonl")], str(text / "tok"), 512)
+    return str(tied), (str(text), str(text / "docs.jsonl"), str(tokenizer))
+
+
+RUNS_2 = matrix(LAYOUTS_2, "inductor")
+RUNS_8 = matrix(LAYOUTS_8, "aot_eager")
+EXTRA_NAMES = list(extras("", ("", "", "")))
+
+
+@pytest.fixture(scope="module")
+def results(assets, tmp_path_factory) -> dict:
+    """name -> (the run's results, its reference's results): each process group launched once."""
+    done: dict[str, tuple[dict, dict]] = {}
+
+    def get(name: str) -> tuple[dict, dict]:
+        if not done:
+            runs_2 = {**RUNS_2, **extras(*assets)}
+            for nproc, runs in ((2, runs_2), (8, RUNS_8)):
+                found = run_matrix(nproc, runs, tmp_path_factory.mktemp(f"compile-{nproc}"))
+                done.update({run: (found[run], found.get(reference)) for run, (reference, _) in runs.items()})
+        return done[name]
+
+    return get
+
+
+def compare(name: str, results, measured) -> None:
+    run, reference = results(name)
+    test, control = run["metrics"], reference["metrics"]
+    assert [r["step"] for r in test] == [r["step"] for r in control] == list(range(1, STEPS + 1))
+    loss_diff = max(abs(t["loss"] - c["loss"]) for t, c in zip(test, control))
+    norm_diff = max(abs(t["grad_norm"] - c["grad_norm"]) / c["grad_norm"] for t, c in zip(test, control))
+    measured(f"compile {name:42s} max |dloss| {loss_diff:.1e}, max grad-norm rel diff {norm_diff:.1e} over "
+             f"{STEPS} steps; {run['graphs']} graphs, {run['graph_breaks']} breaks, {run['seconds']:.0f} s")
+    assert run["graphs"] >= 1  # it was compiled (not silently run eagerly)
+    assert loss_diff <= LOSS_ATOL and norm_diff <= NORM_RTOL
+
+
+@pytest.mark.parametrize("name", [n for n, (ref, _) in {**RUNS_2, **RUNS_8}.items() if ref])
+def test_compiled_layout_equals_eager(name, results, measured):
+    compare(name, results, measured)
+
+
+@pytest.mark.parametrize("name", [n for n in EXTRA_NAMES if not n.endswith("eager") and "float16" not in n])
+def test_compiled_option_equals_eager(name, results, measured):
+    compare(name, results, measured)
+
+
+def test_compiled_float16_skips_the_same_steps(results, measured):
+    """float16 with dynamic loss scaling, compiled: the same overflows, skipped steps and loss
+    scales as eager, and the same losses to float16 precision. float16 rounds every result to
+    2^-11 relative, and inductor keeps the intermediates of a fused kernel in float32, so compiled
+    and eager round at different places; a wrong gradient is caught in float32 above."""
+    run, reference = results("float16 FSDP compiled")
+    test, control = run["metrics"], reference["metrics"]
+    keys = ("step", "loss_scale", "skipped_steps", "step_skipped")
+    assert [[r[k] for k in keys] for r in test] == [[r[k] for k in keys] for r in control]
+    skipped = [r["step"] for r in control if r["step_skipped"]]
+    assert 0 < len(skipped) < STEPS  # the overflow path and the update path both ran
+    loss_diff = max(abs(t["loss"] - c["loss"]) / c["loss"] for t, c in zip(test, control))
+    measured(f"compile float16 FSDP: skipped steps {skipped} as eager, max relative |dloss| {loss_diff:.1e}")
+    assert run["graphs"] >= 1 and loss_diff <= 2 ** -10
