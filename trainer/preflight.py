@@ -42,6 +42,9 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
                               "the CPU already, where it has nothing to offload")
         if config.parallelism.enable_async_tensor_parallel:
             raise ConfigError("parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory)")
+        if config.compile.enable and config.compile.backend == "cudagraphs":
+            raise ConfigError("compile.backend: 'cudagraphs' replays CUDA graphs, and this run is on the CPU; use "
+                              "'inductor'")
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot: records the CUDA caching allocator, so it needs CUDA "
                           f"devices, and this run is on the {device_type.upper()}; turn it off "

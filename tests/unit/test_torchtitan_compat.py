@@ -51,7 +51,7 @@ def test_a_toml_file_and_the_command_line_share_one_warning(tmp_path, caplog):
         [quantize.linear.float8]
         filter_fqns = ["output"]
         [activation_checkpoint]
-        memory_budget = 0.5
+        visualize_memory_budget_pareto = true
         [training]
         steps = 4
     """))
@@ -59,7 +59,7 @@ def test_a_toml_file_and_the_command_line_share_one_warning(tmp_path, caplog):
         config = load_config(["--job.config_file", str(path), "--model.converters=float8"])
     assert config.training.steps == 4
     [warning] = warnings_of(caplog)
-    assert f"{path}: [quantize], activation_checkpoint.memory_budget; command line: --model.converters" in warning
+    assert f"{path}: [quantize], activation_checkpoint.visualize_memory_budget_pareto; command line: --model.converters" in warning
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -113,7 +113,8 @@ def test_statuses_of_the_keys_this_work_touches():
     assert status("training.dtype")[0] == "different"
     assert status("lr_scheduler.total_steps")[0] == "different"
     assert status("job.save_config_file")[0] == "different"
-    assert status("activation_checkpoint.memory_budget") == (IGNORED, "")
+    assert status("activation_checkpoint.visualize_memory_budget_pareto") == (IGNORED, "")
+    assert status("activation_checkpoint.memory_budget") == (SAME, "")
     assert status("quantize.linear.float8.emulate") == (IGNORED, "")
     assert status("compile.enable") == (SAME, "")
     assert status("comm.mode")[0] == REFUSED_STATUS

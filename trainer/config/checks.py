@@ -92,7 +92,17 @@ def validate(config: JobConfig) -> None:
         need(item in loadable, f"checkpoint.exclude_from_loading: {item!r} is unknown; choose from {', '.join(sorted(loadable))}")
     for item in c.compile.components:
         need(item in ("model", "loss"), f"compile.components: {item!r} is unknown; choose from 'model', 'loss'")
-    option = c.activation_checkpoint.selective_ac_option
+    ac = c.activation_checkpoint
+    need(ac.mode != "memory_budget" or (c.compile.enable and "model" in c.compile.components),
+         "activation_checkpoint.mode: 'memory_budget' lets the compiler choose what compiled blocks recompute, so it "
+         "needs compile.enable with 'model' in compile.components; turn compile on, or choose 'full' or 'selective'")
+    need(ac.mode != "memory_budget" or c.compile.backend == "inductor",
+         f"activation_checkpoint.mode: 'memory_budget' is applied by inductor's partitioner, and compile.backend is "
+         f"{c.compile.backend!r}; use 'inductor'")
+    need(0.0 <= ac.memory_budget <= 1.0,
+         f"activation_checkpoint.memory_budget: must be between 0.0 (recompute the most) and 1.0 (keep every "
+         f"activation), got {ac.memory_budget}")
+    option = ac.selective_ac_option
     need(
         option == "op" or (option.isdigit() and int(option) >= 1),
         f"activation_checkpoint.selective_ac_option: must be 'op' or a positive integer, got {option!r}",

@@ -30,7 +30,6 @@ IGNORED_KEYS = {
     "activation_checkpoint": {
         "per_op_sac_force_recompute_mm_shapes_by_fqns",
         "early_stop",
-        "memory_budget",
         "visualize_memory_budget_pareto",
     },
     "comm": {"save_traces_folder", "save_traces_file_prefix"},

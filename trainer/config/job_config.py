@@ -1,5 +1,6 @@
 """The job configuration: one dataclass per TOML section ([metrics] and [profiling] live in
-trainer/config/observability.py, [validation] in trainer/config/validation.py).
+trainer/config/observability.py, [activation_checkpoint] and [compile] in trainer/config/compute.py,
+[validation] in trainer/config/validation.py).
 
 Section and key names follow the torchtitan v0.2.2 TOML format so that its configs load here.
 Every field carries a docstring (the string literal right below it); `--help` and
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from trainer.config.compute import ActivationCheckpoint, Compile
 from trainer.config.observability import Metrics, Profiling
 from trainer.config.validation import Validation
 
@@ -399,31 +401,6 @@ class Checkpoint:
 
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1."""
-
-
-@dataclass
-class ActivationCheckpoint:
-    """Recompute activations in backward to save memory."""
-
-    mode: Literal["none", "full", "selective"] = "none"
-    """none, full (every block), or selective (see selective_ac_option)."""
-
-    selective_ac_option: str = "2"
-    """With mode selective: an integer N checkpoints every N-th block; 'op' saves selected ops."""
-
-
-@dataclass
-class Compile:
-    """torch.compile."""
-
-    enable: bool = False
-    """Compile each transformer block (and the loss) with torch.compile."""
-
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile: model, loss."""
-
-    backend: str = "inductor"
-    """torch.compile backend."""
 
 
 @dataclass

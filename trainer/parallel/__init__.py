@@ -48,7 +48,7 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device."""
     from trainer.parallel.checkpointing import apply_ac
-    from trainer.parallel.compile import apply_compile, isolate_compile_cache
+    from trainer.parallel.compile import apply_compile, isolate_compile_cache, set_memory_budget
     from trainer.parallel.context import apply_cp
     from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
     from trainer.parallel.pipeline import RankModel, split_into_stages
@@ -64,6 +64,7 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     if config.compile.enable:
         isolate_compile_cache(mesh.world.get_rank(), dims.degrees())
+        set_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     for stage in stages.values():
         if dims.tp > 1:
             apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
@@ -117,7 +118,9 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
                      + (", async" if p.enable_async_tensor_parallel else "") + sync_phrase(p))
     if dims.cp > 1:
         parts.append(f"CP {dims.cp} (load-balanced, all-gathered keys/values)")
-    if ac.mode != "none":
+    if ac.mode == "memory_budget":
+        parts.append(f"activation checkpointing by the compiler (memory budget {ac.memory_budget:g})")
+    elif ac.mode != "none":
         parts.append(f"activation checkpointing {ac.mode}" + (f" ({ac.selective_ac_option})" if ac.mode == "selective" else ""))
     if config.compile.enable:
         parts.append(f"torch.compile per block ({config.compile.backend})")

@@ -6,6 +6,8 @@ Modes (activation_checkpoint.mode):
              full, the others keep everything; with "op": every block keeps the outputs of its
              expensive ops (matmuls, attention, collectives) and recomputes the cheap ones
              (norms, activations, RoPE).
+  memory_budget  nothing here: torch's partitioner chooses what each compiled block keeps,
+             within activation_checkpoint.memory_budget (trainer/parallel/compile.py).
 
 Only functional collectives (`_c10d_functional`, which return new tensors) can be kept: a blocking
 c10d call writes into a tensor it is given, and a recompute that skips it would leave that tensor
@@ -51,7 +53,7 @@ def recompute_cheap_ops(compute, *args):
 
 def apply_ac(model: torch.nn.Module, mode: str, selective_option: str) -> None:
     """Set the recompute strategy of the blocks of `model` (a whole Llama or a pipeline stage)."""
-    if mode == "none":
+    if mode in ("none", "memory_budget"):  # memory_budget: the compiler decides (compile.set_memory_budget)
         return
     for index, block in model.layers.items():
         if mode == "full":

@@ -77,6 +77,15 @@ def isolate_compile_cache(rank: int, degrees: dict[str, int]) -> str:
     return folder
 
 
+def set_memory_budget(budget: float) -> None:
+    """The share of activations the partitioner keeps in compiled graphs (activation_checkpoint
+    mode memory_budget; 1.0, torch's default, keeps what backward needs and recomputes nothing).
+    A setting of the process: set at every build, so a run never inherits another's."""
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = budget
+
+
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
     """Compile each block of `model` (a whole Llama or a pipeline stage) in place."""
     from trainer.parallel.checkpointing import recompute_all
