@@ -77,6 +77,9 @@ def _check_data(c: JobConfig) -> None:
     from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
     from trainer.models.llama3.hf_config import configured_model_args
 
+    # A config names it whether or not it is there (--job.print_config shows such a config); a run needs it.
+    if c.model.hf_assets_path and not os.path.isdir(c.model.hf_assets_path):
+        raise ConfigError(f"model.hf_assets_path: {c.model.hf_assets_path} is not a folder")
     vocab_size = configured_model_args(c.model).vocab_size
     fraction = c.training.validation_fraction
     if fraction is not None and not 0 <= fraction < 1:

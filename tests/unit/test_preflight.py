@@ -41,8 +41,9 @@ def test_global_batch_not_a_multiple():
 
 
 def test_a_missing_hf_assets_folder_is_refused_by_name():
+    config = load_config(["--model.hf_assets_path", "/some/folder"])  # a config may name it (print_config)
     with pytest.raises(ConfigError, match="model.hf_assets_path: /some/folder is not a folder"):
-        load_config(["--model.hf_assets_path", "/some/folder"])
+        plan_run(config, 1)
     with pytest.raises(ConfigError, match='model.flavor = "hf" takes the shapes from model.hf_assets_path'):
         load_config(["--model.flavor", "hf"])
 

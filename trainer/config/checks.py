@@ -6,7 +6,7 @@ trainer.preflight). Every problem found is reported in one ConfigError.
 from __future__ import annotations
 
 import math
-from pathlib import Path, PurePath
+from pathlib import PurePath
 
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
@@ -28,9 +28,7 @@ def validate(config: JobConfig) -> None:
          f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
     if c.model.flavor == "hf" or c.model.hf_assets_path:
         try:
-            configured_model_args(c.model)
-            if c.model.hf_assets_path and not Path(c.model.hf_assets_path).is_dir():
-                raise HFConfigError(f"model.hf_assets_path: {c.model.hf_assets_path} is not a folder")
+            configured_model_args(c.model)  # the folder itself is checked before launch (preflight.check_data)
         except (HFConfigError, ValueError) as e:
             problems.append(str(e))
     need(c.training.steps >= 1, f"training.steps: must be >= 1, got {c.training.steps}")
