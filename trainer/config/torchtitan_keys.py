@@ -112,7 +112,8 @@ DIFFERENT: dict[str, str] = {
                                 "published only once written",
     "checkpoint.async_mode": "async_with_pinned_mem reuses CPU buffers in the training process (no separate "
                              "process); the last save is always synchronous",
-    "activation_checkpoint.mode": "default none (torchtitan: selective)",
+    "activation_checkpoint.mode": "default none (torchtitan: selective); memory_budget needs compile.enable with "
+                                  "the model compiled by inductor (torchtitan: compile.enable)",
     "compile.backend": "one of inductor, aot_eager, eager, cudagraphs (torchtitan: any registered name)",
     "validation.dataset": "default empty: the held-out split of training.dataset (torchtitan: c4_validation)",
     "validation.local_batch_size": "default: training.local_batch_size (torchtitan: 8); batches are defined by "
