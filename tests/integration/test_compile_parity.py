@@ -10,7 +10,8 @@ compared with the 1D FSDP control by tests/integration/test_parallel_parity.py.
 The matrix: {FSDP, TP, TP with loss parallelism off, PP, CP, reduced-sync TP} x activation
 checkpointing {none, selective op, selective layer, full, memory budget} on 2 processes, compiled
 with inductor (the default backend); FSDP x TP x PP x the first four modes on 8 processes; and
-tied embeddings (TP, PP), document masking (FSDP, TP, CP), DDP and a warm compile cache, and in
+tied embeddings (TP, PP), document masking (FSDP, TP, CP), validation (TP, compared too), gradient
+accumulation, DDP and a warm compile cache, and in
 float16 (loss scaling) and bfloat16 (training.dtype), compared to their formats' precision. The
 2-process runs share one process group and the 8-process runs another
 (tests/workers/run_many.py), so the matrix pays the start of torch twice.
@@ -93,7 +94,11 @@ def extras(tied: str, corpus: tuple[str, str, str]) -> dict[str, tuple[str, list
     fp16 = ["--training.mixed_precision_param", "float16", "--training.loss_scale_initial", str(2 ** 22)]
     bf16 = ["--training.dtype", "bfloat16"]
     ddp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    validation = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "1",
+                  "--validation.global_batch_size", "8"]
+    accumulation = ["--training.global_batch_size", "16"]  # 2 local batches of 4 per step on each of 2 ranks
     references = {"tied TP": [*tied_model, *TP2], "tied PP": [*tied_model, *PP2],
+                  "validation TP": [*validation, *TP2], "accumulation FSDP": accumulation,
                   "documents FSDP": documents, "documents TP": [*documents, *TP2],
                   "documents CP": [*documents, "--parallelism.context_parallel_degree", "2"],
                   "float16 FSDP": fp16, "bfloat16 FSDP": bf16, "bfloat16 TP": [*bf16, *TP2], "DDP": ddp}
@@ -159,11 +164,19 @@ def results(assets, tmp_path_factory) -> dict:
     return get
 
 
+def training(metrics: list[dict]) -> list[dict]:
+    return [r for r in metrics if "kind" not in r]
+
+
 def compare(name: str, results, measured) -> None:
     run, reference = results(name)
-    test, control = run["metrics"], reference["metrics"]
+    test, control = training(run["metrics"]), training(reference["metrics"])
     assert [r["step"] for r in test] == [r["step"] for r in control] == list(range(1, STEPS + 1))
-    loss_diff = max(abs(t["loss"] - c["loss"]) for t, c in zip(test, control))
+    validated = [(t["validation/loss"], c["validation/loss"]) for t, c in zip(run["metrics"], reference["metrics"])
+                 if t.get("kind") == "validation"]
+    assert len(validated) == (STEPS if name.startswith("validation") else 0)
+    pairs = [(t["loss"], c["loss"]) for t, c in zip(test, control)] + validated
+    loss_diff = max(abs(t - c) for t, c in pairs)
     norm_diff = max(abs(t["grad_norm"] - c["grad_norm"]) / c["grad_norm"] for t, c in zip(test, control))
     measured(f"compile {name:42s} max |dloss| {loss_diff:.1e}, max grad-norm rel diff {norm_diff:.1e} over "
              f"{STEPS} steps; {run['graphs']} graphs, {run['graph_breaks']} breaks, {run['seconds']:.0f} s")
