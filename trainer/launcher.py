@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from trainer.config.job_config import JobConfig
-from trainer.config.manager import ConfigError, load_config, with_default_config
+from trainer.config.manager import IGNORED_SHOWN, ConfigError, load_config, with_default_config
 from trainer.preflight import (
     MemoryNeed,
     available_memory,
@@ -422,6 +422,7 @@ def main(argv: list[str]) -> int:
               "the local Hugging Face cache only (HF_HUB_OFFLINE=1)", flush=True)
     if opts.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each take every core
+    os.environ[IGNORED_SHOWN] = "1"  # the ranks load the config again: one warning is enough
 
     started = time.time()
     try:

@@ -358,7 +358,8 @@ class Checkpoint:
     """Load only the model weights from initial_load_path."""
 
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face checkpoint folder (config.json + safetensors)."""
+    """initial_load_path is a Hugging Face checkpoint folder (config.json + safetensors), or a
+    step folder whose hf/ holds the export of checkpoint.last_save_in_hf."""
 
     last_save_model_only: bool = True
     """The last save holds only the model weights (in export_dtype)."""

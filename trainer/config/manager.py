@@ -18,6 +18,7 @@ import difflib
 import functools
 import inspect
 import logging
+import os
 import sys
 import types
 import typing
@@ -35,6 +36,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 logger = logging.getLogger(__name__)
+
+# Set by the launcher once it has warned about the ignored options of the config its ranks load.
+IGNORED_SHOWN = "TRAINER_IGNORED_OPTIONS_SHOWN"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_CONFIGS_DIR = REPO_ROOT / "train_configs"
@@ -322,8 +326,10 @@ def load_config(argv: list[str]) -> JobConfig:
                                                  if is_ignored(section, key)))
     overrides = [(section, key, value) for section, key, value in overrides if not is_ignored(section, key)]
     if any(ignored.values()):
-        logger.warning("ignoring options this trainer does not implement (torchtitan's; docs/configuration.md lists "
-                       "them): %s", "; ".join(f"{where}: {', '.join(names)}" for where, names in ignored.items() if names))
+        # The launcher warns once for the whole run; its ranks, loading the same config, keep quiet.
+        level = logging.DEBUG if os.environ.get(IGNORED_SHOWN) else logging.WARNING
+        logger.log(level, "ignoring options this trainer does not implement (torchtitan's; docs/configuration.md "
+                   "lists them): %s", "; ".join(f"{where}: {', '.join(names)}" for where, names in ignored.items() if names))
     known = sections()
     for section, key, value in overrides:
         cls = known[section]
