@@ -8,13 +8,20 @@ of a fused kernel moves, and 1,000 times less than the bugs below. The eager lay
 compared with the 1D FSDP control by tests/integration/test_parallel_parity.py.
 
 The matrix: {FSDP, TP, TP with loss parallelism off, PP, CP, reduced-sync TP} x activation
-checkpointing {none, selective op, selective layer, full, memory budget} on 2 processes, compiled
-with inductor (the default backend); FSDP x TP x PP x the first four modes on 8 processes; and
-tied embeddings (TP, PP), document masking (FSDP, TP, CP), validation (TP, compared too), gradient
-accumulation, DDP and a warm compile cache, and in
-float16 (loss scaling) and bfloat16 (training.dtype), compared to their formats' precision. The
-2-process runs share one process group and the 8-process runs another
-(tests/workers/run_many.py), so the matrix pays the start of torch twice.
+checkpointing {none, selective op, selective layer, full} on 2 processes, and FSDP x TP x PP x the
+same on 8; and tied embeddings (TP, PP), document masking (FSDP, TP, CP), validation (TP, its
+losses compared too), gradient accumulation, DDP, a warm compile cache, float16 (loss scaling) and
+full bfloat16 (training.dtype), the last two compared to their formats' precision. The 2-process
+runs share one process group and the 8-process runs another (tests/workers/run_many.py), so the
+matrix pays the start of torch twice.
+
+Backends: inductor (the default, generated kernels) where the layout changes what the graph
+computes: FSDP, TP with and without loss parallelism (also with the memory budget, inductor's
+own), tied TP, document masking and validation under TP, bfloat16, the warm cache. aot_eager
+(AOTAutograd's tracing, then torch's kernels: bitwise equal to eager) where the layout changes
+how graphs are cut and composed: PP, CP, reduced-sync TP, FSDP x TP x PP, and the options that
+add no new graph (DDP, accumulation, float16's loss scaling). Generating kernels for every
+combination would cost minutes of the suite on 2 cores.
 
 What it catches (each found on torch 2.13, fixed in trainer/parallel/compile.py):
 - the embedding's AsyncCollectiveTensor handed to the first compiled TP block: a step-1 gradient
@@ -22,10 +29,6 @@ What it catches (each found on torch 2.13, fixed in trainer/parallel/compile.py)
 - a second run from a warm compile cache under TP: every rank loaded the loss-parallel graph one
   rank had written, loss 5.69 instead of 6.07 at step 1 ("TP, warm compile cache");
 - full recomputation inside a compiled TP block: a crash in the compiled forward.
-The 8-process runs compile with aot_eager: what FSDP x TP x PP adds to the 2-process layouts is
-how the graphs are cut and composed (stages, FSDP hooks, DTensor inputs), which AOTAutograd
-decides; inductor's code for the same blocks is checked on 2 processes, and inductor on 8
-processes would cost minutes of the suite.
 """
 
 from __future__ import annotations
@@ -62,21 +65,26 @@ MEMORY_BUDGET = {"AC memory_budget 0": ["--activation_checkpoint.mode", "memory_
                                        "--activation_checkpoint.memory_budget", "0"]}
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+# name -> (overrides, backend). inductor where its generated code meets what the layout changes
+# in the graph (sharded matmuls, the vocabulary-parallel loss, the gathered logits); aot_eager,
+# which traces and partitions as inductor does but runs torch's kernels, where the layout changes
+# how graphs are cut and composed (pipeline stages, CP's gathered keys and values, the
+# reduced-sync residual stream).
 LAYOUTS_2 = {
-    "FSDP": [],
-    "TP": TP2,
-    "TP, loss parallel off": [*TP2, "--parallelism.disable_loss_parallel"],
-    "PP": PP2,
-    "CP": ["--parallelism.context_parallel_degree", "2"],
-    "TP reduced-sync": [*TP2, "--parallelism.tensor_parallel_sync", "per_block"],
+    "FSDP": ([], "inductor"),
+    "TP": (TP2, "inductor"),
+    "TP, loss parallel off": ([*TP2, "--parallelism.disable_loss_parallel"], "inductor"),
+    "PP": (PP2, "aot_eager"),
+    "CP": (["--parallelism.context_parallel_degree", "2"], "aot_eager"),
+    "TP reduced-sync": ([*TP2, "--parallelism.tensor_parallel_sync", "per_block"], "aot_eager"),
 }
-LAYOUTS_8 = {"FSDP x TP x PP": [*TP2, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"]}
+LAYOUTS_8 = {"FSDP x TP x PP": ([*TP2, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"], "aot_eager")}
 
 
-def matrix(layouts: dict[str, list[str]], backend: str) -> dict[str, tuple[str, list[str]]]:
+def matrix(layouts: dict[str, tuple[list[str], str]]) -> dict[str, tuple[str, list[str]]]:
     """compiled run name -> (its eager reference's name, its overrides), and the references."""
     runs = {}
-    for layout, overrides in layouts.items():
+    for layout, (overrides, backend) in layouts.items():
         runs[f"{layout} eager"] = ("", [*overrides, *AC["AC none"]])
         for mode, ac in {**AC, **(MEMORY_BUDGET if backend == "inductor" else {})}.items():
             runs[f"{layout} compiled, {mode}"] = (f"{layout} eager", [*overrides, *ac, "--compile.enable",
@@ -97,17 +105,19 @@ def extras(tied: str, corpus: tuple[str, str, str]) -> dict[str, tuple[str, list
     validation = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "1",
                   "--validation.global_batch_size", "8"]
     accumulation = ["--training.global_batch_size", "16"]  # 2 local batches of 4 per step on each of 2 ranks
-    references = {"tied TP": [*tied_model, *TP2], "tied PP": [*tied_model, *PP2],
-                  "validation TP": [*validation, *TP2], "accumulation FSDP": accumulation,
-                  "documents FSDP": documents, "documents TP": [*documents, *TP2],
-                  "documents CP": [*documents, "--parallelism.context_parallel_degree", "2"],
-                  "float16 FSDP": fp16, "bfloat16 FSDP": bf16, "bfloat16 TP": [*bf16, *TP2], "DDP": ddp}
+    # name -> (overrides, backend), as the layouts above.
+    references = {"tied TP": ([*tied_model, *TP2], "inductor"), "tied PP": ([*tied_model, *PP2], "aot_eager"),
+                  "validation TP": ([*validation, *TP2], "inductor"), "accumulation FSDP": (accumulation, "aot_eager"),
+                  "documents FSDP": (documents, "aot_eager"), "documents TP": ([*documents, *TP2], "inductor"),
+                  "documents CP": ([*documents, "--parallelism.context_parallel_degree", "2"], "aot_eager"),
+                  "float16 FSDP": (fp16, "aot_eager"), "bfloat16 TP": ([*bf16, *TP2], "inductor"),
+                  "DDP": (ddp, "aot_eager")}
     # float16 and bfloat16 are compared by test_compiled_low_precision_..., the others by compare().
     runs = {}
-    for name, overrides in references.items():
+    for name, (overrides, backend) in references.items():
         runs[f"{name} eager"] = ("", overrides)
-        runs[f"{name} compiled"] = (f"{name} eager", [*overrides, "--compile.enable"])
-    runs["tied TP compiled, AC full"] = ("tied TP eager", [*references["tied TP"], *AC["AC full"], "--compile.enable"])
+        runs[f"{name} compiled"] = (f"{name} eager", [*overrides, "--compile.enable", "--compile.backend", backend])
+    runs["tied TP compiled, AC full"] = ("tied TP eager", [*references["tied TP"][0], *AC["AC full"], "--compile.enable"])
     # The first compiled TP run wrote the compile cache; this one reads it.
     runs["TP, warm compile cache"] = ("TP eager", [*TP2, *AC["AC none"], "--compile.enable"])
     return runs
@@ -143,8 +153,8 @@ def assets(tmp_path_factory):
     return str(tied), (str(text), str(text / "docs.jsonl"), str(tokenizer))
 
 
-RUNS_2 = matrix(LAYOUTS_2, "inductor")
-RUNS_8 = matrix(LAYOUTS_8, "aot_eager")
+RUNS_2 = matrix(LAYOUTS_2)
+RUNS_8 = matrix(LAYOUTS_8)
 EXTRA_NAMES = list(extras("", ("", "", "")))
 
 

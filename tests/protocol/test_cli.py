@@ -24,8 +24,9 @@ def write_run(folder: Path, losses: list[float]) -> Path:
 def test_plan_prints_launches_as_json_in_order(capsys):
     assert main(["plan", str(SMOKE), "--format", "json"]) == 0
     launches = json.loads(capsys.readouterr().out)
-    assert [launch["name"] for launch in launches] == ["seed", "1D FSDP", "3D FSDP+TP2+PP2", "4D FSDP+TP2+CP2+PP2", "2D FSDP+CP2", "AC full"]
-    assert [launch["nproc"] for launch in launches] == [1, 2, 8, 16, 4, 2]
+    assert [launch["name"] for launch in launches] == ["seed", "1D FSDP", "3D FSDP+TP2+PP2", "4D FSDP+TP2+CP2+PP2",
+                                                       "2D FSDP+TP2 compiled", "2D FSDP+CP2", "AC full"]
+    assert [launch["nproc"] for launch in launches] == [1, 2, 8, 16, 4, 4, 2]
 
 
 def test_slurm_format_needs_an_output_folder(capsys):

@@ -86,6 +86,7 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         ("1D FSDP", "control", "control", 2, 1),
         ("3D FSDP+TP2+PP2", "test", "parallelism", 8, 1),
         ("4D FSDP+TP2+CP2+PP2", "test", "parallelism", 16, 1),
+        ("2D FSDP+TP2 compiled", "test", "parallelism", 4, 1),
         ("2D FSDP+CP2", "test", "parallelism", 4, 1),
         ("AC full", "test", "technique", 2, 1),
     ]
@@ -95,7 +96,10 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
                                    "pp_schedule": "Interleaved1F1B"}
     assert launches[3].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 2, "pp": 2,
                                    "pp_schedule": "Interleaved1F1B"}
-    assert launches[4].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2, "pp": 1}
+    assert launches[4].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "cp": 1, "pp": 1}
+    assert "--compile.enable=true" in launches[4].args
+    assert arg(launches[4], "--activation_checkpoint.selective_ac_option") == "2"
+    assert launches[5].degrees == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2, "pp": 1}
     seed_path = plan.output / "seed" / "checkpoint" / "step-0"
     assert plan.seed_checkpoint_path == seed_path
     for launch in launches[1:]:
@@ -108,7 +112,7 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         assert launch.args[-3:] == ("--checkpoint.initial_load_path", str(seed_path), "--checkpoint.load_only")
         assert launch.output == plan.output / slugify(launch.name)
         assert launch.depends_on == ("seed",)
-    assert arg(launches[5], "--activation_checkpoint.mode") == "full"
+    assert arg(launches[6], "--activation_checkpoint.mode") == "full"
     assert arg(launches[3], "--parallelism.pipeline_parallel_microbatch_size") == "2"
 
 
