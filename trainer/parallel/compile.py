@@ -12,13 +12,13 @@ traces a separate graph for it, and the gradient that graph returns for its inpu
 (with FSDP on the TP ranks: a different step-1 gradient norm, and a different loss when
 inductor reorders the wait; without FSDP: `'Tensor' object has no attribute '_local_tensor'` in
 backward). `wait_for_collectives` resolves the wrapper in eager code first, without a copy;
-docs/parallelisms.md gives a minimal reproduction of the torch bug.
+docs/torch_workarounds.md gives a minimal reproduction of the torch bug.
 
 Each rank compiles into a cache folder of its own (`isolate_compile_cache`). torch's compiled-code
 cache is keyed by the traced program, not by the rank's place in the device mesh, while DTensor
 bakes that place into what it lowers beneath the trace (loss parallelism's vocabulary offset):
 ranks of one machine sharing the default folder load each other's loss on a warm start, and
-the loss is wrong without any error (docs/parallelisms.md has the reproduction).
+the loss is wrong without any error (docs/torch_workarounds.md has the reproduction).
 
 Full recomputation (activation_checkpoint.mode full, and the recomputed blocks of a selective
 layer mode) stays outside the compiled graph: the block's `compute` is compiled and the eager
