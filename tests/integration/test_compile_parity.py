@@ -28,7 +28,8 @@ What it catches (each found on torch 2.13, fixed in trainer/parallel/compile.py)
   norm 1.7e-3 (relative) off, or a crash in backward;
 - a second run from a warm compile cache under TP: every rank loaded the loss-parallel graph one
   rank had written, loss 5.69 instead of 6.07 at step 1 ("TP, warm compile cache");
-- full recomputation inside a compiled TP block: a crash in the compiled forward.
+- full recomputation inside a compiled TP block: a crash in the compiled forward;
+- a memory budget between 0 and 1 under TP: a crash while compiling.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ AC = {
     "AC selective layer": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
     "AC full": ["--activation_checkpoint.mode", "full"],
 }
-# The compiler's own choice (inductor's partitioner only): 0.0 recomputes the most.
-MEMORY_BUDGET = {"AC memory_budget 0": ["--activation_checkpoint.mode", "memory_budget",
-                                       "--activation_checkpoint.memory_budget", "0"]}
+# The compiler's own choice (inductor's partitioner only), at the default budget: between 0 and 1
+# the partitioner weighs what to keep (under TP torch 2.13 stopped there before set_memory_budget).
+MEMORY_BUDGET = {"AC memory_budget 0.5": ["--activation_checkpoint.mode", "memory_budget",
+                                         "--activation_checkpoint.memory_budget", "0.5"]}
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
 # name -> (overrides, backend). inductor where its generated code meets what the layout changes

@@ -103,9 +103,10 @@ def test_fully_recomputed_blocks_compile_their_computation_and_checkpoint_outsid
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--activation_checkpoint.mode", "memory_budget"], "needs compile.enable with 'model' in compile.components"),
+    (["--activation_checkpoint.mode", "memory_budget"], "needs compile.enable with 'model' in compile.components; "
+     "turn compile.enable on, or choose 'full' or 'selective'"),
     (["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--compile.components", "loss"],
-     "needs compile.enable with 'model' in compile.components"),
+     "add 'model' to compile.components, or choose"),
     (["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--compile.backend", "aot_eager"],
      "applied by inductor's partitioner, and compile.backend is 'aot_eager'; use 'inductor'"),
     (["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--activation_checkpoint.memory_budget",

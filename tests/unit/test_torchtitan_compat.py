@@ -75,6 +75,17 @@ def test_options_that_are_not_torchtitans_ignored_ones_are_refused_as_before(arg
     assert message in str(info.value)
 
 
+def test_a_refused_torchtitan_key_says_why_on_the_command_line_and_in_a_file(tmp_path):
+    why = "torchtitan's option, refused here: the model draws no random numbers, so recomputation needs no saved RNG state"
+    with pytest.raises(ConfigError, match=why):
+        load_config(["--activation_checkpoint.preserve_rng_state", "false"])
+    path = tmp_path / "job.toml"
+    path.write_text('[comm]\nmode = "fake_backend"\n')
+    with pytest.raises(ConfigError, match=f"{path}: unknown key comm.mode: torchtitan's option, refused here: only "
+                                          "real communication"):
+        load_config(["--job.config_file", str(path)])
+
+
 def test_an_ignored_bare_flag_does_not_swallow_the_next_option():
     config = load_config(["--activation_checkpoint.early_stop", "--training.steps", "5", "--model.print_after_conversion"])
     assert config.training.steps == 5

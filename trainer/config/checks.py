@@ -91,9 +91,10 @@ def validate(config: JobConfig) -> None:
     for item in c.compile.components:
         need(item in ("model", "loss"), f"compile.components: {item!r} is unknown; choose from 'model', 'loss'")
     ac = c.activation_checkpoint
+    fix = "add 'model' to compile.components" if c.compile.enable else "turn compile.enable on"
     need(ac.mode != "memory_budget" or (c.compile.enable and "model" in c.compile.components),
          "activation_checkpoint.mode: 'memory_budget' lets the compiler choose what compiled blocks recompute, so it "
-         "needs compile.enable with 'model' in compile.components; turn compile on, or choose 'full' or 'selective'")
+         f"needs compile.enable with 'model' in compile.components; {fix}, or choose 'full' or 'selective'")
     need(ac.mode != "memory_budget" or c.compile.backend == "inductor",
          f"activation_checkpoint.mode: 'memory_budget' is applied by inductor's partitioner, and compile.backend is "
          f"{c.compile.backend!r}; use 'inductor'")

@@ -30,7 +30,8 @@ A job is configured by a TOML file (`--job.config_file`, looked up in the workin
 
 Unknown sections and keys, wrong types and invalid values stop the launch with one message naming
 the key, where it came from, and what is valid (exit code 2). `--help` prints this table;
-`--job.print_config` prints the resolved configuration as TOML that loads back to the same config.
+`--job.print_config` prints the resolved configuration as TOML that loads back to the same config
+(optional keys left unset, such as `lr_scheduler.total_steps`, are left out: TOML has no null).
 torchtitan's configs and command-line flags load as they are: [Coming from
 torchtitan](#coming-from-torchtitan) says what each of its keys does here.
 

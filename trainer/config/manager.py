@@ -29,6 +29,7 @@ from trainer.config.checks import validate
 from trainer.config.errors import ConfigError
 from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
 from trainer.config.job_config import JobConfig
+from trainer.config.torchtitan_keys import REFUSED
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -176,6 +177,16 @@ def suggestion(name: str, candidates: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def unknown_key(section: str, key: str, candidates: list[str]) -> str:
+    """"unknown key" and what may have been meant: the reason a torchtitan key is not
+    implemented, or the closest known key."""
+    why = REFUSED.get(f"{section}.{key}")
+    if why:
+        return (f"unknown key {section}.{key}: torchtitan's option, refused here: {why} "
+                "(docs/configuration.md, Coming from torchtitan)")
+    return f"unknown key {section}.{key}{suggestion(key, candidates)}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Sources: TOML file and command line
 
@@ -243,8 +254,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
             i += 1
             continue
         if key not in types_:
-            raise ConfigError(f"argument {arg!r}: unknown key {section}.{key}"
-                              f"{suggestion(key, [*types_, *IGNORED_KEYS.get(section, ())])}")
+            raise ConfigError(f"argument {arg!r}: {unknown_key(section, key, [*types_, *IGNORED_KEYS.get(section, ())])}")
         if has_value:
             overrides.append((section, key, value))
             i += 1
@@ -295,7 +305,7 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
                 ignored.append(f"{section}.{key}")
                 continue
             if key not in types_:
-                raise ConfigError(f"{path}: unknown key {section}.{key}{suggestion(key, list(types_))}")
+                raise ConfigError(f"{path}: {unknown_key(section, key, list(types_))}")
             setattr(target, key, convert(value, types_[key], f"{path}: {section}.{key}"))
     return ignored
 

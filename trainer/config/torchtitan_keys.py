@@ -127,10 +127,10 @@ DIFFERENT: dict[str, str] = {
 
 # torchtitan v0.2.2 keys refused as unknown here (neither implemented nor ignored): why.
 REFUSED: dict[str, str] = {
-    "activation_checkpoint.preserve_rng_state": "not implemented (the model draws no random numbers, so "
-                                                "recomputation needs no saved RNG state)",
-    "activation_checkpoint.determinism_check": "not implemented",
-    "activation_checkpoint.debug": "not implemented",
+    "activation_checkpoint.preserve_rng_state": "the model draws no random numbers, so recomputation needs no "
+                                                "saved RNG state",
+    "activation_checkpoint.determinism_check": "torch's check of recomputed tensors' metadata is not exposed",
+    "activation_checkpoint.debug": "torch's recomputation debug traces are not exposed",
     "comm.mode": "only real communication; torchtitan's fake_backend (dry run) and local_tensor modes are not "
                  "implemented",
 }

@@ -84,6 +84,10 @@ def set_memory_budget(budget: float) -> None:
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = budget
+    # Between 0 and 1 the partitioner sizes every value a graph could keep, and torch 2.13 refuses
+    # to size a script object ("Cannot compute the size of FakeScriptObject"). The only ones in
+    # these graphs are DTensor's device meshes under TP, which hold no activations: size 0.
+    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
 
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
