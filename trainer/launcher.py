@@ -201,6 +201,9 @@ def describe(failure: RankFailure, memory: str | None = None) -> tuple[str, int]
             text += f"; {memory}"
         if sig in NATIVE_CRASHES and failure.log_dir is not None:
             text += f"; the Python stack of every thread at the crash is at the end of {failure.log_dir / 'stderr.log'}"
+            stack = crash_stack(failure.log_dir / "stderr.log")
+            if stack:
+                text += "\nwhere it crashed (most recent call first):\n" + "\n".join(stack)
         return text, 128 + sig.value
     if failure.exitcode < 0:  # a signal number this platform does not name
         return f"{who} was killed by signal {-failure.exitcode}", 128 - failure.exitcode
@@ -218,16 +221,36 @@ def describe(failure: RankFailure, memory: str | None = None) -> tuple[str, int]
     return text, code
 
 
-def last_line(path: Path) -> str | None:
+def tail_lines(path: Path, size: int = 8192) -> list[str] | None:
+    """The lines of the last `size` bytes of a file, stripped, or None when it cannot be read."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()]
+            f.seek(max(0, f.tell() - size))
+            return [line.strip() for line in f.read().decode(errors="replace").splitlines()]
     except OSError:
         return None
-    lines = [line for line in lines if line]
+
+
+def last_line(path: Path) -> str | None:
+    lines = [line for line in tail_lines(path) or [] if line]
     return lines[-1] if lines else None
+
+
+def crash_stack(path: Path, frames: int = 8) -> list[str]:
+    """The innermost frames of the crashing thread in the stack dump Python's faulthandler wrote
+    at the end of a rank's stderr (its 'Current thread ...' block), so that the report of a
+    native crash says where it happened even where only the console is kept (CI, a scheduler)."""
+    lines = tail_lines(path, 65536) or []
+    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
+    if not starts:
+        return []
+    block = []
+    for line in lines[starts[-1] + 1:]:
+        if not line.startswith("File "):
+            break
+        block.append(f"  {line}")
+    return block[:frames]
 
 
 def print_block(message: str, folder: Path | None) -> None:

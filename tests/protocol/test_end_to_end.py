@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def protocol(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    # The compiled set compiles into a cache of the test's own, not the machine's shared one.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(cwd / "compile_cache")}
     return subprocess.run([sys.executable, "-m", "protocol", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
 

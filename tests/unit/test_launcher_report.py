@@ -137,3 +137,21 @@ def test_hub_datasets():
     assert hub_datasets(config) == ["c4", "fineweb"]
     config = load_config(["--training.dataset", "c4", "--training.dataset_path", "/data/c4"])
     assert hub_datasets(config) == []
+
+
+def test_a_native_crash_is_reported_with_the_frames_where_it_happened(tmp_path):
+    """faulthandler's dump at the end of the rank's stderr: the crashing thread's innermost frames
+    reach the console, so a crash seen only in a console log (CI) says where it was."""
+    (tmp_path / "rank0").mkdir()
+    frames = [f'  File "/x/m{i}.py", line {i} in f{i}' for i in range(12)]
+    (tmp_path / "rank0" / "stderr.log").write_text(
+        "step 3 loss 5.1\nFatal Python error: Segmentation fault\n\n"
+        "Thread 0x00007fa9cc3946c0 (most recent call first):\n  File \"/x/other.py\", line 3 in sleeper\n\n"
+        "Current thread 0x00007fa9cd013b80 (most recent call first):\n" + "\n".join(frames) + "\n\nExtension modules: numpy\n")
+    text, code = describe(RankFailure(0, -11, T, log_dir=tmp_path / "rank0"))
+    assert code == 139
+    where = text.split("where it crashed (most recent call first):\n")[1].splitlines()
+    assert where == [f"  {frame.strip()}" for frame in frames[:8]]
+    (tmp_path / "rank1").mkdir()  # no dump (faulthandler off): the report is as before
+    text, _ = describe(RankFailure(1, -11, T, log_dir=tmp_path / "rank1"))
+    assert "where it crashed" not in text and text.endswith("stderr.log")
