@@ -13,14 +13,23 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 
 
-def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
-    """AdamW or Adam from the [optimizer] section, over (name, parameter) pairs."""
+# The optimizers optimizer.name accepts. initialize_state relies on their state starting at zero.
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+def new_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
+    """The optimizer of the [optimizer] section over (name, parameter) pairs, without state yet."""
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     kwargs["foreach"] = cfg.implementation == "foreach"
     kwargs["fused"] = cfg.implementation == "fused"
-    optimizer_class = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
+    return OPTIMIZERS[cfg.name](param_groups(list(named_parameters), cfg.weight_decay_exclude), **kwargs)
+
+
+def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
+    """AdamW or Adam from the [optimizer] section, over (name, parameter) pairs, with its state
+    created (initialize_state)."""
     named = list(named_parameters)
-    optimizer = optimizer_class(param_groups(named, cfg.weight_decay_exclude), **kwargs)
+    optimizer = new_optimizer(named, cfg)
     initialize_state(optimizer)
     if cfg.weight_decay_exclude:
         excluded = [n for n, _ in named if parameter_kind(n) in cfg.weight_decay_exclude]
@@ -32,31 +41,37 @@ def build_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
 
 @torch.no_grad()
 def initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state now, as its first step would (zero moments, step 0).
+    """Create the optimizer's state now, exactly as a fresh first step would find it.
 
     Saving an optimizer that has no state yet makes torch's distributed state_dict create it by
-    running a step with zero gradients at learning rate 0: the moments stay zero and the weights
-    do not move, but every parameter's step count becomes 1, which changes the bias correction of
-    all later steps. That happens when a checkpoint is saved before the first optimizer step (a
-    float16 run whose first steps overflow). The same step here, with the counts set back to 0,
-    leaves the state exactly as the first real step would find it."""
+    running a step with zero gradients at learning rate 0: the weights do not move, but every
+    parameter's step count becomes 1, which changes the bias correction of all later steps. That
+    happens when a checkpoint is saved before the first optimizer step (a float16 run whose first
+    steps overflow). Here the same kind of step runs with every hyperparameter that could move
+    the weights or the state neutralised: learning rate 0, and weight decay 0 (Adam's L2 decay
+    adds weight_decay x p to the zero gradient, which would leave non-zero moments). Afterwards
+    every state tensor is set back to zero (step counts included), which is what a fresh Adam or
+    AdamW first step creates (OPTIMIZERS)."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if optimizer.state or not params:
         return
-    lrs = [group["lr"] for group in optimizer.param_groups]
+    saved = [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups]
     for group in optimizer.param_groups:
-        group["lr"] = 0.0
+        group["lr"], group["weight_decay"] = 0.0, 0.0
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    try:
+        optimizer.step()
+    finally:
+        for group, (lr, weight_decay) in zip(optimizer.param_groups, saved):
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        optimizer.zero_grad(set_to_none=True)
     for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"].zero_()
-        elif "step" in state:
-            state["step"] = 0
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                value.zero_()
+            else:  # a step count kept as a Python number
+                state[key] = 0
 
 
 # The kinds of parameter optimizer.weight_decay_exclude can name (the type of that key lists them too).
