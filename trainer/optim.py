@@ -111,14 +111,16 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: fl
 
     Warmup: step/warmup_steps for steps 1..warmup_steps, so the first step already moves and the
     last warmup step runs at the peak. Then a stable phase at the peak (when decay_ratio < 1),
-    then decay to min_lr_factor, reached exactly at step total_steps and kept after it.
+    then decay to min_lr_factor, reached exactly at step total_steps and kept after it. A
+    decay_ratio of 0, or one that rounds to no decay step, has no decay phase: the peak is kept
+    after warmup, also past total_steps (there is nothing to decay over).
     """
     if step <= warmup_steps:
         return step / warmup_steps
     after_warmup = max(total_steps - warmup_steps, 1)
     decay_steps = after_warmup if decay_ratio is None else round(decay_ratio * after_warmup)
     decay_start = total_steps - decay_steps
-    if step <= decay_start:
+    if decay_steps == 0 or step <= decay_start:
         return 1.0
     progress = min((step - decay_start) / decay_steps, 1.0)
     if decay_type == "linear":

@@ -61,7 +61,9 @@ def validate(config: JobConfig) -> None:
     need(c.optimizer.weight_decay >= 0, f"optimizer.weight_decay: must be >= 0, got {c.optimizer.weight_decay}")
     need(c.lr_scheduler.warmup_steps >= 0, f"lr_scheduler.warmup_steps: must be >= 0, got {c.lr_scheduler.warmup_steps}")
     ratio = c.lr_scheduler.decay_ratio
-    need(ratio is None or 0.0 <= ratio <= 1.0, f"lr_scheduler.decay_ratio: must be in [0, 1] or unset, got {ratio}")
+    need(ratio is None or 0.0 <= ratio <= 1.0, "lr_scheduler.decay_ratio: must be in [0, 1] (the share of the steps "
+         "after warmup spent decaying; 0 keeps the peak learning rate) or unset (decay over all of them), "
+         f"got {ratio}")
     need(
         0.0 <= c.lr_scheduler.min_lr_factor <= 1.0,
         f"lr_scheduler.min_lr_factor: must be in [0, 1], got {c.lr_scheduler.min_lr_factor}",
