@@ -12,6 +12,11 @@
 #   NGPU         processes to start (default: visible GPUs; on a CPU-only machine 2, enough for FSDP)
 #   CONFIG_FILE  config used when no --job.config_file is given (default debug_model.toml)
 #   LOG_RANK     rank(s) whose output is shown, comma separated (default 0)
+#   MAX_RESTARTS automatic restarts after a rank fails, each from the latest checkpoint (default
+#                auto: 3 when the run saves checkpoints, checkpoint.enable without load_only, else 0,
+#                as a restart without checkpoints would train again from step 0); never after a
+#                user's mistake (exit 2). The ranks die with the launcher, and a second job refuses a
+#                dump folder that a live job holds (<dump_folder>/.lock).
 #   PYTHON       interpreter (default: the active virtualenv, else ./.venv next to this script, else python3)
 # Works from any directory; a bare config name is looked up there first, then in train_configs/.
 set -euo pipefail
@@ -42,12 +47,17 @@ if [ -z "${NGPU:-}" ]; then
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 LOG_RANK="${LOG_RANK:-0}"
+MAX_RESTARTS="${MAX_RESTARTS:-auto}"
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NGPU: '$NGPU' is not a number of processes; give a positive integer (or leave NGPU unset)" >&2
   exit 2
 fi
 if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
   echo "error: LOG_RANK: '$LOG_RANK' is not a rank or a comma-separated list of ranks (e.g. 0 or 0,1)" >&2
+  exit 2
+fi
+if ! [[ "$MAX_RESTARTS" =~ ^(auto|[0-9]+)$ ]]; then
+  echo "error: MAX_RESTARTS: '$MAX_RESTARTS' is not 'auto' or a number of restarts (e.g. 0 or 3)" >&2
   exit 2
 fi
 ARGS=(--job.config_file "${CONFIG_FILE:-debug_model.toml}" "$@")
@@ -62,4 +72,5 @@ done
 
 # The launcher checks the configuration against the world size once (trainer/preflight.py), then
 # starts the processes; the seed checkpoint (--checkpoint.create_seed_checkpoint) is one process.
-exec "$PYTHON" -m trainer.launcher --nproc "$NGPU" --device "$DEVICE" --log-ranks "$LOG_RANK" "${ARGS[@]}"
+exec "$PYTHON" -m trainer.launcher --nproc "$NGPU" --device "$DEVICE" --log-ranks "$LOG_RANK" \
+  --max-restarts "$MAX_RESTARTS" "${ARGS[@]}"

@@ -31,41 +31,33 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
+from trainer import run_lock
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import IGNORED_SHOWN, ConfigError, load_config, with_default_config
-from trainer.preflight import (
-    MemoryNeed,
-    available_memory,
-    check,
-    check_seed,
-    describe_run,
-    gb,
-    seed_memory_need,
-    training_memory_need,
+from trainer.failure_report import (  # noqa: F401 (the launcher's report, also imported from here)
+    Hang,
+    RankFailure,
+    describe,
+    memory_note,
+    print_block,
+    root_cause,
+    short_reason,
 )
+from trainer.parent_watch import LAUNCHER_PID_ENV
+from trainer.preflight import check, check_seed, describe_run, seed_memory_need, training_memory_need
 
 logger = logging.getLogger("trainer.launcher")
 
 USAGE = ("usage: python -m trainer.launcher --nproc N --device cpu|cuda [--log-ranks R[,R...]] "
-         "[--nnodes M --rdzv-endpoint HOST:PORT --rdzv-id ID] [--section.key value ...]")
+         "[--max-restarts auto|N] [--nnodes M --rdzv-endpoint HOST:PORT --rdzv-id ID] [--section.key value ...]")
+# --max-restarts auto: this many restarts when the run saves checkpoints, else none.
+AUTO_RESTARTS = 3
 LOG_STAMP = "%Y%m%d-%H%M%S"
-
-# How the agent stops the other ranks once one has failed (and how a scheduler or a user stops a
-# run): a rank ended by one of these did not cause the failure.
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-# What a rank sees when a peer died under it: a consequence, not the cause.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-             "ncclRemoteError", "remote process exited or there was a network error")
-# A rank killed by a signal is noticed only at the agent's next poll, and the agent's time for it
-# is in whole seconds; a signal death up to this long after the first reported error is taken as
-# the cause (a rank rarely dies of a signal because a peer failed; the reverse is the rule).
-SIGNAL_GRACE_S = 5.0
-
 
 class UsageError(ValueError):
     pass
@@ -79,13 +71,14 @@ class Options:
     nnodes: int = 1
     rdzv_endpoint: str = ""
     rdzv_id: str = ""
+    max_restarts: int | None = None  # None: auto (AUTO_RESTARTS with checkpoints, else 0)
 
 
 def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
     """The launcher's own options, which come first; the rest are the trainer's arguments."""
     opts, i = Options(), 0
     names = {"--nproc": "nproc", "--device": "device", "--log-ranks": "log_ranks", "--nnodes": "nnodes",
-             "--rdzv-endpoint": "rdzv_endpoint", "--rdzv-id": "rdzv_id"}
+             "--rdzv-endpoint": "rdzv_endpoint", "--rdzv-id": "rdzv_id", "--max-restarts": "max_restarts"}
     while i < len(argv) and argv[i] in names:
         if i + 1 >= len(argv):
             raise UsageError(f"{argv[i]} needs a value")
@@ -95,12 +88,17 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
                 setattr(opts, name, int(value))
                 if getattr(opts, name) < 1:
                     raise ValueError
+            elif name == "max_restarts":
+                opts.max_restarts = None if value == "auto" else int(value)
+                if value != "auto" and opts.max_restarts < 0:
+                    raise ValueError
             elif name == "log_ranks":
                 opts.log_ranks = {int(r) for r in value.split(",") if r.strip()}
             else:
                 setattr(opts, name, value)
         except ValueError:
-            raise UsageError(f"{argv[i]}: {value!r} is not valid") from None
+            valid = "'auto' or a number >= 0 (MAX_RESTARTS)" if name == "max_restarts" else "valid"
+            raise UsageError(f"{argv[i]}: {value!r} is not {valid}") from None
         i += 2
     if opts.device not in ("cpu", "cuda"):
         raise UsageError(f"--device: {opts.device!r} is not cpu or cuda")
@@ -111,167 +109,6 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
     if opts.nnodes > 1 and not (opts.rdzv_endpoint and opts.rdzv_id):
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint and --rdzv-id (the same on every machine)")
     return opts, argv[i:]
-
-
-# ---------------------------------------------------------------------------------------------
-# Failures: which rank failed first, and what to tell the user
-
-
-@dataclass
-class RankFailure:
-    """How one rank ended, from torch's ProcessFailure and the rank's own report."""
-
-    rank: int
-    exitcode: int  # negative: killed by signal -exitcode
-    time: float  # when it failed: the report's precise time, else when the agent noticed (whole seconds)
-    message: str | None = None  # the rank's report
-    log_dir: Path | None = None
-
-    @property
-    def signal(self) -> signal.Signals | None:
-        if self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode)
-        except ValueError:
-            return None
-
-    @property
-    def peer_lost(self) -> bool:
-        return bool(self.message) and any(text in self.message for text in PEER_LOST)
-
-    @classmethod
-    def from_torch(cls, rank: int, failure, folder: Path | None) -> RankFailure:
-        """From a torch.distributed.elastic ProcessFailure."""
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        ours = data.get("trainer")
-        message, when = None, float(failure.timestamp)
-        if isinstance(ours, dict) and isinstance(ours.get("message"), str):
-            message, when = ours["message"], float(ours.get("time", when))
-        elif isinstance(failure.message, dict):  # written by torch's @record / ErrorHandler
-            message = str(failure.message.get("message", "")) or None
-        elif data.get("message") not in (None, "<NONE>"):  # an error file with a plain message
-            message = str(failure.message) or None
-        log_dir = folder / f"rank{rank}" if folder is not None else None
-        return cls(rank=rank, exitcode=failure.exitcode, time=when, message=message, log_dir=log_dir)
-
-
-def root_cause(failures: list[RankFailure]) -> RankFailure:
-    """The rank that failed first, not one that failed because of it: a rank stopped by the
-    agent's SIGTERM or one that lost its connection to a dead peer is a consequence. Among the
-    others, a rank killed by a signal (noticed late, see SIGNAL_GRACE_S) comes first, then the
-    earliest report."""
-    earliest = min(f.time for f in failures)
-
-    def rank_of(f: RankFailure) -> tuple:
-        if f.signal in STOP_SIGNALS:
-            tier = 3
-        elif f.peer_lost:
-            tier = 2
-        elif f.signal is not None and f.time <= earliest + SIGNAL_GRACE_S:
-            tier = 0
-        else:
-            tier = 1
-        return tier, f.time, f.rank
-
-    return min(failures, key=rank_of)
-
-
-SIGNAL_CAUSES = {
-    signal.SIGKILL: "most likely the kernel's out-of-memory killer (`dmesg | grep -i -e oom -e killed` or "
-                    "`journalctl -k` says so); else a `kill -9` from a user or a scheduler",
-    signal.SIGSEGV: "a crash in native code (torch, a communication library, a driver)",
-    signal.SIGBUS: "a crash in native code (often a full /dev/shm or a truncated memory-mapped file)",
-    signal.SIGABRT: "an abort in native code (a failed check in torch, a communication library or a driver)",
-    signal.SIGILL: "a crash in native code (an instruction this CPU does not have)",
-    signal.SIGFPE: "a crash in native code (an arithmetic fault)",
-}
-NATIVE_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
-
-
-def describe(failure: RankFailure, memory: str | None = None) -> tuple[str, int]:
-    """(the message, the launcher's exit code) for the rank that failed first. `memory` says
-    what the run needs of host memory, for a kill by the out-of-memory killer."""
-    who = f"rank {failure.rank}"
-    sig = failure.signal
-    if sig is not None:
-        cause = SIGNAL_CAUSES.get(sig, "sent from outside the run (kill, a scheduler's time limit, a shutdown)")
-        text = f"{who} was killed by {sig.name} (signal {sig.value}): {cause}"
-        if sig == signal.SIGKILL and memory:
-            text += f"; {memory}"
-        if sig in NATIVE_CRASHES and failure.log_dir is not None:
-            text += f"; the Python stack of every thread at the crash is at the end of {failure.log_dir / 'stderr.log'}"
-            stack = crash_stack(failure.log_dir / "stderr.log")
-            if stack:
-                text += "\nwhere it crashed (most recent call first):\n" + "\n".join(stack)
-        return text, 128 + sig.value
-    if failure.exitcode < 0:  # a signal number this platform does not name
-        return f"{who} was killed by signal {-failure.exitcode}", 128 - failure.exitcode
-    code = failure.exitcode
-    if failure.message:
-        text = f"{who} (exit {code}): {failure.message}"
-        if failure.peer_lost:
-            text += ("\n(this rank lost its connection to another one, which failed first without a report: see the "
-                     "logs of the other ranks, and of the other machines in a multi-machine run)")
-        return text, 2 if code == 2 else code
-    last = last_line(failure.log_dir / "stderr.log") if failure.log_dir is not None else None
-    text = f"{who} exited with code {code} without reporting an error"
-    if last:
-        text += f"; the last line of its stderr: {last}"
-    return text, code
-
-
-def tail_lines(path: Path, size: int = 8192) -> list[str] | None:
-    """The lines of the last `size` bytes of a file, stripped, or None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return [line.strip() for line in f.read().decode(errors="replace").splitlines()]
-    except OSError:
-        return None
-
-
-def last_line(path: Path) -> str | None:
-    lines = [line for line in tail_lines(path) or [] if line]
-    return lines[-1] if lines else None
-
-
-def crash_stack(path: Path, frames: int = 8) -> list[str]:
-    """The innermost frames of the crashing thread in the stack dump Python's faulthandler wrote
-    at the end of a rank's stderr (its 'Current thread ...' block), so that the report of a
-    native crash says where it happened even where only the console is kept (CI, a scheduler)."""
-    lines = tail_lines(path, 65536) or []
-    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread ")]
-    if not starts:
-        return []
-    block = []
-    for line in lines[starts[-1] + 1:]:
-        if not line.startswith("File "):
-            break
-        block.append(f"  {line}")
-    return block[:frames]
-
-
-def print_block(message: str, folder: Path | None) -> None:
-    """The one failure report: `error: ...` (maybe several lines), then `full logs: <folder>`."""
-    sys.stdout.flush()
-    block = f"error: {message}\n"
-    if folder is not None:
-        block += f"full logs: {folder}\n"
-    sys.stderr.write(block)
-    sys.stderr.flush()
-
-
-def memory_note(need: MemoryNeed | None, meminfo: str | None = None) -> str | None:
-    """What the run needs of host memory at least, for a rank killed by the out-of-memory killer."""
-    if need is None:
-        return None
-    available = available_memory(meminfo)
-    note = f"this run needs at least {gb(need.bytes)} of host memory"
-    if available is not None:
-        note += f" ({gb(available)} were available when it started)"
-    return f"{note}: {need.what}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,20 +187,16 @@ def route_torch_logs(folder: Path) -> None:
     logging.captureWarnings(True)
 
 
-def run_ranks(opts: Options, args: list[str], folder: Path) -> list[RankFailure] | None:
-    """Start `python -u -m trainer.train ARGS` in opts.nproc processes; None when all succeed,
-    else every failed rank."""
+def rank_logs(opts: Options, folder: Path):
+    """torch's LogsSpecs for <folder>/rank<R>/{stdout.log, stderr.log, error.json} (restart K:
+    <folder>/restart<K>/rank<R>/); the shown local ranks are also tailed to the console with a
+    `[rankR]:` prefix (torchrun's --tee 3 --local-ranks-filter)."""
     from torch.distributed.elastic.multiprocessing import LogsSpecs
     from torch.distributed.elastic.multiprocessing.api import LogsDest
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    route_torch_logs(folder)
+    from trainer.rank_agent import attempt_folder
 
     class RankLogs(LogsSpecs):
-        """<folder>/rank<R>/{stdout.log, stderr.log, error.json}; the shown local ranks are also
-        tailed to the console with a `[rankR]:` prefix (torchrun's --tee 3 --local-ranks-filter)."""
-
         def __init__(self):
             super().__init__(log_dir=str(folder), local_ranks_filter=opts.log_ranks)
 
@@ -374,7 +207,8 @@ def run_ranks(opts: Options, args: list[str], folder: Path) -> list[RankFailure]
         def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
             dest = LogsDest()
             for local_rank, env in envs.items():
-                rank_dir = folder / f"rank{env.get('RANK', local_rank)}"
+                attempt = attempt_folder(folder, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                rank_dir = attempt / f"rank{env.get('RANK', local_rank)}"
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 error_file = rank_dir / "error.json"
                 error_file.unlink(missing_ok=True)
@@ -387,20 +221,96 @@ def run_ranks(opts: Options, args: list[str], folder: Path) -> list[RankFailure]
                     dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
             return dest
 
+    return RankLogs()
+
+
+def restart_notice(resume_note: str, hang: Hang):
+    """What the agent calls before an automatic restart: one line on the console (stderr, as the
+    failure report) and in launcher.log, plus what is known of a hang."""
+
+    def notice(cause: RankFailure, restart: int, max_restarts: int, stopped: list[int]) -> None:
+        line = f"rank {cause.rank} died ({short_reason(cause)}); restart {restart} of {max_restarts} {resume_note}"
+        if cause.timed_out:
+            line += "\n" + replace(hang, stopped=stopped).explain()
+        logger.info("%s", line)
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+
+    return notice
+
+
+@dataclass
+class Outcome:
+    """How the ranks ended: failures None when they succeeded."""
+
+    failures: list[RankFailure] | None
+    restarts: int = 0  # automatic restarts done
+    stopped: list[int] = field(default_factory=list)  # ranks found stopped (SIGSTOP) at the last failure
+
+
+def run_ranks(opts: Options, args: list[str], folder: Path, max_restarts: int = 0,
+              on_restart=None) -> Outcome:
+    """Start `python -u -m trainer.train ARGS` in opts.nproc processes; restart them after a
+    failure at most `max_restarts` times (trainer/rank_agent.py)."""
+    from trainer.rank_agent import launch
+
+    route_torch_logs(folder)
     if opts.nnodes > 1:
         endpoint, run_id = opts.rdzv_endpoint, opts.rdzv_id
     else:  # torchrun --standalone: a c10d store of this launcher on a free port
         endpoint, run_id = "localhost:0", str(uuid.uuid4())
-    config = LaunchConfig(
-        min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc, run_id=run_id, role="rank",
-        rdzv_endpoint=endpoint, rdzv_backend="c10d", max_restarts=0, monitor_interval=0.1, logs_specs=RankLogs(),
-        log_line_prefix_template="[rank${rank}]:",  # the global rank (torchrun's default is the local one)
-    )
-    try:
-        elastic_launch(config, sys.executable)("-u", "-m", "trainer.train", *args)
-    except ChildFailedError as e:
-        return [RankFailure.from_torch(rank, failure, folder) for rank, failure in e.failures.items()]
-    return None
+    # Every rank dies with this process, however it dies (trainer/parent_watch.py).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    # A fresh c10d store for each attempt. The agent's shared store (torch's default) keeps the
+    # keys of the attempt before a restart, where gloo finds the dead ranks' addresses: the
+    # restarted ranks then fail with "connectFullMesh failed ... Connection refused".
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    agent, failures = launch(nnodes=opts.nnodes, nproc=opts.nproc, endpoint=endpoint, run_id=run_id,
+                             max_restarts=max_restarts, logs_specs=rank_logs(opts, folder), log_folder=folder,
+                             on_restart=on_restart, args=args)
+    return Outcome(failures, agent.restarts_done, agent.stopped_ranks)
+
+
+def restarts_for(opts: Options, config: JobConfig) -> tuple[int, str]:
+    """(how many automatic restarts, what a restart starts from, for the console)."""
+    saves = config.checkpoint.enable and not config.checkpoint.load_only
+    if config.checkpoint.create_seed_checkpoint:
+        return 0, ""
+    count = opts.max_restarts if opts.max_restarts is not None else (AUTO_RESTARTS if saves else 0)
+    note = ("from the latest checkpoint" if saves else
+            "from the start (checkpoint.enable is off or load_only: nothing trained is kept)")
+    return count, note
+
+
+def prepare(opts: Options, config: JobConfig):
+    """The launcher's checks of the configuration before anything starts: what the run needs of
+    host memory, or ConfigError."""
+    world = opts.nproc * opts.nnodes
+    if config.checkpoint.create_seed_checkpoint:
+        if opts.nnodes > 1:
+            raise ConfigError("checkpoint.create_seed_checkpoint: runs as ONE process on one machine; "
+                              "leave out --nnodes")
+        opts.nproc, opts.log_ranks = 1, {0}  # one process, whatever NGPU and the degrees say
+        check_seed(config)
+        print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; seed checkpoint "
+              "in one process")
+        return seed_memory_need(config)
+    plan = check(config, world, opts.device, local_procs=opts.nproc)
+    print(describe_run(config, plan, world, opts.device))
+    return training_memory_need(config, plan.dims, opts.device, opts.nproc)
+
+
+def take_lock(opts: Options, config: JobConfig) -> run_lock.RunLock | None:
+    """The dump folder's lock (trainer/run_lock.py), for a run of one machine. A run of several
+    machines is not locked: which machine is node rank 0 (the one that writes the run's record)
+    is decided by the rendezvous after every launcher has started, and a refusal on one machine
+    would leave the others waiting for the rendezvous until it times out."""
+    if opts.nnodes > 1:
+        return None
+    lock = run_lock.take(Path(config.job.dump_folder))
+    if lock.note:
+        print(f"note: {lock.note}", flush=True)
+    return lock
 
 
 def main(argv: list[str]) -> int:
@@ -416,20 +326,21 @@ def main(argv: list[str]) -> int:
         config = load_config(args)
         if config.job.print_config:
             os.execv(sys.executable, [sys.executable, "-m", "trainer.train", *args])
-        world = opts.nproc * opts.nnodes
-        if config.checkpoint.create_seed_checkpoint:
-            if opts.nnodes > 1:
-                raise ConfigError("checkpoint.create_seed_checkpoint: runs as ONE process on one machine; "
-                                  "leave out --nnodes")
-            opts.nproc, opts.log_ranks = 1, {0}  # one process, whatever NGPU and the degrees say
-            check_seed(config)
-            need = seed_memory_need(config)
-            print(f"config: {config.job.config_file or '(defaults)'}; model {config.model.flavor}; seed checkpoint "
-                  "in one process")
-        else:
-            plan = check(config, world, opts.device, local_procs=opts.nproc)
-            need = training_memory_need(config, plan.dims, opts.device, opts.nproc)
-            print(describe_run(config, plan, world, opts.device))
+        need = prepare(opts, config)
+        lock = take_lock(opts, config)
+    except (ConfigError, run_lock.LockRefused) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_job(opts, args, config, need)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def run_job(opts: Options, args: list[str], config: JobConfig, need) -> int:
+    """Start the ranks (the dump folder is this job's now) and report how they ended."""
+    try:
         folder = new_log_folder(config.job.dump_folder, f"-{socket.gethostname()}" if opts.nnodes > 1 else "")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -448,8 +359,10 @@ def main(argv: list[str]) -> int:
     os.environ[IGNORED_SHOWN] = "1"  # the ranks load the config again: one warning is enough
 
     started = time.time()
+    max_restarts, resume_note = restarts_for(opts, config)
+    hang = Hang(config.comm.train_timeout_seconds, config.comm.init_timeout_seconds)
     try:
-        failures = run_ranks(opts, args, folder)
+        outcome = run_ranks(opts, args, folder, max_restarts, restart_notice(resume_note, hang))
     except KeyboardInterrupt:  # Ctrl-C before the agent's own signal handling is in place
         print_block("interrupted (SIGINT) while starting the ranks", folder)
         return 130
@@ -463,17 +376,26 @@ def main(argv: list[str]) -> int:
         logger.exception("the launcher failed")
         print_block(f"the launcher failed: {type(e).__name__}: {e} (traceback in {folder / 'launcher.log'})", folder)
         return 1
-    if failures is None:
-        logger.info("all ranks succeeded in %.1f s", time.time() - started)
+    if outcome.failures is None:
+        logger.info("all ranks succeeded in %.1f s after %d restarts", time.time() - started, outcome.restarts)
         return 0
+    return report(outcome, config, need, folder, offline_host)
+
+
+def report(outcome: Outcome, config: JobConfig, need, folder: Path, offline_host: str | None) -> int:
+    """The one failure block of the last attempt; the launcher's exit code."""
+    failures = outcome.failures
     cause = root_cause(failures)
     for failure in sorted(failures, key=lambda f: f.rank):
         logger.info("rank %d: exit %d at %.3f: %s", failure.rank, failure.exitcode, failure.time, failure.message)
-    message, code = describe(cause, memory_note(need))
+    hang = Hang(config.comm.train_timeout_seconds, config.comm.init_timeout_seconds, outcome.stopped)
+    message, code = describe(cause, memory_note(need), hang)
     if offline_host and cause.message and ("OfflineModeIsEnabled" in cause.message or "offline" in cause.message):
         message += (f"\n({offline_host} could not be resolved when the run started, so the ranks ran with "
                     "HF_HUB_OFFLINE=1: download the dataset where there is a network, or set training.dataset_path "
                     "to a local copy)")
+    if outcome.restarts:
+        message += f"\n(the last of {outcome.restarts + 1} attempts: the job was restarted {outcome.restarts} times)"
     print_block(message, folder)
     return code
 

@@ -28,6 +28,10 @@ Record fields (format 2), written by the rank that logs:
     device_name   the GPU's name (CUDA) or the CPU's
     cuda, nccl    the versions torch was built with (null off CUDA)
     argv          the trainer's own command-line options (the launcher passes them through)
+    restart       which automatic restart of the launcher this start is: 0 for the job's first
+                  start, K for its K-th restart after a failure (TORCHELASTIC_RESTART_COUNT); a
+                  restart resumes from the latest checkpoint, so the start it replaced is the
+                  last entry of `history` (status "running": it was killed)
     history       earlier records of this run, oldest first (each without its own history)
 
 Torch-free: the protocol reads records with `read_record`.

@@ -47,6 +47,7 @@ from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from trainer.parent_watch import watch_launcher
 from trainer.parallel import ParallelModel, parallelize
 from trainer.parallel.fsdp import DTYPES, parameters_in, resolve_param_dtype
 from trainer.perturbation import perturb_weights
@@ -183,6 +184,8 @@ class Trainer:
             "device": str(self.device),
             **env.software_and_device(self.device),
             "argv": sys.argv[1:],
+            # which automatic restart of the launcher this start is (torch's agent counts them)
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "num_params": count_params_on_meta(model_args),
@@ -415,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     argv = sys.argv[1:] if argv is None else argv
+    watch_launcher()  # first: a rank must not train on after its launcher was killed (trainer/parent_watch.py)
     # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
     # process without a Python traceback; this prints every thread's Python stack first.
     faulthandler.enable(file=sys.__stderr__)

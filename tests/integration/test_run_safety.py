@@ -1,0 +1,201 @@
+"""A job and its dump folder: ranks die with their launcher, one live job per dump folder, automatic
+restarts from the latest checkpoint after a rank is killed or hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
+from trainer import run_lock
+
+LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
+
+
+def start(nproc: int, args: list[str], **env: str) -> subprocess.Popen:
+    """The launcher in a process group of its own (as a shell or a scheduler would start it)."""
+    full_env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, LOG_RANK="0", CUDA_VISIBLE_DEVICES="",
+                    **env)
+    return subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, folder: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while True:
+        path = folder / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
+            return
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not reaped by its parent, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_ranks_die_with_their_launcher_which_holds_the_dump_folder(tmp_path, measured):
+    """The launcher is killed with SIGKILL with its process group (a shell's job, a wrapper, the
+    out-of-memory killer): its ranks, in sessions of their own, must not train on. While it
+    lives, a second job into its dump folder is refused; once it is gone, its lock is taken over."""
+    proc = start(2, [*LONG_JOB, "--job.dump_folder", str(tmp_path)])
+    try:
+        wait_for_step(proc, tmp_path, 1)
+        started = time.perf_counter()
+        second = launch(1, [*TINY_JOB, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
+        refused_s = time.perf_counter() - started
+        assert second.returncode == 2, describe(second)
+        assert (f"error: job.dump_folder {tmp_path}: another job (PID {proc.pid} on {socket.gethostname()}"
+                in second.stderr), describe(second)
+        assert "logs:" not in second.stdout and refused_s < 10
+
+        ranks = descendants(proc.pid)
+        assert len(ranks) >= 2, ranks
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: not the ranks' own sessions
+        killed = time.perf_counter()
+        while any(alive(pid) for pid in ranks) and time.perf_counter() - killed < 3:
+            time.sleep(0.01)
+        gone_s = time.perf_counter() - killed
+        survivors = [pid for pid in ranks if alive(pid)]
+    finally:
+        stop(proc)
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"ranks {survivors} outlived their launcher by 3 s"
+    measured(f"launcher killed with SIGKILL: its {len(ranks)} processes gone after {gone_s:.2f} s; a second job "
+             f"into its dump folder refused in {refused_s:.1f} s")
+
+    after = launch(1, [*TINY_JOB, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
+    assert after.returncode == 0, describe(after)
+    assert f"note: took over the lock {tmp_path / '.lock'} of a job that is gone (PID {proc.pid} on" in after.stdout
+    assert not (tmp_path / ".lock").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# One live job per dump folder
+
+
+def test_the_lock_of_a_live_process_is_refused_a_gone_one_taken_over(tmp_path):
+    lock = run_lock.take(tmp_path)
+    holder = json.loads((tmp_path / ".lock").read_text())
+    assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid()) and lock.note is None
+    with pytest.raises(run_lock.LockRefused, match=f"another job \\(PID {os.getpid()} on {socket.gethostname()}"):
+        run_lock.take(tmp_path)  # held: flock
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    cases = {"dead PID": {"pid": gone.pid, "start_ticks": 1},
+             "PID reused by another process": {"pid": os.getpid(), "start_ticks": -1}}
+    for holder in cases.values():
+        (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), **holder}))
+        lock = run_lock.take(tmp_path)
+        assert lock.note.startswith(f"took over the lock {tmp_path / '.lock'} of a job that is gone (PID "
+                                    f"{holder['pid']} on {socket.gethostname()}"), lock.note
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        lock.release()
+
+    # Without flock (a filesystem without it): the PID and its start time decide.
+    live = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": run_lock.process_start_ticks(os.getpid())}
+    (tmp_path / ".lock").write_text(json.dumps(live))
+    with pytest.raises(run_lock.LockRefused, match="holds it"):
+        run_lock.take(tmp_path)
+    # Another machine's lock cannot be checked: refused, with how to remove it.
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node-7", "pid": 4242, "started": "2026-01-05T14:22:10"}))
+    with pytest.raises(run_lock.LockRefused, match=f"PID 4242 on node-7 .*remove {tmp_path / '.lock'}"):
+        run_lock.take(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Automatic restarts
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The process of the current attempt's rank `rank` (from its environment, /proc)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and any(v.startswith(b"TORCHELASTIC_ERROR_FILE=") for v in environ):
+            return pid
+    raise AssertionError(f"no rank {rank} below {launcher_pid}")
+
+
+RESTART_JOB = [*TINY_JOB, "--training.steps", "12", "--checkpoint.enable", "--checkpoint.interval", "3"]
+
+
+def run_with_signal(tmp_path: Path, args: list[str], sig: signal.Signals, at_step: int) -> tuple:
+    """The job in tmp_path/run, `sig` sent to rank 1 once step `at_step` is logged; (its
+    CompletedProcess, every process it started)."""
+    proc = start(2, [*args, "--job.dump_folder", str(tmp_path / "run")])
+    seen: set[int] = set()
+    try:
+        wait_for_step(proc, tmp_path / "run", at_step)
+        os.kill(rank_pid(proc.pid, 1), sig)
+        while proc.poll() is None:  # every process of every attempt, to check none is left
+            seen.update(descendants(proc.pid))
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
+
+
+def assert_same_steps(run: Path, reference: Path, steps: int) -> None:
+    """Each step once, with the loss and gradient norm of the uninterrupted run to the bit."""
+    got, want = read_metrics(run), read_metrics(reference)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+
+
+def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(tmp_path, measured):
+    reference = launch(2, [*RESTART_JOB, "--job.dump_folder", str(tmp_path / "reference")])
+    assert reference.returncode == 0, describe(reference)
+    started = time.perf_counter()
+    result, _ = run_with_signal(tmp_path, RESTART_JOB, signal.SIGKILL, at_step=5)
+    measured(f"rank 1 killed at step 5 of 12: restarted and finished in {time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, describe(result)
+    assert ("rank 1 died (killed by SIGKILL); restart 1 of 3 from the latest checkpoint" in result.stderr), \
+        describe(result)
+    assert_same_steps(tmp_path / "run", tmp_path / "reference", 12)
+    record = json.loads((tmp_path / "run" / "run_meta.json").read_text())
+    assert record["status"] == "completed" and record["restart"] == 1
+    assert [start["restart"] for start in record["history"]] == [0]
+    assert record["start"]["kind"] == "resume" and record["start"]["step"] in (3, 6), record["start"]
+
+
+def test_a_stopped_rank_times_out_is_killed_and_the_job_recovers(tmp_path, measured):
+    """SIGSTOP on rank 1: rank 0 gives up after comm.train_timeout_seconds; the launcher kills the
+    stopped rank (SIGTERM would wait for it to be continued) and restarts."""
+    args = [*RESTART_JOB, "--comm.train_timeout_seconds", "5", "--checkpoint.interval", "2", "--training.steps", "6"]
+    started = time.perf_counter()
+    result, processes = run_with_signal(tmp_path, [*args], signal.SIGSTOP, at_step=3)
+    measured(f"rank 1 stopped at step 3 of 6, 5 s train timeout: recovered in {time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, describe(result)
+    assert "rank 0 died (exit 1: " in result.stderr and "restart 1 of 3 from the latest checkpoint" in result.stderr
+    assert ("(a peer did not join a collective within the timeout: comm.train_timeout_seconds = 5 s, "
+            "comm.init_timeout_seconds = 300 s until the first step is done; rank 1 had stopped answering: it was "
+            "stopped (SIGSTOP or a debugger) and killed by the launcher)") in result.stderr, describe(result)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
+    assert not [pid for pid in processes if alive(pid)]
