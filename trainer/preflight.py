@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
+from trainer.checkpoint_layout import (check_load_options, checkpoint_folder, complete_checkpoints, finished_partials,
+                                      initial_load_folder, read_checkpoint_record)
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
@@ -408,19 +409,97 @@ def say_unused_hf_shapes(config: JobConfig) -> None:
 
 
 def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:
-    """The seed checkpoint's check: host memory for the whole model in one process."""
+    """The seed checkpoint's checks: an existing seed is never replaced without
+    checkpoint.overwrite (the rank refuses it too, with the same message), and host memory for
+    the whole model in one process."""
+    seed = checkpoint_folder(config) / "step-0"
+    if seed.exists() and not config.checkpoint.overwrite:
+        raise ConfigError(f"{seed} exists already; refusing to overwrite it (use --checkpoint.overwrite)")
     check_host_memory(config, seed_memory_need(config), meminfo)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint a run resumes from
+
+
+class RunComplete(SystemExit):
+    """The checkpoint folder holds this run's final checkpoint: there is nothing to train.
+
+    The ranks end such a run successfully (trainer.checkpoint.TrainingComplete: exit 0 after
+    saying so). The launcher, which must not be taught another outcome of its checks, then ends
+    the same way without starting them: this is a SystemExit with code 0, raised after the
+    message is printed."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+
+def resume_candidate(config: JobConfig) -> tuple[int, Path] | None:
+    """(step, path) of the checkpoint the ranks will resume from, when the folder alone decides
+    it as trainer.checkpoint.CheckpointManager.resume does: the newest complete one. None when
+    they load none (checkpoint.enable off, an empty folder), load checkpoint.load_step, or may
+    first publish a finished save as newer (a run that writes checkpoints does; whether that save
+    is whole takes reading its .metadata, with torch)."""
+    c = config.checkpoint
+    if not c.enable or c.load_step != -1:
+        return None
+    folder = checkpoint_folder(config)
+    found = complete_checkpoints(folder)
+    if not found:
+        return None
+    newest = max(found)
+    if not c.load_only and any(step >= newest for step in finished_partials(folder)):
+        return None
+    return newest, found[newest]
+
+
+def is_full_checkpoint(path: Path) -> bool | None:
+    """Whether a checkpoint holds the training state (trainer.checkpoint.is_resumable), from the
+    items its checkpoint.json lists; None when it has no such record (checkpoints of earlier
+    versions: only their DCP metadata, read with torch, tells)."""
+    record = read_checkpoint_record(path)
+    if record is None or "items" not in record:
+        return None
+    return "train_state" in record["items"]
+
+
+def check_resume(config: JobConfig) -> None:
+    """The ranks' refusals of the newest checkpoint against training.steps, decided here first
+    with their messages: one past training.steps is a ConfigError; this run's final checkpoint
+    prints the ranks' note and raises RunComplete."""
+    candidate = resume_candidate(config)
+    total = config.training.steps
+    if candidate is None or candidate[0] == 0 or candidate[0] < total:
+        return  # the seed, or a step to continue from
+    newest, path = candidate
+    if newest > total:
+        full = is_full_checkpoint(path)
+        if full is None:
+            return  # the ranks read its metadata
+        if full:
+            raise ConfigError(
+                f"{path} is past training.steps = {total}: this run went further already. Raise "
+                f"training.steps above {newest} to continue it, resume an earlier step with "
+                "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+    message = (f"{path} is the final checkpoint of this run (training.steps = {total}); nothing to do. Raise "
+               "training.steps to continue.")
+    print(message, flush=True)
+    raise RunComplete(message)
 
 
 def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | None = None,
           meminfo: str | Path | None = None) -> RunPlan:
     """Every check of a training run before its processes start: layout, batch split, device
-    options, host memory (of a machine running `local_procs` of the `nproc` processes)."""
+    options, host memory (of a machine running `local_procs` of the `nproc` processes), and the
+    checkpoint to resume against training.steps (check_resume: RunComplete when the run is
+    finished already)."""
     plan = plan_run(config, nproc)
     check_device_options(config, device_type)
     say_unused_hf_shapes(config)
     local = nproc if local_procs is None else local_procs
     check_host_memory(config, training_memory_need(config, plan.dims, device_type, local), meminfo)
+    check_resume(config)  # last, as in the ranks: any other mistake is reported first
     return plan
 
 
@@ -452,6 +531,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunComplete:  # its note is printed
+        return 0
     print(describe_run(config, plan, nproc, device_type))
     print(f"outputs: {Path(config.job.dump_folder).resolve()}")
     return 0
