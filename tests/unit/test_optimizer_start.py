@@ -17,17 +17,17 @@ NAMES = typing.get_args(typing.get_type_hints(Optimizer)["name"])
 IMPLEMENTATIONS = typing.get_args(typing.get_type_hints(Optimizer)["implementation"])
 
 
-def parameters(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+def parameters(dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.nn.Parameter]]:
     """A matrix, a norm gain and a bias (the kinds weight_decay_exclude tells apart)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     shapes = {"layers.0.attention.wq.weight": (8, 4), "layers.0.attention_norm.weight": (4,), "output.bias": (8,)}
-    return [(name, torch.nn.Parameter(torch.randn(shape, generator=g))) for name, shape in shapes.items()]
+    return [(name, torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype))) for name, shape in shapes.items()]
 
 
 def gradients(named, step: int) -> None:
     g = torch.Generator().manual_seed(100 + step)
     for _, p in named:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
 def two_steps(named, optimizer) -> None:
@@ -45,12 +45,13 @@ def assert_bitwise_equal(named_a, opt_a, named_b, opt_b) -> None:
             assert torch.equal(torch.as_tensor(state_a[key]), torch.as_tensor(state_b[key])), f"{name}: state {key}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # training.dtype: the parameters' and state's
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("name", NAMES)
-def test_initialized_state_steps_like_a_fresh_optimizer(name, weight_decay, implementation):
+def test_initialized_state_steps_like_a_fresh_optimizer(name, weight_decay, implementation, dtype):
     cfg = Optimizer(name=name, lr=1e-2, weight_decay=weight_decay, implementation=implementation)
-    fresh_params, started_params = parameters(), parameters()
+    fresh_params, started_params = parameters(dtype), parameters(dtype)
     fresh = new_optimizer(fresh_params, cfg)
     started = new_optimizer(started_params, cfg)
     initialize_state(started)
