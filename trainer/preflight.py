@@ -426,9 +426,9 @@ class RunComplete(SystemExit):
     """The checkpoint folder holds this run's final checkpoint: there is nothing to train.
 
     The ranks end such a run successfully (trainer.checkpoint.TrainingComplete: exit 0 after
-    saying so). The launcher, which must not be taught another outcome of its checks, then ends
-    the same way without starting them: this is a SystemExit with code 0, raised after the
-    message is printed."""
+    saying so). Found before they start, it is a SystemExit with code 0, raised once the message
+    is printed, so that whatever runs the checks (the launcher, python -m trainer.preflight) ends
+    the same way without starting them, whatever ConfigError handling it has."""
 
     def __init__(self, message: str):
         super().__init__(0)
