@@ -1,6 +1,6 @@
 """`python -m trainer.launcher`: start the ranks of a run on this machine, report how they ended.
 
-    python -m trainer.launcher --nproc N --device cpu|cuda [--log-ranks 0,1]
+    python -m trainer.launcher --nproc N --device cpu|cuda [--log-ranks 0,1] [--max-restarts auto|N]
                                [--nnodes M --rdzv-endpoint HOST:PORT --rdzv-id ID] [--section.key value ...]
 
 torchrun_launch.sh runs it. It checks the configuration first (trainer/preflight.py, in this
@@ -19,6 +19,22 @@ on stderr and exits:
 Exit code: 2 when that rank stopped on a user's mistake (it exited 2), 128+N when it was killed by
 signal N (the message names the signal and its likely cause), else the rank's exit code.
 The seed checkpoint (`--checkpoint.create_seed_checkpoint`) runs the same way as one process.
+
+A job's safety:
+
+- The ranks die with the launcher (trainer/parent_watch.py): torch's agent starts them in
+  sessions of their own, out of reach of a signal to the launcher's process group. SIGTERM,
+  SIGINT or SIGHUP to the launcher stop them through the agent (exit 128+N).
+- One live job per dump folder: the launcher takes <job.dump_folder>/.lock after its checks and
+  before the ranks start, and refuses a folder a live job holds (exit 2; trainer/run_lock.py).
+  A job of several machines (--nnodes > 1) is not locked (see `take_lock`).
+- --max-restarts N restarts the ranks after a failure at most N times, each from the newest
+  complete checkpoint of the dump folder (the trainer resumes from it by itself), never after a
+  user's mistake (exit 2, unless caused by a peer that timed out or vanished). `auto` (the default): 3 when the run saves checkpoints
+  (checkpoint.enable without load_only), else 0, since a restart without checkpoints would train
+  again from step 0. Each restart is announced on stderr (`rank R died (...); restart K of N from
+  the latest checkpoint`) and recorded in run_meta.json (`restart`, `history`); the final report is
+  the last attempt's. A rank stopped (SIGSTOP) when a peer fails is killed (trainer/rank_agent.py).
 """
 
 from __future__ import annotations

@@ -42,6 +42,13 @@ def attempt_folder(folder: Path, restart: int) -> Path:
     return folder if restart == 0 else folder / f"restart{restart}"
 
 
+def retryable(cause: RankFailure) -> bool:
+    """Whether a restart can help: not after a user's mistake (exit 2), unless that error came
+    from a peer that stopped answering or vanished (a checkpoint that could not be written because
+    a collective timed out is reported with exit 2, but the next attempt can write it)."""
+    return cause.exitcode != USER_MISTAKE or cause.timed_out or cause.peer_lost
+
+
 STOPPED = ("T", "t")  # /proc states: stopped by a signal, stopped by a debugger
 
 
@@ -82,7 +89,7 @@ class RankAgent(LocalElasticAgent):
             self.stopped_ranks = stopped
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
-            if root_cause(self.failures_of(result)).exitcode == USER_MISTAKE:
+            if not retryable(root_cause(self.failures_of(result))):
                 self._remaining_restarts = 0  # the same mistake would end every attempt
             self.last_failure = result
         return result

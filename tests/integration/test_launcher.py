@@ -160,6 +160,7 @@ def test_load_step_that_would_overwrite_newer_checkpoints_is_one_message_exit_2(
     assert result.returncode == 2, describe(result)
     message, _ = assert_one_report(result, 2)
     assert "checkpoint.load_step=5: " in message and "holds newer checkpoints (step-10)" in message, message
+    assert "restart" not in result.stderr  # checkpoint.enable gives restarts, but never after a user's mistake
 
 
 def test_exception_in_a_rank_gives_its_last_traceback_line_and_exit_code(tmp_path):

@@ -90,6 +90,48 @@ def test_ranks_die_with_their_launcher_which_holds_the_dump_folder(tmp_path, mea
     assert not (tmp_path / ".lock").exists()
 
 
+WATCHED = """
+import sys, time
+from trainer import parent_watch
+if sys.argv[1] == "thread":
+    parent_watch.parent_death_signal = lambda sig: False  # as on a system without prctl
+print(parent_watch.watch_launcher(), flush=True)
+time.sleep(60)
+"""
+MIDDLE = """
+import os, subprocess, sys, time
+os.environ["TRAINER_LAUNCHER_PID"] = str(os.getpid())
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["kernel", "thread"])
+def test_the_launcher_watch_without_torch(how, measured):
+    """The rank's side alone: through the kernel's parent-death signal, and through the polling
+    thread of systems without it."""
+    middle = subprocess.Popen([sys.executable, "-c", MIDDLE, WATCHED, how], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        pid, watched_by = middle.stdout.readline().split()
+        assert watched_by == how
+        middle.kill()
+        killed = time.perf_counter()
+        while alive(int(pid)) and time.perf_counter() - killed < 3:
+            time.sleep(0.01)
+        assert not alive(int(pid))
+        measured(f"launcher watch by {how}: the rank died {time.perf_counter() - killed:.2f} s after its launcher")
+    finally:
+        middle.kill()
+        middle.wait()
+    # The launcher died before the rank asked for the signal: the rank sees it is not its parent.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    late = subprocess.run([sys.executable, "-c", WATCHED, how], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, TRAINER_LAUNCHER_PID=str(gone.pid)), timeout=60)
+    assert late.returncode == -signal.SIGKILL and late.stdout == ""
+
+
 # ---------------------------------------------------------------------------------------------
 # One live job per dump folder
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from trainer.failure_report import Hang, short_reason
 from trainer.launcher import (
     Options,
     RankFailure,
@@ -16,6 +17,7 @@ from trainer.launcher import (
     hub_datasets,
     hub_unreachable,
     parse_options,
+    restarts_for,
     root_cause,
 )
 
@@ -106,6 +108,38 @@ def test_options():
     for bad in (["--nproc", "0"], ["--device", "tpu"], ["--log-ranks", "a"], ["--nnodes", "2"], ["--nproc"]):
         with pytest.raises(UsageError):
             parse_options(bad)
+    with pytest.raises(UsageError, match="--max-restarts: '-1' is not 'auto' or a number >= 0 \\(MAX_RESTARTS\\)"):
+        parse_options(["--max-restarts", "-1"])
+
+
+def test_restarts_by_default_only_when_the_run_saves_checkpoints():
+    from trainer.config.manager import load_config
+
+    auto, none = parse_options(["--max-restarts", "auto"])[0], parse_options(["--max-restarts", "0"])[0]
+    assert restarts_for(auto, load_config(["--checkpoint.enable"])) == (3, "from the latest checkpoint")
+    count, note = restarts_for(auto, load_config([]))
+    assert count == 0 and note.startswith("from the start")
+    assert restarts_for(auto, load_config(["--checkpoint.enable", "--checkpoint.load_only"]))[0] == 0
+    assert restarts_for(none, load_config(["--checkpoint.enable"]))[0] == 0
+    assert restarts_for(parse_options(["--max-restarts", "5"])[0], load_config([]))[0] == 5
+    assert restarts_for(auto, load_config(["--checkpoint.create_seed_checkpoint"]))[0] == 0
+
+
+def test_a_timeout_names_the_timeouts_and_the_stopped_rank():
+    timed_out = RankFailure(0, 1, T, "RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                     "5000ms for recv operation to complete")
+    killed = RankFailure(1, -signal.SIGKILL, T + 0.2, killed_stopped=True)  # by the launcher, it was stopped
+    assert root_cause([killed, timed_out]) is timed_out
+    text, code = describe(timed_out, hang=Hang(5, 300, stopped=[1]))
+    assert code == 1 and text == (
+        "rank 0 (exit 1): RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+        "operation to complete\n(a peer did not join a collective within the timeout: comm.train_timeout_seconds = "
+        "5 s, comm.init_timeout_seconds = 300 s until the first step is done; rank 1 had stopped answering: it was "
+        "stopped (SIGSTOP or a debugger) and killed by the launcher)")
+    assert "peer did not join" not in describe(RankFailure(0, 1, T, "ValueError: boom"), hang=Hang(5, 300))[0]
+    assert short_reason(timed_out) == ("exit 1: RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                       "waiting 5000ms for recv operation to complete")
+    assert short_reason(RankFailure(1, -9, T)) == "killed by SIGKILL"
 
 
 def test_hub_probe(monkeypatch):
@@ -155,3 +189,14 @@ def test_a_native_crash_is_reported_with_the_frames_where_it_happened(tmp_path):
     (tmp_path / "rank1").mkdir()  # no dump (faulthandler off): the report is as before
     text, _ = describe(RankFailure(1, -11, T, log_dir=tmp_path / "rank1"))
     assert "where it crashed" not in text and text.endswith("stderr.log")
+
+
+def test_a_users_mistake_is_not_retried_a_lost_peer_is():
+    from trainer.rank_agent import retryable
+
+    assert not retryable(RankFailure(0, 2, T, "checkpoint.load_step=5: newer checkpoints"))
+    assert retryable(RankFailure(1, -9, T)) and retryable(RankFailure(0, 1, T, "ValueError: boom"))
+    # A save that failed because a peer stopped answering is reported as exit 2, and a restart helps.
+    assert retryable(RankFailure(0, 2, T, "checkpoint step-4 could not be written to run/checkpoint: RuntimeError: "
+                                          "[unbound_buffer.cc:129] Timed out waiting 5000ms for send operation"))
+    assert retryable(RankFailure(0, 2, T, f"checkpoint step-4 could not be written: {PEER}"))
