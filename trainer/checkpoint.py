@@ -14,98 +14,53 @@ saved at one layout loads into any other.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
-import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.async_checkpoint import AsyncSaver
+from trainer.checkpoint_files import (  # noqa: F401 (the errors and seed checkpoints are used from here)
+    CheckpointError,
+    CheckpointWriteError,
+    TrainingComplete,
+    check_model_shapes,
+    checkpoint_record,
+    is_resumable,
+    refuse_overwrite,
+    save_error_text,
+    save_seed_checkpoint,
+    write_checkpoint_record,
+)
+from trainer.checkpoint_items import ModelState, OptimizerState, SchedulerState, optimizer_state_is_nested
 from trainer.checkpoint_layout import (
-    CHECKPOINT_RECORD,
     HF_EXPORT_DIR,
     MODEL_ONLY_DIR,
+    check_step_folders,
     complete_checkpoints,
     finished_partials,
     fingerprint,
-    check_step_folders,
     initial_load_folder,
     named_step,
     partial_path,
     read_checkpoint_record,
 )
-from trainer.async_checkpoint import AsyncSaver
-from trainer.checkpoint_items import (ModelState, OptimizerState, SchedulerState, aliased_names,
-                                      optimizer_state_is_nested)
+from trainer.checkpoint_lineage import (foreign_checkpoint, lineage_of, model_change, move_newer_aside, new_lineage,
+                                        write_head)
 from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
 from trainer.train_state import TrainState
-from trainer.version import code_version
 
 logger = logging.getLogger(__name__)
 
 ITEMS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint a user named or pointed at cannot be used; the message names it."""
-
-
-class TrainingComplete(Exception):
-    """The checkpoint folder already holds the final checkpoint of this run."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Inspecting folders
-
-
-def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
-    """Refuse a checkpoint of another model shape, naming the first parameter that differs."""
-    keys = saved_keys(path)
-    aliases = aliased_names(model)
-    for name, param in model.state_dict().items():
-        if name in aliases:  # a tied weight is saved once, under its parameter name
-            if f"model.{name}" in keys:
-                raise CheckpointError(
-                    f"{path}: has a separate {name} (an untied output layer) but this model ({flavor}) ties it to "
-                    f"{aliases[name]}; load it into a model with an untied output (e.g. a flavor without tied "
-                    "embeddings, or model.flavor = \"hf\" with tie_word_embeddings = false)")
-            continue
-        saved = keys.get(f"model.{name}")
-        if f"model.{name}" not in keys:
-            raise CheckpointError(f"{path}: has no parameter {name}; it is not a checkpoint of this model ({flavor})")
-        if saved != tuple(param.shape):
-            raise CheckpointError(f"{path}: parameter {name} has shape {list(saved)} in the checkpoint but "
-                                  f"{list(param.shape)} in this model ({flavor}); it belongs to another model")
-
-
-# ---------------------------------------------------------------------------------------------
-# The manager
-
-
-def is_resumable(path: Path) -> bool:
-    """A checkpoint holding the training state (a full save), not only model weights."""
-    record = read_checkpoint_record(path)
-    if record is not None and "items" in record:
-        return "train_state" in record["items"]
-    return "train_state" in saved_items(saved_keys(path))
-
-
-def checkpoint_record(config, step: int, items: list[str], kind: str, **extra) -> dict:
-    """The content of checkpoint.json: what saved this checkpoint, and with which configuration."""
-    return {"step": step, "items": items, "kind": kind, **extra, "config": to_dict(config), "code": code_version(),
-            "torch": torch.__version__, "saved": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-
-
-def write_checkpoint_record(folder: Path, record: dict) -> None:
-    (folder / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 class CheckpointManager:
@@ -126,6 +81,10 @@ class CheckpointManager:
         self.rank = rank
         self.external_weights = external_weights
         self.last_saved: int | None = None  # step of this run's latest save
+        # The trajectory this run continues (trainer/checkpoint_lineage.py): set by resume(), and
+        # `parent` moves to each checkpoint this run publishes.
+        self.lineage: str = new_lineage()
+        self.parent: dict | None = None
         # What resume() loaded, for the run record: kind init | checkpoint | resume | hugging_face.
         self.start = {"kind": "init", "path": None, "step": 0, "fingerprint": None}
         self.async_saver = (AsyncSaver(self.cfg.async_mode, rank, self._publish_async)
@@ -155,9 +114,11 @@ class CheckpointManager:
         if self.saves:  # every rank must see the same folder below
             if self.rank == 0:
                 self._publish_finished_partials()
+                self._remove_unfinished_exports()
             dist.barrier()
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
         items = list(ITEMS)
+        rewind = False
         if self.cfg.enable and self.cfg.load_step != -1:
             path = self._named_step(found, self.cfg.load_step)
             newer = [s for s in found if s > self.cfg.load_step]
@@ -166,8 +127,12 @@ class CheckpointManager:
                     f"checkpoint.load_step={self.cfg.load_step}: {self.folder} holds newer checkpoints "
                     f"({', '.join(f'step-{s}' for s in newer)}) that this run would overwrite; use another "
                     "checkpoint.folder, --checkpoint.load_only, or --checkpoint.overwrite")
+            rewind = bool(newer) and self.saves
         elif found:
             path = self._resume_point(found)
+            foreign = foreign_checkpoint(self.folder, path) if path.name != "step-0" else None
+            if foreign:
+                raise CheckpointError(foreign)
         elif self.cfg.initial_load_path:
             named = Path(self.cfg.initial_load_path)
             try:
@@ -186,7 +151,28 @@ class CheckpointManager:
             path = None
         if self.rank == 0 and self.cfg.enable and not self.cfg.load_only:
             self._remove_stale_partials()
-        return self._load(path, items) if path is not None else None
+        if path is None:
+            return None
+        self._load(path, items)
+        self._continue_lineage(path, found, rewind)
+        return path
+
+    def _continue_lineage(self, path: Path, found: dict[int, Path], rewind: bool) -> None:
+        """The lineage and parent of this run's saves, once `path` is loaded. A checkpoint of this
+        folder continues its lineage; a rewind moves the newer checkpoints aside and starts a new
+        one from `path`, as does any other start."""
+        in_folder = path.parent.resolve() == self.folder.resolve() and path.name != "step-0"
+        self.parent = {"step": self.train_state.step, "path": str(path.resolve()), "fingerprint": fingerprint(path)}
+        if in_folder and not rewind:
+            self.lineage = lineage_of(path) or self.lineage
+        if rewind and self.rank == 0:
+            moved = move_newer_aside(self.folder, found, self.cfg.load_step)
+            logger.warning("rewound to step-%d: the checkpoints after it moved to %s; this run goes on as a new "
+                           "trajectory (lineage %s)", self.cfg.load_step, moved, self.lineage)
+        if self.saves and self.rank == 0:
+            write_head(self.folder, self.lineage, self.train_state.step)
+        if rewind:
+            dist.barrier()  # every rank sees the folder without the abandoned checkpoints
 
     def _resume_point(self, found: dict[int, Path]) -> Path:
         """The newest checkpoint of the folder, when this run can continue from it: a full one
@@ -224,6 +210,11 @@ class CheckpointManager:
 
     def _load(self, path: Path, wanted: list[str]) -> Path:
         check_model_shapes(path, self.model, self.flavor)
+        change = model_change(path, to_dict(self.config)["parallelism"])
+        if change and not self.cfg.accept_model_change:
+            raise CheckpointError(change)
+        if change:
+            logger.warning("%s (checkpoint.accept_model_change)", change.split(". Set --checkpoint")[0])
         keys = saved_keys(path)
         present = saved_items(keys)
         items = [i for i in wanted if i in present and i not in self.cfg.exclude_from_loading]
@@ -260,14 +251,6 @@ class CheckpointManager:
         except ValueError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
 
-    def _export_external(self, checkpoint: Path, dtype: torch.dtype) -> str:
-        """Rank 0 converts the model of a just-written checkpoint into checkpoint/<folder_name>."""
-        dist.barrier()  # every rank's shard is on disk
-        name = self.external_weights.folder_name
-        if self.rank == 0:
-            self.external_weights.export(checkpoint, checkpoint / name, dtype)
-        return name
-
     def _publish_finished_partials(self) -> None:
         """Publish the saves the last run finished writing but stopped before renaming (an
         asynchronous save completes in the background; a crash can come before its rename).
@@ -275,12 +258,15 @@ class CheckpointManager:
         for step, partial in finished_partials(self.folder).items():
             problem = incomplete_reason(partial)
             if problem is None and read_checkpoint_record(partial) is None:
-                if any((partial / sub).exists() for sub in (MODEL_ONLY_DIR, HF_EXPORT_DIR)):
-                    problem = "its exports were being written when the run stopped"
-                else:  # written by an earlier version of this trainer, which wrote the record last
-                    write_checkpoint_record(partial, checkpoint_record(
-                        self.config, step, sorted(saved_items(saved_keys(partial))), "periodic", exports=[],
-                        published_at_restart=True))
+                # Written by an earlier version of this trainer, which wrote the record last, after
+                # the exports: the checkpoint is whole, exports found in it may not be.
+                for export in (MODEL_ONLY_DIR, HF_EXPORT_DIR):
+                    if (partial / export).exists():
+                        logger.warning("removing %s: an export the run stopped writing", partial / export)
+                        shutil.rmtree(partial / export)
+                write_checkpoint_record(partial, checkpoint_record(
+                    self.config, step, sorted(saved_items(saved_keys(partial))), "periodic", exports=[],
+                    published_at_restart=True))
             if problem is not None:
                 logger.warning("%s is not a complete save: %s", partial, problem)
                 continue  # removed by _remove_stale_partials
@@ -292,6 +278,15 @@ class CheckpointManager:
             return
         for path in self.folder.glob(".step-*.partial"):
             logger.warning("removing %s: a save that never completed", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_unfinished_exports(self) -> None:
+        """Exports the run stopped writing. Their checkpoint is whole: it was published before
+        its exports were started."""
+        for path in self.folder.glob("step-*/.*.partial"):
+            logger.warning("removing %s: an export that never completed (%s itself is complete; export it again "
+                           "with python -m trainer.hf export, or a model-only copy with a run of "
+                           "--checkpoint.load_step)", path, path.parent)
             shutil.rmtree(path, ignore_errors=True)
 
     # ---- saving
@@ -322,22 +317,69 @@ class CheckpointManager:
         refuse_overwrite(final, self.cfg.overwrite)
         self._make_folder(partial, fresh=True)
         state = self._stateful(ITEMS)
+        kind = "final" if last else "periodic"
+        if self.rank == 0:  # first, so that a save found complete after a crash has its record
+            write_checkpoint_record(partial, self._record(step, kind))
         if self.async_saver is not None and not last:
-            if self.rank == 0:  # first, so that a save found complete after a crash has its record
-                write_checkpoint_record(partial, checkpoint_record(self.config, step, list(ITEMS), "periodic",
-                                                                   exports=[], export_dtype=None))
             self.async_saver.start(state, step, partial)
             return
-        dcp.save(state, checkpoint_id=str(partial))
-        exports = []
-        if last and self.cfg.last_save_model_only:
-            export_dtype = DTYPES[self.cfg.export_dtype]
-            self._make_folder(partial / MODEL_ONLY_DIR, fresh=False)
-            dcp.save(self._stateful(["model"], export_dtype=export_dtype), checkpoint_id=str(partial / MODEL_ONLY_DIR))
-            exports.append(MODEL_ONLY_DIR)
-        if last and self.cfg.last_save_in_hf:  # inside the folder, so it is published with it
-            exports.append(self._export_external(partial, DTYPES[self.cfg.export_dtype]))
-        self._finish(step, partial, kind="final" if last else "periodic", exports=exports)
+        try:
+            dcp.save(state, checkpoint_id=str(partial))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP raises it on every rank)
+            self._save_failed(step, partial, e)
+        self._finish(step, partial)
+        if last:
+            self._write_exports(final)
+
+    def _record(self, step: int, kind: str, **extra) -> dict:
+        return checkpoint_record(self.config, step, list(ITEMS), kind, lineage=self.lineage, parent=self.parent,
+                                 **extra)
+
+    def _write_exports(self, final: Path) -> None:
+        """The exports of the last save, written after the full checkpoint is published: a crash
+        here costs only the export. Each is written to a hidden folder beside its place and
+        renamed into place when complete (the rename is its completion mark); a restart removes
+        the unfinished ones (_remove_unfinished_exports)."""
+        dtype = DTYPES[self.cfg.export_dtype]
+        if self.cfg.last_save_model_only:
+            folder = self._unfinished_export(final, MODEL_ONLY_DIR)
+            dcp.save(self._stateful(["model"], export_dtype=dtype), checkpoint_id=str(folder))
+            self._publish_export(final, MODEL_ONLY_DIR)
+        if self.cfg.last_save_in_hf:
+            name = self.external_weights.folder_name
+            self._unfinished_export(final, name)
+            dist.barrier()  # every rank's shard of the checkpoint is on disk
+            if self.rank == 0:
+                self.external_weights.export(final, final / f".{name}.partial", dtype)
+            self._publish_export(final, name)
+
+    def _unfinished_export(self, final: Path, name: str) -> Path:
+        folder = final / f".{name}.partial"
+        self._make_folder(folder, fresh=True)
+        return folder
+
+    def _publish_export(self, final: Path, name: str) -> None:
+        """Rank 0, once every rank has written its part: rename the export into place and list it
+        in checkpoint.json."""
+        dist.barrier()
+        if self.rank == 0:
+            (final / f".{name}.partial").rename(final / name)
+            record = read_checkpoint_record(final) or self._record(self.last_saved, "final")
+            exports = [*record.get("exports", []), name]
+            write_checkpoint_record(final, {**record, "exports": exports, "export_dtype": self.cfg.export_dtype})
+            logger.info("exported %s", final / name)
+        dist.barrier()
+
+    def _save_failed(self, step: int, partial: Path, error: BaseException) -> None:
+        """A save that could not be written (a full disk, a quota, a file-size limit, on any
+        rank): stop the run with one message; the checkpoints before it are untouched."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # its part-written files take space
+        found = [s for s in complete_checkpoints(self.folder) if s < step]
+        kept = (f"step-{found[-1]}, the newest complete checkpoint, is intact: the run resumes from it once the "
+                "problem is fixed" if found else "no earlier checkpoint of this run exists")
+        raise CheckpointWriteError(f"checkpoint step-{step} could not be written to {partial.parent}: "
+                                   f"{save_error_text(error)}. Nothing older was removed; {kept}") from error
 
     def _make_folder(self, path: Path, fresh: bool) -> None:
         """Rank 0 creates the folder (emptied first when `fresh`); every rank waits for it."""
@@ -350,8 +392,13 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the asynchronous save in flight, if any, to be written and published (rank 0
         publishes it from the writer's thread as soon as it is complete; see AsyncSaver)."""
-        if self.async_saver is not None:
+        if self.async_saver is None or self.async_saver.pending is None:
+            return
+        step = self.async_saver.pending.step
+        try:
             self.async_saver.wait()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 (a background write that failed)
+            self._save_failed(step, partial_path(self.folder, step), e)
 
     def background_groups(self) -> tuple:
         """The process groups of background saves. They wait for every rank's file writes, which
@@ -363,23 +410,23 @@ class CheckpointManager:
         self._rename_into_place(step, partial)
         self._apply_retention()
 
-    def _finish(self, step: int, partial: Path, kind: str, exports: list[str]) -> None:
+    def _finish(self, step: int, partial: Path) -> None:
         """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
         dist.barrier()
         if self.rank == 0:
-            write_checkpoint_record(partial, checkpoint_record(
-                self.config, step, list(ITEMS), kind, exports=exports,
-                export_dtype=self.cfg.export_dtype if exports else None))
             self._rename_into_place(step, partial)
             self._apply_retention()
         dist.barrier()
 
     def _rename_into_place(self, step: int, partial: Path) -> None:
-        """Rank 0: publish a complete save under its final name."""
+        """Rank 0: publish a complete save under its final name; it becomes the parent of the
+        next save and the head of the folder's lineage."""
         final = self.folder / f"step-{step}"
         if final.exists():  # only reachable with checkpoint.overwrite: the partial is the newer save
             shutil.rmtree(final)
         partial.rename(final)
+        self.parent = {"step": step, "path": str(final.resolve()), "fingerprint": fingerprint(final)}
+        write_head(self.folder, self.lineage, step)
         logger.info("saved checkpoint %s", final)
 
     def _apply_retention(self) -> None:
@@ -396,26 +443,3 @@ class CheckpointManager:
             if step not in keep:
                 shutil.rmtree(found[step])
                 logger.info("removed checkpoint step-%d (keep_latest_k=%d)", step, k)
-
-
-def refuse_overwrite(path: Path, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
-        raise CheckpointError(f"{path} exists already; refusing to overwrite it (use --checkpoint.overwrite)")
-
-
-def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool, record: dict | None = None) -> Path:
-    """A step-0, model-only checkpoint written by a single process; `record` goes to its
-    checkpoint.json (see checkpoint_record)."""
-    final = folder / "step-0"
-    refuse_overwrite(final, overwrite)
-    partial = partial_path(folder, 0)
-    shutil.rmtree(partial, ignore_errors=True)
-    with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial), no_dist=True)
-    if record is not None:
-        write_checkpoint_record(partial, record)
-    if final.exists():
-        shutil.rmtree(final)
-    partial.rename(final)
-    return final

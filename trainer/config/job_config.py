@@ -391,6 +391,12 @@ class Checkpoint:
     content, tokenizer, sequence length or data seed; each change is named in the error without
     it): training goes on after the same number of sequences, read from this run's data."""
 
+    accept_model_change: bool = False
+    """Load trained weights into another model variant than the one they were trained as (a
+    checkpoint of parallelism.tensor_parallel_sync per_block or grouped into another variant,
+    group size or TP degree, or the reverse), and export such weights to Hugging Face (an exact
+    Llama, which computes another function than the one trained). Refused without it."""
+
     create_seed_checkpoint: bool = False
     """Write a step-0 model-only checkpoint from one process and exit."""
 
@@ -398,7 +404,9 @@ class Checkpoint:
     """Load checkpoints but never write any (comparison runs sharing a seed)."""
 
     overwrite: bool = False
-    """Allow replacing existing checkpoints (a seed checkpoint, or steps after checkpoint.load_step)."""
+    """Allow replacing existing checkpoints: a seed checkpoint, or the steps after
+    checkpoint.load_step (a rewind: they are moved to <checkpoint folder>/previous/, and the run
+    goes on as a new trajectory from load_step)."""
 
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1."""

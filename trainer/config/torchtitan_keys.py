@@ -144,7 +144,7 @@ OWN_KEYS: tuple[str, ...] = (
     "training.data_seed", "training.validation_fraction", "training.loss_scale_initial",
     "training.loss_scale_growth_interval", "training.loss_scale_min",
     "parallelism.tensor_parallel_sync", "parallelism.tensor_parallel_sync_group",
-    "checkpoint.accept_data_change", "checkpoint.overwrite",
+    "checkpoint.accept_data_change", "checkpoint.accept_model_change", "checkpoint.overwrite",
     "metrics.count_collectives", "metrics.peak_flops",
     "debug.init_perturbation", "debug.init_perturbation_seed",
     "validation.global_batch_size",

@@ -33,7 +33,24 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-assets", default="", help='with --flavor hf: the folder whose config.json gives the shapes')
     exp.add_argument("--out", required=True)
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    exp.add_argument("--accept-model-change", action="store_true",
+                     help="export weights trained with reduced tensor-parallel synchronization, which the exact "
+                          "Hugging Face Llama computes differently")
     return parser
+
+
+def refuse_model_change(dcp_dir: Path, accepted: bool) -> None:
+    """A checkpoint trained with reduced tensor-parallel synchronization is another model than the
+    exact Llama a Hugging Face folder describes: refused unless accepted. Its checkpoint.json is
+    beside .metadata, or one folder up for a step's model_only/ export."""
+    from trainer.checkpoint_lineage import model_change
+
+    for folder in (dcp_dir, dcp_dir.parent):
+        if (folder / "checkpoint.json").is_file():
+            change = model_change(folder, {"tensor_parallel_sync": "full"}, "a Hugging Face Llama is")
+            if change and not accepted:
+                raise HFCheckpointError(change.replace("--checkpoint.accept_model_change", "--accept-model-change"))
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
         else:
+            refuse_model_change(Path(a.dcp), a.accept_model_change)
             args = model_args(a.flavor, a.hf_assets)
             write_hf_folder(a.out, read_model_state(Path(a.dcp)), args, getattr(torch, a.dtype))
     except (ValueError, OSError) as e:

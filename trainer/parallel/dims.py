@@ -191,6 +191,11 @@ def sync_problems(config, dims: ParallelDims, n_layers: int) -> list[str]:
                         "tensor_parallel_degree is 1 (nothing to drop); set tensor_parallel_degree > 1 or use \"full\"")
     if sync != "full" and dims.pp > 1 and not problems:
         problems += group_stage_problems(config, dims, sync_group_size(sync, group), n_layers)
+    if sync != "full" and config.checkpoint.last_save_in_hf and not config.checkpoint.accept_model_change:
+        problems.append(f"checkpoint.last_save_in_hf: the Hugging Face export is the exact Llama, in which weights "
+                        f"trained with parallelism.tensor_parallel_sync={sync!r} compute another function than the "
+                        "one trained; leave last_save_in_hf off, or set checkpoint.accept_model_change = true to "
+                        "export them anyway")
     return problems
 
 

@@ -1,0 +1,166 @@
+"""What a run saved is never lost or silently wrong: rewinds start a new lineage instead of
+splicing two trajectories, a crash while exporting keeps the final checkpoint, a save that
+cannot be written (full disk, on one rank) stops the run and keeps the older checkpoints, and a
+checkpoint trained as another model variant is refused.
+
+Faults are injected into the ranks by a sitecustomize module on PYTHONPATH that wraps DCP's file
+writer (tests only; the trainer has no fault hooks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
+
+FAULTS = '''
+import os
+if os.environ.get("RANK") is not None and os.environ.get("FAULT"):
+    import errno, signal
+    from contextlib import contextmanager
+    from torch.distributed.checkpoint import filesystem
+
+    kind, where, rank = os.environ["FAULT"].split(":")
+    original = filesystem.FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if where in str(path) and os.environ["RANK"] == rank and "w" in mode:
+            if kind == "enospc":  # a write that runs out of space part-way
+                with original(self, path, mode) as stream:
+                    stream.write(b"x" * 100)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            os.kill(os.getpid(), signal.SIGKILL)  # kind "kill": the process dies while writing
+        with original(self, path, mode) as stream:
+            yield stream
+
+    filesystem.FileSystem.create_stream = create_stream
+'''
+
+
+def launch_with_fault(tmp_path: Path, nproc: int, args: list[str], fault: str):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(FAULTS)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAULT")}
+    os.environ.update(PYTHONPATH=f"{hooks}:{REPO}", FAULT=fault)
+    try:
+        return launch(nproc, args)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+def record(path: Path) -> dict:
+    return json.loads((path / "checkpoint.json").read_text())
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = read_metrics(dump)
+    steps = [row["step"] for row in rows]
+    assert len(steps) == len(set(steps)), f"a step recorded twice: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def test_a_rewind_is_a_new_lineage_and_never_spliced(tmp_path, measured):
+    dump = tmp_path / "run"
+    base = [*TINY_JOB, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only",
+            "--job.dump_folder", str(dump)]
+    first = launch(1, [*base, "--training.steps", "8"])
+    assert first.returncode == 0, describe(first)
+    abandoned = losses(dump)
+    folder = dump / "checkpoint"
+    old_lineage = record(folder / "step-8")["lineage"]
+    assert record(folder / "step-4")["lineage"] == old_lineage
+    assert record(folder / "step-4")["parent"]["step"] == 2 and record(folder / "step-2")["parent"] is None
+
+    # Rewind to step 4 with another learning rate, to step 6; then continue to 10 as the docs say.
+    rewind = launch(1, [*base, "--training.steps", "6", "--optimizer.lr", "1e-3", "--checkpoint.load_step", "4",
+                        "--checkpoint.overwrite"])
+    assert rewind.returncode == 0, describe(rewind)
+    moved = list((folder / "previous").glob("*-after-step-4"))
+    assert len(moved) == 1 and sorted(p.name for p in moved[0].iterdir()) == ["step-6", "step-8"]
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4", "step-6"]
+    new_lineage = record(folder / "step-6")["lineage"]
+    assert new_lineage != old_lineage and record(folder / "step-6")["parent"]["step"] == 4
+
+    more = launch(1, [*base, "--training.steps", "10", "--optimizer.lr", "1e-3"])
+    assert more.returncode == 0, describe(more)
+    assert f"from {folder / 'step-6'} (step 6)" in more.stdout, describe(more)
+    curve = losses(dump)
+    assert sorted(curve) == list(range(1, 11))
+    assert all(curve[s] == abandoned[s] for s in range(1, 5))  # the shared trajectory
+    assert all(curve[s] != abandoned[s] for s in range(6, 9))  # the new one, not the abandoned steps 6-8
+    assert record(folder / "step-10")["lineage"] == new_lineage
+
+    # The abandoned step-8 copied back is refused by name, not resumed.
+    shutil.copytree(moved[0] / "step-8", folder / "step-12")
+    (folder / "step-12" / "checkpoint.json").write_text(
+        json.dumps({**record(folder / "step-12"), "step": 12}))
+    refused = launch(1, [*base, "--training.steps", "14", "--optimizer.lr", "1e-3"])
+    assert refused.returncode == 2, describe(refused)
+    assert f"{folder / 'step-12'} belongs to another training trajectory" in refused.stderr
+    measured("rewind: steps 6-8 of the new lineage differ from the abandoned ones by up to "
+             f"{max(abs(curve[s] - abandoned[s]) for s in range(6, 9)):.2e}")
+
+
+def test_a_crash_while_exporting_keeps_the_final_checkpoint(tmp_path):
+    dump = tmp_path / "run"
+
+    def job(steps: int) -> list[str]:
+        return [*TINY_JOB, "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "3",
+                "--job.dump_folder", str(dump)]
+
+    crashed = launch_with_fault(tmp_path, 2, job(6), "kill:model_only:1")
+    assert crashed.returncode == 128 + 9, describe(crashed)
+    final = dump / "checkpoint" / "step-6"
+    assert (final / ".metadata").is_file() and record(final)["kind"] == "final"
+    assert (final / ".model_only.partial").exists() and not (final / "model_only").exists()
+
+    again = launch(2, job(6))  # the run is complete: nothing to train again
+    assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr, describe(again)
+    longer = launch(2, job(8))  # continues from the final checkpoint, not from step 3
+    assert longer.returncode == 0, describe(longer)
+    assert f"from {final} (step 6)" in longer.stdout, describe(longer)
+    assert sorted(losses(dump)) == list(range(1, 9))
+    assert not (final / ".model_only.partial").exists() and (final / ".metadata").is_file()
+    exported = dump / "checkpoint" / "step-8"
+    assert (exported / "model_only" / ".metadata").is_file() and record(exported)["exports"] == ["model_only"]
+
+
+def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_older_checkpoints(tmp_path):
+    dump = tmp_path / "run"
+    args = [*TINY_JOB, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.keep_latest_k", "1", "--job.dump_folder", str(dump)]
+    failed = launch_with_fault(tmp_path, 2, args, "enospc:.step-4.partial:1")
+    assert failed.returncode == 2, describe(failed)
+    assert "checkpoint step-4 could not be written" in failed.stderr
+    assert "No space left on device" in failed.stderr and "step-2, the newest complete checkpoint, is intact" in failed.stderr
+    folder = dump / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(("step-", ".step-"))) == ["step-2"]
+
+    resumed = launch(2, args)  # space again: the run continues from step-2
+    assert resumed.returncode == 0, describe(resumed)
+    assert sorted(losses(dump)) == list(range(1, 7))
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-6"]  # keep_latest_k 1, after the save worked
+
+
+def test_a_checkpoint_of_another_model_variant_is_refused(tmp_path):
+    dump = tmp_path / "grouped"
+    trained = launch(2, [*TINY_JOB, "--training.steps", "2", "--checkpoint.enable", "--parallelism.tensor_parallel_degree",
+                         "2", "--parallelism.tensor_parallel_sync", "grouped", "--parallelism.tensor_parallel_sync_group",
+                         "2", "--checkpoint.no_last_save_model_only", "--job.dump_folder", str(dump)])
+    assert trained.returncode == 0, describe(trained)
+    step = dump / "checkpoint" / "step-2"
+    into = [*TINY_JOB, "--training.steps", "3", "--checkpoint.initial_load_path", str(step),
+            "--checkpoint.initial_load_model_only=false", "--job.dump_folder", str(tmp_path / "exact")]
+    refused = launch(1, into)
+    assert refused.returncode == 2, describe(refused)
+    assert (f'{step} was trained as tensor_parallel_sync = "grouped", 2 blocks per sync at tensor_parallel_degree 2'
+            in refused.stderr and "--checkpoint.accept_model_change" in refused.stderr)
+    accepted = launch(1, [*into, "--checkpoint.accept_model_change"])
+    assert accepted.returncode == 0, describe(accepted)
+    assert "was trained as" in accepted.stdout + accepted.stderr  # still said, as a warning
