@@ -31,7 +31,8 @@ Record fields (format 2), written by the rank that logs:
     restart       which automatic restart of the launcher this start is: 0 for the job's first
                   start, K for its K-th restart after a failure (TORCHELASTIC_RESTART_COUNT); a
                   restart resumes from the latest checkpoint, so the start it replaced is the
-                  last entry of `history` (status "running": it was killed)
+                  last entry of `history` (status "running": it was killed); a restart before
+                  the first checkpoint starts the run anew (the killed start goes to previous/)
     history       earlier records of this run, oldest first (each without its own history)
 
 Torch-free: the protocol reads records with `read_record`.
