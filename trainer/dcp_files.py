@@ -1,18 +1,20 @@
 """Reading a DCP checkpoint folder in one process, whatever layout wrote it: the keys and shapes
 it holds, and its full model weights. Used by the checkpoint manager and by the Hugging Face
-converter, which must not depend on each other."""
+converter, which must not depend on each other. Every read goes through CheckedReader, which
+refuses a crafted checkpoint instead of running code from it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+
+from trainer.dcp_metadata import CheckedReader
 
 
 def saved_keys(path: Path) -> dict[str, tuple | None]:
     """Flattened key -> saved tensor shape (None for non-tensor values)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = CheckedReader(path).read_metadata()
     return {key: tuple(getattr(entry, "size", ())) or None for key, entry in metadata.state_dict_metadata.items()}
 
 
@@ -24,8 +26,12 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    # Read .metadata first: a refusal raised inside DCP's load comes back wrapped in its
+    # fallback to rank-local metadata, no longer one clear error.
+    reader = CheckedReader(path)
+    reader.read_metadata()
     state: dict = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(path)),
+    _load_state_dict(state, storage_reader=reader,
                      planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
 
@@ -38,8 +44,8 @@ def incomplete_reason(path: Path) -> str | None:
     """Why the DCP checkpoint in `path` cannot be complete, or None: its .metadata must be
     readable, and every data file it names must hold the bytes it lists."""
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated or foreign file: any unpickling error means the same
+        metadata = CheckedReader(path).read_metadata()
+    except Exception as e:  # a truncated, foreign or crafted file (refused unread): any error means the same
         return f"its .metadata cannot be read ({type(e).__name__}: {e})"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
