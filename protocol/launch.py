@@ -2,7 +2,8 @@
 aside stale ones, judge how a run ended, and summarize.
 
 Runs are resumable by design: long plans get interrupted, and a finished run costs GPU hours.
-Before anything starts, each selected run is reused, run, or found stale (protocol.reuse). Stale
+Every training run saves checkpoints into its own folder (protocol.plan.save_args), and one that
+is run again after an interruption resumes from its newest one. Before anything starts, each selected run is reused, run, or found stale (protocol.reuse). Stale
 runs are refused with one message naming every difference and the flag that reruns them
 (`--rerun-stale`); with the flag their folders move to `<output>/superseded/` and they run
 afresh. A folder at a run's path that the protocol did not create is never written to.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from protocol.folders import foreign_folder, supersede
 from protocol.plan import SUPERSEDED_DIR, Launch, Plan
-from protocol.reuse import RUN, STALE, Decision, assess
+from protocol.reuse import RUN, STALE, Decision, assess, resume_step
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,15 @@ def prepare(plan: Plan, selected: Sequence[Launch], rerun_stale: bool, report: P
         report(f"{decision.launch.name}: stale ({'; '.join(decision.differences)}); moved to {where}")
         decisions[decision.launch.name] = Decision(decision.launch, RUN, reason="rerun of a stale run")
     return decisions
+
+
+def resume_note(plan: Plan, launch: Launch) -> str:
+    """', resuming from step S (<its checkpoint folder>)' for a run that stopped before the end
+    and saved a checkpoint (it continues its curve from there), else ''."""
+    step = resume_step(plan, launch)
+    if step is None:
+        return ""
+    return f", resuming from step {step} ({launch.output / plan.checkpoint_folder})"
 
 
 def stale_message(plan: Plan, stale: Sequence[Decision], selected: Sequence[Launch]) -> str:

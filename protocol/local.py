@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from protocol.early_stop import Breach, applies, breach, clear_stopped, mark_stopped
 from protocol.failures import exit_problem, indent, summary
 from protocol.folders import claim_folder, now
-from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
+from protocol.launch import LaunchError, Progress, RunResult, prepare, resume_note, select, summarize
 from protocol.plan import REPO_ROOT, Launch, Plan
 from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
 from protocol.search import run_searches
@@ -92,6 +92,7 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
     claim_folder(plan, launch)
     clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
     again = f", {decision.reason}" if decision.reason.startswith("the previous") else ""
+    again += resume_note(plan, launch)
     report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... "
            f"(log: {launch.output / LOG_NAME})")
     returncode, seconds, start, broke = execute(plan, launch, command, head, report, progress_interval)

@@ -71,7 +71,9 @@ so every run trains on the same data from the same initial weights. In statistic
 `--debug.init_perturbation <tolerance.perturbation> --debug.init_perturbation_seed <s>` with `s`
 drawn from the run's name: the control, its noise controls and a correct set are then
 exchangeable draws of the same training, differing only in rounding. Every run's dump folder is
-`<output>/<slug of its name>` (lower case, runs of other characters as `-`).
+`<output>/<slug of its name>` (lower case, runs of other characters as `-`). Every training run
+saves its own checkpoints there every `plan.checkpoint_interval` steps (save_args), so a run
+started again after an interruption resumes from its newest one instead of from the seed.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.criteria import Criterion, StopRule
+from protocol.schema import DEFAULT_CHECKPOINT_INTERVAL
 from protocol.sweeps import Sweep
 from protocol.tolerance import Tolerance
 
@@ -218,6 +221,7 @@ class Plan:
     seed: int = 0
     gpus_per_node: int = 8
     overrides: dict[str, Any] = field(default_factory=dict)
+    checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     checkpoint_folder: str = "checkpoint"  # the base config's checkpoint.folder: where the seed lands
     default_pp_schedule: str = "1F1B"  # the base config's, for the degrees of runs that give none
     slurm: dict[str, SlurmJob] = field(default_factory=dict)  # "seed" / "train" -> its #SBATCH options
@@ -328,9 +332,20 @@ def run_args(plan: Plan, spec: RunSpec, output: Path, name: str | None = None, w
     if plan.tolerance.mode == "statistical":
         args += ["--debug.init_perturbation", str(plan.tolerance.perturbation),
                  "--debug.init_perturbation_seed", str(perturbation_seed(name or spec.name))]
+    args += save_args(plan)
     if with_seed and plan.seed_checkpoint_path is not None:
-        args += ["--checkpoint.initial_load_path", str(plan.seed_checkpoint_path), "--checkpoint.load_only"]
+        args += ["--checkpoint.initial_load_path", str(plan.seed_checkpoint_path)]
     return args
+
+
+def save_args(plan: Plan) -> list[str]:
+    """Every training run saves into its own dump folder, so that an interrupted run resumes from
+    its newest checkpoint (the trainer prefers those to initial_load_path, which it only reads).
+    One checkpoint is kept: only the newest is ever resumed from. The last save is a full
+    checkpoint in any case; its model-only export would be a second copy of the weights that no
+    comparison reads."""
+    return ["--checkpoint.enable=true", "--checkpoint.interval", str(plan.checkpoint_interval),
+            "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only=false"]
 
 
 def run_launch(plan: Plan, spec: RunSpec, name: str, role: str) -> Launch:

@@ -179,7 +179,7 @@ def assemble(path: Path, values: dict, tolerance: Tolerance, control: TableRead,
 def read_plan_table(data: Any, problems: list[str]) -> dict[str, Any]:
     values = read_table(data, PLAN_KEYS, "plan", problems)
     for key, minimum in (("steps", 1), ("warmup_steps", 0), ("local_batch_size", 1), ("dp_degree", 1),
-                         ("gpus_per_node", 1), ("seed", 0)):
+                         ("gpus_per_node", 1), ("seed", 0), ("checkpoint_interval", 1)):
         check_minimum(values, key, minimum, "plan", problems)
     check_choice(values, "batch", BATCH_MODES, "plan", problems)
     if "config" in values:

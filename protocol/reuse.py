@@ -29,6 +29,11 @@ from protocol.records import config_changes, describe_changes, normalized, read_
 
 REUSE, RUN, STALE, STOPPED = "reuse", "run", "stale", "stopped"
 RECORD_FORMAT = 2
+# Options that decide only when a run saves, never what it computes (a resume continues the
+# curve exactly): a run saved under other values, or under none (runs made before protocol runs
+# saved), still describes the plan.
+SAVE_ONLY = frozenset({"checkpoint.enable", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_only",
+                       "checkpoint.last_save_model_only"})
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,18 @@ def assess_run(plan: Plan, launch: Launch, now: Now, seed: Decision | None = Non
     return Decision(launch, REUSE)
 
 
+def resume_step(plan: Plan, launch: Launch) -> int | None:
+    """The step an unfinished training run resumes from: its newest checkpoint that the trainer
+    will load (complete, or finished but not yet renamed into place), else None (from the seed)."""
+    from trainer.checkpoint_layout import complete_checkpoints, finished_partials
+
+    if launch.role == "seed":
+        return None
+    folder = launch.output / plan.checkpoint_folder
+    steps = [step for step in (*complete_checkpoints(folder), *finished_partials(folder)) if step > 0]
+    return max(steps, default=None)
+
+
 def incompleteness(record: dict, steps: int) -> str | None:
     """Why a run with this record has not finished the plan's steps, or None when it has."""
     status, last = record.get("status"), record.get("last_step") or 0
@@ -156,7 +173,7 @@ def record_differences(record: dict, launch: Launch, now: Now) -> list[str]:
     expected = expected_config(launch)
     found: list[str] = []
     for start in starts(record):
-        found += describe_changes(config_changes(start.get("config"), expected))
+        found += describe_changes(config_changes(start.get("config"), expected, skip=SAVE_ONLY))
         if start.get("world_size") != launch.nproc:
             found.append(f"world size {start.get('world_size')} -> {launch.nproc}")
         found += code_difference(start.get("code"), now.code)

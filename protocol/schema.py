@@ -16,6 +16,9 @@ from typing import Any
 BATCH_MODES = ("local", "global")
 SET_KINDS = ("parallelism", "technique")
 EXPECTATIONS = ("pass", "fail")
+# A save every 250 steps: an 8B run of a few thousand steps loses at most a few hundred steps to an
+# interruption, for about a dozen saves.
+DEFAULT_CHECKPOINT_INTERVAL = 250
 SLURM_KINDS = ("seed", "train")
 
 
@@ -49,6 +52,11 @@ PLAN_KEYS: dict[str, Key] = {
                               "nodes. Default 8.", default=8),
     "overrides": Key(dict, "Trainer options common to every run, as dotted keys: { \"model.flavor\" = \"tiny\" }.",
                      default={}),
+    "checkpoint_interval": Key(int, "Every training run saves a checkpoint into its own folder every this many "
+                                    "steps (checkpoint.interval; the trainer also saves the last step), keeping "
+                                    "only the newest; an interrupted `protocol run` resumes each unfinished run "
+                                    f"from it. Default {DEFAULT_CHECKPOINT_INTERVAL}.",
+                               default=DEFAULT_CHECKPOINT_INTERVAL),
 }
 
 DEGREE_KEYS: dict[str, Key] = {
@@ -162,6 +170,9 @@ PLAN_OWNED = {
     "training.global_batch_size": "plan.batch and plan.local_batch_size x plan.dp_degree",
     "debug.seed": "plan.seed",
     "checkpoint.create_seed_checkpoint": "plan.seed_checkpoint",
+    **{key: "plan.checkpoint_interval (every run saves its own checkpoints)" for key in (
+        "checkpoint.enable", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_only",
+        "checkpoint.last_save_model_only")},
     "parallelism.data_parallel_replicate_degree": "the set's dp_replicate",
     "parallelism.data_parallel_shard_degree": "plan.dp_degree (or a set's dp_shard with batch = 'global')",
     "parallelism.tensor_parallel_degree": "the set's tp",
@@ -169,7 +180,7 @@ PLAN_OWNED = {
     "parallelism.pipeline_parallel_degree": "the set's pp",
     "parallelism.pipeline_parallel_schedule": "the set's pp_schedule",
 }
-SEED_OWNED = {"checkpoint.initial_load_path": "plan.seed_checkpoint", "checkpoint.load_only": "plan.seed_checkpoint"}
+SEED_OWNED = {"checkpoint.initial_load_path": "plan.seed_checkpoint"}
 # Options that decide the model or the data: one value for every run, else nothing is comparable.
 # Trainer options that change the model a layout computes: only technique sets may set them.
 TECHNIQUE_ONLY = {"parallelism.tensor_parallel_sync": "full", "parallelism.tensor_parallel_sync_group": 0}

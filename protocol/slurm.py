@@ -20,7 +20,7 @@ from pathlib import Path
 from protocol.early_stop import applies, breach, clear_stopped, mark_stopped
 from protocol.failures import indent, summary
 from protocol.folders import claim_folder
-from protocol.launch import LaunchError, Progress, RunResult, prepare, select, summarize
+from protocol.launch import LaunchError, Progress, RunResult, prepare, resume_note, select, summarize
 from protocol.plan import Launch, Plan
 from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
 from protocol.sbatch import job_log, script_path, write_slurm
@@ -115,7 +115,8 @@ def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner
             argv.append("--dependency=afterok:" + ":".join(needed))
         job_id = runner([*argv, str(script_path(out_dir, launch))]).strip().split(";")[0]
         jobs[launch.name] = (launch, job_id)
-        report(f"{launch.name}: submitted as job {job_id}" + (f" (after job {', '.join(needed)})" if needed else ""))
+        report(f"{launch.name}: submitted as job {job_id}" + (f" (after job {', '.join(needed)})" if needed else "")
+               + resume_note(plan, launch))
     return jobs
 
 

@@ -116,7 +116,9 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
     assert srun.startswith('srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc 8 --device cuda '
                            '--nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" '
                            '--job.config_file llama3_8b.toml')
-    assert srun.endswith("--checkpoint.load_only")
+    assert srun.endswith(f"--checkpoint.enable=true --checkpoint.interval 250 --checkpoint.keep_latest_k 1 "
+                         f"--checkpoint.last_save_model_only=false --checkpoint.initial_load_path "
+                         f"{plan.seed_checkpoint_path}")
     assert control.index(f"claim {launches[1].output} ") < control.index("srun --kill")
     big = (tmp_path / "slurm" / "4d-fsdp-tp2-cp2-pp2.sbatch").read_text()
     assert "#SBATCH --nodes=16" in big

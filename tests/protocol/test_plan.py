@@ -109,7 +109,9 @@ def test_cpu_smoke_expands_into_seed_control_and_small_sets():
         assert arg(launch, "--lr_scheduler.warmup_steps") == "2"
         assert arg(launch, "--model.flavor") == "tiny" and arg(launch, "--training.seq_len") == "32"
         assert "--debug.deterministic=true" in launch.args
-        assert launch.args[-3:] == ("--checkpoint.initial_load_path", str(seed_path), "--checkpoint.load_only")
+        assert launch.args[-8:] == ("--checkpoint.enable=true", "--checkpoint.interval", "10",
+                                    "--checkpoint.keep_latest_k", "1", "--checkpoint.last_save_model_only=false",
+                                    "--checkpoint.initial_load_path", str(seed_path))
         assert launch.output == plan.output / slugify(launch.name)
         assert launch.depends_on == ("seed",)
     assert arg(launches[6], "--activation_checkpoint.mode") == "full"
@@ -129,7 +131,8 @@ def test_cpu_smoke_commands_are_exact():
         "--training.global_batch_size -1 --parallelism.data_parallel_replicate_degree 1 "
         "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
         "--parallelism.context_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
-        f"--checkpoint.initial_load_path {plan.seed_checkpoint_path} --checkpoint.load_only")
+        "--checkpoint.enable=true --checkpoint.interval 10 --checkpoint.keep_latest_k 1 "
+        f"--checkpoint.last_save_model_only=false --checkpoint.initial_load_path {plan.seed_checkpoint_path}")
 
 
 def test_cpu_statistical_plan_is_bf16_with_noise_controls_and_a_positive_control():
