@@ -22,6 +22,7 @@ Plan file format
     seed_checkpoint = true
     seed = 0
     gpus_per_node = 8
+    checkpoint_interval = 10   # each run saves into its own folder; a rerun resumes from there
     overrides = { "model.flavor" = "tiny", "debug.deterministic" = true }
 
     [tolerance]            # protocol.tolerance.Tolerance: how a set is judged
