@@ -46,14 +46,16 @@ from trainer.checkpoint_layout import (
     finished_partials,
     fingerprint,
     initial_load_folder,
+    missing_exports,
     named_step,
     partial_path,
     read_checkpoint_record,
 )
-from trainer.checkpoint_lineage import (foreign_checkpoint, lineage_of, model_change, move_newer_aside, new_lineage,
-                                        write_head)
+from trainer.checkpoint_lineage import (foreign_checkpoint, forked_ancestors, lineage_of, model_change,
+                                        move_newer_aside, new_lineage, read_head, write_head)
 from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
+from trainer.dcp_metadata import CheckedReader, UnsafeCheckpointError
 from trainer.optim import schedule_change, set_schedule_position
 from trainer.parallel.fsdp import DTYPES
 from trainer.train_state import TrainState
@@ -84,6 +86,7 @@ class CheckpointManager:
         # The trajectory this run continues (trainer/checkpoint_lineage.py): set by resume(), and
         # `parent` moves to each checkpoint this run publishes.
         self.lineage: str = new_lineage()
+        self.ancestors: list[dict] = []
         self.parent: dict | None = None
         # What resume() loaded, for the run record: kind init | checkpoint | resume | hugging_face.
         self.start = {"kind": "init", "path": None, "step": 0, "fingerprint": None}
@@ -121,6 +124,7 @@ class CheckpointManager:
         rewind = False
         if self.cfg.enable and self.cfg.load_step != -1:
             path = self._named_step(found, self.cfg.load_step)
+            self._refuse_foreign(path)
             newer = [s for s in found if s > self.cfg.load_step]
             if newer and not self.cfg.load_only and not self.cfg.overwrite:
                 raise CheckpointError(
@@ -130,9 +134,7 @@ class CheckpointManager:
             rewind = bool(newer) and self.saves
         elif found:
             path = self._resume_point(found)
-            foreign = foreign_checkpoint(self.folder, path) if path.name != "step-0" else None
-            if foreign:
-                raise CheckpointError(foreign)
+            self._refuse_foreign(path)
         elif self.cfg.initial_load_path:
             named = Path(self.cfg.initial_load_path)
             try:
@@ -157,20 +159,32 @@ class CheckpointManager:
         self._continue_lineage(path, found, rewind)
         return path
 
+    def _refuse_foreign(self, path: Path) -> None:
+        """A checkpoint of this folder from another trajectory than its newest saves (the seed
+        begins every trajectory)."""
+        foreign = foreign_checkpoint(self.folder, path) if path.name != "step-0" else None
+        if foreign:
+            raise CheckpointError(foreign)
+
     def _continue_lineage(self, path: Path, found: dict[int, Path], rewind: bool) -> None:
         """The lineage and parent of this run's saves, once `path` is loaded. A checkpoint of this
         folder continues its lineage; a rewind moves the newer checkpoints aside and starts a new
         one from `path`, as does any other start."""
         in_folder = path.parent.resolve() == self.folder.resolve() and path.name != "step-0"
         self.parent = {"step": self.train_state.step, "path": str(path.resolve()), "fingerprint": fingerprint(path)}
-        if in_folder and not rewind:
+        head = read_head(self.folder) if in_folder else None
+        if rewind:
+            self.ancestors = forked_ancestors(head, path, self.train_state.step)
+        elif head is not None:  # on the head's trajectory (checked): continue it
+            self.lineage, self.ancestors = head["lineage"], head.get("ancestors", [])
+        elif in_folder:  # a folder of an earlier version: continue the checkpoint's own lineage
             self.lineage = lineage_of(path) or self.lineage
         if rewind and self.rank == 0:
             moved = move_newer_aside(self.folder, found, self.cfg.load_step)
             logger.warning("rewound to step-%d: the checkpoints after it moved to %s; this run goes on as a new "
                            "trajectory (lineage %s)", self.cfg.load_step, moved, self.lineage)
         if self.saves and self.rank == 0:
-            write_head(self.folder, self.lineage, self.train_state.step)
+            write_head(self.folder, self.lineage, self.train_state.step, self.ancestors)
         if rewind:
             dist.barrier()  # every rank sees the folder without the abandoned checkpoints
 
@@ -187,8 +201,9 @@ class CheckpointManager:
                     f"{path} is past training.steps = {self.total_steps}: this run went further already. Raise "
                     f"training.steps above {newest} to continue it, resume an earlier step with "
                     "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+            written = self._complete_exports(path, newest)
             raise TrainingComplete(f"{path} is the final checkpoint of this run (training.steps = "
-                                   f"{self.total_steps}); nothing to do. Raise training.steps to continue.")
+                                   f"{self.total_steps}); nothing to do{written}. Raise training.steps to continue.")
         if is_resumable(path):
             return path
         # Only earlier versions of this trainer wrote a model-only last save.
@@ -202,6 +217,18 @@ class CheckpointManager:
             f"{path} holds the model weights only (a final export): without its optimizer state and data position "
             f"this run cannot continue from step {newest} exactly. Either " + ", or ".join(options))
 
+    def _complete_exports(self, path: Path, step: int) -> str:
+        """Write the exports the final checkpoint lacks (the run stopped while writing them);
+        returns what to add to the message."""
+        missing = missing_exports(path, self.config) if self.saves else []
+        if not missing:
+            return ""
+        logger.info("%s: writing the exports the run stopped before writing: %s", path, ", ".join(missing))
+        self._load(path, ["model"])
+        self.last_saved = step
+        self._write_exports(path, missing)
+        return f" but its exports, written now ({', '.join(missing)})"
+
     def _named_step(self, found: dict[int, Path], step: int) -> Path:
         try:
             return named_step(self.folder, found, step)
@@ -209,6 +236,19 @@ class CheckpointManager:
             raise CheckpointError(str(e)) from None
 
     def _load(self, path: Path, wanted: list[str]) -> Path:
+        """Load `wanted` items from `path`; a file that would run code refuses the checkpoint."""
+        try:
+            return self._load_items(path, wanted)
+        except UnsafeCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        except CheckpointException as e:  # DCP wraps what failed on each rank
+            failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            unsafe = [f for f in failures if isinstance(f, UnsafeCheckpointError)]
+            if unsafe:
+                raise CheckpointError(str(unsafe[0])) from None
+            raise
+
+    def _load_items(self, path: Path, wanted: list[str]) -> Path:
         check_model_shapes(path, self.model, self.flavor)
         change = model_change(path, to_dict(self.config)["parallelism"])
         if change and not self.cfg.accept_model_change:
@@ -223,7 +263,8 @@ class CheckpointManager:
             logger.warning("%s has no %s; starting those fresh", path, ", ".join(missing))
         if "dataloader" in items:
             self.loader.expect_saved_keys({key.split(".", 1)[1] for key in keys if key.startswith("dataloader.")})
-        dcp.load(self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys)), checkpoint_id=str(path))
+        state = self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys))
+        dcp.load(state, storage_reader=CheckedReader(path))  # admits no code from the files (trainer/dcp_metadata.py)
         if "lr_scheduler" in items:
             self._continue_schedule(path)
         kind = "resume" if "train_state" in items else "checkpoint"
@@ -329,23 +370,23 @@ class CheckpointManager:
             self._save_failed(step, partial, e)
         self._finish(step, partial)
         if last:
-            self._write_exports(final)
+            self._write_exports(final, missing_exports(final, self.config))
 
     def _record(self, step: int, kind: str, **extra) -> dict:
         return checkpoint_record(self.config, step, list(ITEMS), kind, lineage=self.lineage, parent=self.parent,
                                  **extra)
 
-    def _write_exports(self, final: Path) -> None:
+    def _write_exports(self, final: Path, names: list[str]) -> None:
         """The exports of the last save, written after the full checkpoint is published: a crash
         here costs only the export. Each is written to a hidden folder beside its place and
         renamed into place when complete (the rename is its completion mark); a restart removes
         the unfinished ones (_remove_unfinished_exports)."""
         dtype = DTYPES[self.cfg.export_dtype]
-        if self.cfg.last_save_model_only:
+        if MODEL_ONLY_DIR in names:
             folder = self._unfinished_export(final, MODEL_ONLY_DIR)
             dcp.save(self._stateful(["model"], export_dtype=dtype), checkpoint_id=str(folder))
             self._publish_export(final, MODEL_ONLY_DIR)
-        if self.cfg.last_save_in_hf:
+        if HF_EXPORT_DIR in names:
             name = self.external_weights.folder_name
             self._unfinished_export(final, name)
             dist.barrier()  # every rank's shard of the checkpoint is on disk
@@ -426,7 +467,7 @@ class CheckpointManager:
             shutil.rmtree(final)
         partial.rename(final)
         self.parent = {"step": step, "path": str(final.resolve()), "fingerprint": fingerprint(final)}
-        write_head(self.folder, self.lineage, step)
+        write_head(self.folder, self.lineage, step, self.ancestors)
         logger.info("saved checkpoint %s", final)
 
     def _apply_retention(self) -> None:

@@ -171,3 +171,15 @@ def read_checkpoint_record(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def missing_exports(path: Path, config) -> list[str]:
+    """The exports the configuration asks of the last save that the final checkpoint `path` lacks
+    (the run stopped while writing them; they were removed at restart): a run that finds itself
+    complete writes them before it ends."""
+    record = read_checkpoint_record(path)
+    if record is None or record.get("kind") != "final":
+        return []
+    wanted = [name for name, on in ((MODEL_ONLY_DIR, config.checkpoint.last_save_model_only),
+                                    (HF_EXPORT_DIR, config.checkpoint.last_save_in_hf)) if on]
+    return [name for name in wanted if name not in record.get("exports", [])]

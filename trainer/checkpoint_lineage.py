@@ -5,13 +5,15 @@ Each checkpoint.json records it (`lineage`, a short random id) with the checkpoi
 the checkpoint its training continued from (the save before it in the run, or what the run
 loaded when it started), so the chain of any checkpoint can be followed back to its start.
 
-The checkpoint folder's lineage.json names the lineage of the folder's newest checkpoints. A
-rewind (checkpoint.load_step S with checkpoint.overwrite, while newer checkpoints exist) starts a
-new lineage from step S and moves the newer checkpoints, which belong to the abandoned trajectory,
-to <folder>/previous/<time>-after-step-S/; the records of their steps leave metrics.jsonl the same
-way (trainer/run_record.py). A resume then refuses a newest checkpoint of another lineage by name
-(one copied back, or written by a job that should not have been writing there) instead of splicing
-two trajectories into one curve.
+The checkpoint folder's lineage.json names the lineage of the folder's newest checkpoints and its
+ancestors: the lineages it forked from, each up to the step of the fork. A rewind
+(checkpoint.load_step S with checkpoint.overwrite, while newer checkpoints exist) starts a new
+lineage from step S and moves the newer checkpoints, which belong to the abandoned trajectory, to
+<folder>/previous/<time>-after-step-S/; the records of their steps leave metrics.jsonl the same
+way (trainer/run_record.py). A resume then refuses a checkpoint of the folder that is not on the
+current trajectory (one copied back, or written by a job that should not have been writing there)
+by name instead of splicing two trajectories into one curve; the checkpoints up to a fork remain
+on it.
 
 Reduced tensor-parallel synchronization (parallelism.tensor_parallel_sync per_block / grouped)
 changes the function the weights compute: what was trained depends on the variant, the group size
@@ -38,7 +40,8 @@ def new_lineage() -> str:
 
 
 def read_head(folder: Path) -> dict | None:
-    """The folder's lineage.json: {"lineage", "step"} of its newest save, or None."""
+    """The folder's lineage.json: {"lineage", "step", "ancestors": [{"lineage", "until_step"}]}
+    of its newest save, or None."""
     try:
         head = json.loads((Path(folder) / LINEAGE_FILE).read_text())
     except (OSError, ValueError):
@@ -46,12 +49,12 @@ def read_head(folder: Path) -> dict | None:
     return head if isinstance(head, dict) and isinstance(head.get("lineage"), str) else None
 
 
-def write_head(folder: Path, lineage: str, step: int) -> None:
+def write_head(folder: Path, lineage: str, step: int, ancestors: list[dict]) -> None:
     """Atomically: a reader never sees half a file."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     temporary = folder / f".{LINEAGE_FILE}.tmp"
-    temporary.write_text(json.dumps({"lineage": lineage, "step": step}) + "\n")
+    temporary.write_text(json.dumps({"lineage": lineage, "step": step, "ancestors": ancestors}) + "\n")
     os.replace(temporary, folder / LINEAGE_FILE)
 
 
@@ -60,17 +63,42 @@ def lineage_of(path: Path) -> str | None:
     return record.get("lineage") if record else None
 
 
-def foreign_checkpoint(folder: Path, path: Path) -> str | None:
-    """Why the checkpoint `path` of `folder` must not be resumed as the folder's newest (it belongs
-    to another lineage than the folder's head), or None. Checkpoints and folders of earlier
+def on_trajectory(head: dict, path: Path) -> bool:
+    """Whether checkpoint `path` is on the trajectory of `head`: of its lineage, or of an
+    ancestor's up to the step where the head's lineage forked from it. Checkpoints of earlier
     versions record no lineage: nothing to compare."""
+    record = read_checkpoint_record(path) or {}
+    theirs, step = record.get("lineage"), record.get("step", 0)
+    if theirs is None or theirs == head["lineage"]:
+        return True
+    return any(a.get("lineage") == theirs and step <= a.get("until_step", -1) for a in head.get("ancestors", []))
+
+
+def forked_ancestors(head: dict | None, path: Path, step: int) -> list[dict]:
+    """The ancestors of a new lineage forked at `step` from checkpoint `path` of a folder whose
+    head is `head`: the head's trajectory up to `step`, and the checkpoint's own lineage."""
+    ancestors = []
+    if head is not None:
+        ancestors = [{"lineage": a["lineage"], "until_step": min(a["until_step"], step)}
+                     for a in head.get("ancestors", [])]
+        ancestors.append({"lineage": head["lineage"], "until_step": step})
+    theirs = lineage_of(path)
+    if theirs is not None and all(a["lineage"] != theirs for a in ancestors):
+        ancestors.append({"lineage": theirs, "until_step": step})
+    return ancestors
+
+
+def foreign_checkpoint(folder: Path, path: Path) -> str | None:
+    """Why the checkpoint `path` of `folder` must not be resumed (it is not on the trajectory of
+    the folder's newest saves), or None."""
     head, theirs = read_head(folder), lineage_of(path)
-    if head is None or theirs is None or theirs == head["lineage"]:
+    if head is None or on_trajectory(head, path):
         return None
     return (f"{path} belongs to another training trajectory (lineage {theirs}) than this folder's run (lineage "
             f"{head['lineage']}, last saved at step {head['step']}): resuming it would splice two runs into one "
-            f"curve. It was copied back, or written by another job; move it out of {folder}, or continue from it "
-            f"on purpose with --checkpoint.load_step {path.name.split('-')[-1]} --checkpoint.overwrite")
+            f"curve. It was copied back, or written by another job: move it out of {folder}, or continue its own "
+            f"trajectory in another folder with --checkpoint.initial_load_path {path} "
+            "--checkpoint.initial_load_model_only=false --job.dump_folder NEW_FOLDER")
 
 
 def move_newer_aside(folder: Path, found: dict[int, Path], step: int) -> Path | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.checkpoint_layout import (check_load_options, checkpoint_folder, complete_checkpoints, finished_partials,
-                                      initial_load_folder, read_checkpoint_record)
+                                      initial_load_folder, missing_exports, read_checkpoint_record)
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
@@ -482,6 +482,8 @@ def check_resume(config: JobConfig) -> None:
                 f"{path} is past training.steps = {total}: this run went further already. Raise "
                 f"training.steps above {newest} to continue it, resume an earlier step with "
                 "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+    if newest == total and not config.checkpoint.load_only and missing_exports(path, config):
+        return  # the ranks write the exports the run stopped before writing
     message = (f"{path} is the final checkpoint of this run (training.steps = {total}); nothing to do. Raise "
                "training.steps to continue.")
     print(message, flush=True)

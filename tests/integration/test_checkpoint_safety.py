@@ -18,7 +18,8 @@ from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
 
 FAULTS = '''
 import os
-if os.environ.get("RANK") is not None and os.environ.get("FAULT"):
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+if os.environ.get("RANK") is not None and os.environ.get("FAULT") and (first_attempt or not os.environ.get("FAULT_ONCE")):
     import errno, signal
     from contextlib import contextmanager
     from torch.distributed.checkpoint import filesystem
@@ -41,17 +42,23 @@ if os.environ.get("RANK") is not None and os.environ.get("FAULT"):
 '''
 
 
-def launch_with_fault(tmp_path: Path, nproc: int, args: list[str], fault: str):
+def launch_with_fault(tmp_path: Path, nproc: int, args: list[str], fault: str, max_restarts: int | None = None,
+                      once: bool = False):
+    """`fault` is kind:path-part:rank; `once`: only in the first attempt (not after a restart)."""
     hooks = tmp_path / "hooks"
     hooks.mkdir(exist_ok=True)
     (hooks / "sitecustomize.py").write_text(FAULTS)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAULT")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FAULT", "FAULT_ONCE", "MAX_RESTARTS")}
     os.environ.update(PYTHONPATH=f"{hooks}:{REPO}", FAULT=fault)
+    if once:
+        os.environ["FAULT_ONCE"] = "1"
+    if max_restarts is not None:
+        os.environ["MAX_RESTARTS"] = str(max_restarts)
     try:
         return launch(nproc, args)
     finally:
         for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
 def record(path: Path) -> dict:
@@ -114,21 +121,39 @@ def test_a_crash_while_exporting_keeps_the_final_checkpoint(tmp_path):
         return [*TINY_JOB, "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "3",
                 "--job.dump_folder", str(dump)]
 
-    crashed = launch_with_fault(tmp_path, 2, job(6), "kill:model_only:1")
+    crashed = launch_with_fault(tmp_path, 2, [*job(6), "--checkpoint.last_save_in_hf"], "kill:model_only:1",
+                                max_restarts=0)
     assert crashed.returncode == 128 + 9, describe(crashed)
     final = dump / "checkpoint" / "step-6"
     assert (final / ".metadata").is_file() and record(final)["kind"] == "final"
     assert (final / ".model_only.partial").exists() and not (final / "model_only").exists()
 
-    again = launch(2, job(6))  # the run is complete: nothing to train again
-    assert again.returncode == 0 and "nothing to do" in again.stdout + again.stderr, describe(again)
+    # The run is complete; the next start drops the unfinished export and writes the missing ones.
+    again = launch(2, [*job(6), "--checkpoint.last_save_in_hf"])
+    assert again.returncode == 0, describe(again)
+    assert "nothing to do but its exports, written now (model_only, hf)" in again.stdout, describe(again)
+    assert not (final / ".model_only.partial").exists()
+    assert record(final)["exports"] == ["model_only", "hf"]
+    assert (final / "model_only" / ".metadata").is_file() and (final / "hf" / "config.json").is_file()
+    assert sorted(losses(dump)) == list(range(1, 7))  # nothing trained again
+
     longer = launch(2, job(8))  # continues from the final checkpoint, not from step 3
     assert longer.returncode == 0, describe(longer)
     assert f"from {final} (step 6)" in longer.stdout, describe(longer)
     assert sorted(losses(dump)) == list(range(1, 9))
-    assert not (final / ".model_only.partial").exists() and (final / ".metadata").is_file()
-    exported = dump / "checkpoint" / "step-8"
-    assert (exported / "model_only" / ".metadata").is_file() and record(exported)["exports"] == ["model_only"]
+
+
+def test_a_restart_after_a_crash_while_exporting_finishes_the_exports(tmp_path):
+    """With automatic restarts (the default for runs that save) the job recovers by itself."""
+    dump = tmp_path / "run"
+    args = [*TINY_JOB, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4",
+            "--job.dump_folder", str(dump)]
+    recovered = launch_with_fault(tmp_path, 2, args, "kill:.model_only.partial:1", once=True)
+    assert recovered.returncode == 0, describe(recovered)
+    assert "restart 1 of" in recovered.stderr, describe(recovered)
+    final = dump / "checkpoint" / "step-4"
+    assert record(final)["exports"] == ["model_only"] and (final / "model_only" / ".metadata").is_file()
+    assert sorted(losses(dump)) == list(range(1, 5))
 
 
 def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_older_checkpoints(tmp_path):
@@ -164,3 +189,16 @@ def test_a_checkpoint_of_another_model_variant_is_refused(tmp_path):
     accepted = launch(1, [*into, "--checkpoint.accept_model_change"])
     assert accepted.returncode == 0, describe(accepted)
     assert "was trained as" in accepted.stdout + accepted.stderr  # still said, as a warning
+
+
+def test_a_crafted_checkpoint_given_to_a_run_runs_nothing(tmp_path):
+    """A step folder whose .metadata pickles a shell command, passed as initial_load_path: one
+    message naming the file (exit 2), and the command never ran."""
+    from tests.unit.test_dcp_metadata import crafted_folder
+
+    folder, marker = crafted_folder(tmp_path)
+    refused = launch(1, [*TINY_JOB, "--training.steps", "2", "--checkpoint.initial_load_path", str(folder),
+                         "--job.dump_folder", str(tmp_path / "run")])
+    assert refused.returncode == 2, describe(refused)
+    assert f"{folder / '.metadata'}: refusing to load 'posix.system'" in refused.stderr, describe(refused)
+    assert not marker.exists()

@@ -8,6 +8,7 @@ import pytest
 
 from trainer.checkpoint_lineage import (
     foreign_checkpoint,
+    forked_ancestors,
     model_change,
     move_newer_aside,
     read_head,
@@ -55,10 +56,29 @@ def test_a_checkpoint_of_another_lineage_is_named(tmp_path):
     ours = checkpoint(tmp_path, 4, EXACT, lineage="ours")
     theirs = checkpoint(tmp_path, 6, EXACT, lineage="theirs")
     assert foreign_checkpoint(tmp_path, theirs) is None  # no lineage.json: an earlier version's folder
-    write_head(tmp_path, "ours", 4)
-    assert read_head(tmp_path) == {"lineage": "ours", "step": 4}
+    write_head(tmp_path, "ours", 4, [])
+    assert read_head(tmp_path) == {"lineage": "ours", "step": 4, "ancestors": []}
     assert foreign_checkpoint(tmp_path, ours) is None
-    assert foreign_checkpoint(tmp_path, theirs).startswith(f"{theirs} belongs to another training trajectory")
+    message = foreign_checkpoint(tmp_path, theirs)
+    assert message.startswith(f"{theirs} belongs to another training trajectory (lineage theirs)")
+    assert f"--checkpoint.initial_load_path {theirs}" in message
+
+
+def test_checkpoints_up_to_a_fork_stay_on_the_trajectory(tmp_path):
+    """Rewound from lineage A at step 4 to lineage B: A's step-2 and step-4 are B's history (a
+    restart before B's first save resumes step-4), A's step-6 is not."""
+    a2, a4, a6 = (checkpoint(tmp_path, s, EXACT, lineage="A") for s in (2, 4, 6))
+    head = {"lineage": "A", "step": 6, "ancestors": []}
+    ancestors = forked_ancestors(head, a4, 4)
+    assert ancestors == [{"lineage": "A", "until_step": 4}]
+    write_head(tmp_path, "B", 4, ancestors)
+    assert foreign_checkpoint(tmp_path, a2) is None and foreign_checkpoint(tmp_path, a4) is None
+    assert foreign_checkpoint(tmp_path, a6) is not None
+    # A second rewind, from B to A's step 2: only A up to step 2 and B up to step 2 remain history.
+    again = forked_ancestors(read_head(tmp_path), a2, 2)
+    assert again == [{"lineage": "A", "until_step": 2}, {"lineage": "B", "until_step": 2}]
+    write_head(tmp_path, "C", 2, again)
+    assert foreign_checkpoint(tmp_path, a2) is None and foreign_checkpoint(tmp_path, a4) is not None
 
 
 def test_moving_newer_checkpoints_aside_keeps_them(tmp_path):
