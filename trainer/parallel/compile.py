@@ -36,6 +36,8 @@ from typing import Callable
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from trainer.parallel.checkpointing import recompute_all
+
 
 class _WaitForCollective(torch.autograd.Function):
     """Identity whose output is the waited, plain tensor inside an AsyncCollectiveTensor; its
@@ -92,8 +94,6 @@ def set_memory_budget(budget: float) -> None:
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
     """Compile each block of `model` (a whole Llama or a pipeline stage) in place."""
-    from trainer.parallel.checkpointing import recompute_all
-
     for block in model.layers.values():
         if block.recompute is recompute_all:  # the checkpoint stays eager, around the graph
             block.compute = torch.compile(block.compute, backend=backend)
