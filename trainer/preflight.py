@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer import run_record
 from trainer.checkpoint_layout import (check_load_options, checkpoint_folder, complete_checkpoints, finished_partials,
                                       initial_load_folder, missing_exports, read_checkpoint_record)
 from trainer.config.job_config import JobConfig
@@ -486,6 +487,8 @@ def check_resume(config: JobConfig) -> None:
         return  # the ranks write the exports the run stopped before writing
     message = (f"{path} is the final checkpoint of this run (training.steps = {total}); nothing to do. Raise "
                "training.steps to continue.")
+    if newest == total and run_record.complete_after_final_save(Path(config.job.dump_folder), total):
+        message += " (run_meta.json said the run was still running: it stopped after that save; now completed)"
     print(message, flush=True)
     raise RunComplete(message)
 

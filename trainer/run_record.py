@@ -107,6 +107,24 @@ def finish(folder: Path, record: dict, status: str, last_step: int, error: str |
     return record
 
 
+def complete_after_final_save(folder: Path, last_step: int) -> bool:
+    """A run killed after its final checkpoint but before its record said so ("running"), found
+    complete at its next start: its record says "completed" now (with "completed_at_restart"),
+    when metrics.jsonl holds its last step. Returns whether the record changed."""
+    folder = Path(folder)
+    record = read_record(folder)
+    if record is None or record.get("status") in FINAL_STATUSES:
+        return False
+    try:
+        steps = [line_step(line) for line in (folder / METRICS_FILE).read_text().splitlines() if line.strip()]
+    except OSError:
+        return False
+    if last_step not in steps:
+        return False
+    finish(folder, {**record, "completed_at_restart": True}, "completed", last_step)
+    return True
+
+
 def archive(folder: Path) -> Path | None:
     """Move a previous run's run_meta.json and metrics.jsonl together to previous/<time>/."""
     folder = Path(folder)

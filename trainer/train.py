@@ -445,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         return stop(e)
     except TrainingComplete as e:
         logger.info("%s", e)
+        if int(os.environ.get("RANK", "0")) == 0:  # a run that stopped after its final save
+            run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps)
         return 0
     try:
         trainer.train()

@@ -144,3 +144,18 @@ def test_a_seed_checkpoint_is_replaced_with_overwrite(finished, tmp_path):
     shutil.rmtree(dump / "checkpoint" / "step-1")
     shutil.rmtree(dump / "checkpoint" / "step-2")
     check_resume(config_of(dump, 1))
+
+
+def test_a_run_killed_after_its_final_save_is_recorded_as_completed(finished, tmp_path):
+    """Killed between its final checkpoint and its record's last write: the record still says
+    "running". The next start finds the run complete and completes its record too (the protocol
+    reads it to tell a finished run)."""
+    dump = copy_of(finished, tmp_path)
+    record = json.loads((dump / "run_meta.json").read_text())
+    (dump / "run_meta.json").write_text(json.dumps({**record, "status": "running", "ended": None, "last_step": 1}))
+    result, _ = timed_launch(job(dump, 2))
+    assert result.returncode == 0 and "now completed" in result.stdout, describe(result)
+    completed = json.loads((dump / "run_meta.json").read_text())
+    assert (completed["status"], completed["last_step"], completed["completed_at_restart"]) == ("completed", 2, True)
+    again, _ = timed_launch(job(dump, 2))  # a completed record is left as it is
+    assert again.returncode == 0 and "now completed" not in again.stdout, describe(again)
