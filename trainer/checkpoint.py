@@ -325,9 +325,8 @@ class CheckpointManager:
         """Exports the run stopped writing. Their checkpoint is whole: it was published before
         its exports were started."""
         for path in self.folder.glob("step-*/.*.partial"):
-            logger.warning("removing %s: an export that never completed (%s itself is complete; export it again "
-                           "with python -m trainer.hf export, or a model-only copy with a run of "
-                           "--checkpoint.load_step)", path, path.parent)
+            logger.warning("removing %s: an export that never completed (%s itself is complete; a run that finds it "
+                           "final writes the missing exports again)", path, path.parent)
             shutil.rmtree(path, ignore_errors=True)
 
     # ---- saving

@@ -362,13 +362,16 @@ class Checkpoint:
     step folder whose hf/ holds the export of checkpoint.last_save_in_hf."""
 
     last_save_model_only: bool = True
-    """The last save holds only the model weights (in export_dtype)."""
+    """The last save, a full checkpoint like every other, also writes the model weights alone (in
+    export_dtype) to step-<N>/model_only/, after the checkpoint is published."""
 
     last_save_in_hf: bool = False
-    """Write the last save as Hugging Face safetensors."""
+    """The last save, a full checkpoint like every other, also writes a Hugging Face export
+    (config.json + safetensors, in export_dtype) to step-<N>/hf/, after the checkpoint is
+    published."""
 
     export_dtype: DType = "float32"
-    """Dtype of a model-only last save."""
+    """Dtype of the last save's exports (model_only/, hf/)."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """disabled: training waits until the save is written. async: training waits only while the

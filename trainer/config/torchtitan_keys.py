@@ -108,6 +108,11 @@ DIFFERENT: dict[str, str] = {
     "parallelism.context_parallel_rotate_method": "only allgather; alltoall is refused",
     "checkpoint.initial_load_in_hf": "needs checkpoint.initial_load_path (torchtitan falls back to "
                                      "model.hf_assets_path)",
+    "checkpoint.last_save_model_only": "the last save stays a full checkpoint (a finished run can be continued) "
+                                       "and also writes the weights alone to step-<N>/model_only/ (torchtitan saves "
+                                       "the model only)",
+    "checkpoint.last_save_in_hf": "the Hugging Face export is written beside the full last checkpoint, to "
+                                  "step-<N>/hf/ (torchtitan saves it instead of DCP)",
     "checkpoint.keep_latest_k": "1 is accepted (torchtitan refuses it): the newest complete checkpoint is "
                                 "published only once written",
     "checkpoint.async_mode": "async_with_pinned_mem reuses CPU buffers in the training process (no separate "
