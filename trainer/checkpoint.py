@@ -43,12 +43,14 @@ from trainer.checkpoint_layout import (
     MODEL_ONLY_DIR,
     check_step_folders,
     complete_checkpoints,
+    complete_message,
     finished_partials,
     fingerprint,
     initial_load_folder,
     missing_exports,
     named_step,
     partial_path,
+    past_steps_message,
     read_checkpoint_record,
 )
 from trainer.checkpoint_lineage import (foreign_checkpoint, forked_ancestors, lineage_of, model_change,
@@ -197,13 +199,9 @@ class CheckpointManager:
             return path
         if newest >= self.total_steps:
             if newest > self.total_steps and is_resumable(path):
-                raise CheckpointError(
-                    f"{path} is past training.steps = {self.total_steps}: this run went further already. Raise "
-                    f"training.steps above {newest} to continue it, resume an earlier step with "
-                    "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+                raise CheckpointError(past_steps_message(path, newest, self.total_steps))
             written = self._complete_exports(path, newest)
-            raise TrainingComplete(f"{path} is the final checkpoint of this run (training.steps = "
-                                   f"{self.total_steps}); nothing to do{written}. Raise training.steps to continue.")
+            raise TrainingComplete(complete_message(path, self.total_steps, written))
         if is_resumable(path):
             return path
         # Only earlier versions of this trainer wrote a model-only last save.

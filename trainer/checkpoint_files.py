@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint_items import ModelState, aliased_names
-from trainer.checkpoint_layout import CHECKPOINT_RECORD, partial_path, read_checkpoint_record
+from trainer.checkpoint_layout import CHECKPOINT_RECORD, is_full_checkpoint, partial_path
 from trainer.config.manager import to_dict
 from trainer.dcp_files import saved_items, saved_keys
 from trainer.version import code_version
@@ -65,10 +65,8 @@ def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
 
 def is_resumable(path: Path) -> bool:
     """A checkpoint holding the training state (a full save), not only model weights."""
-    record = read_checkpoint_record(path)
-    if record is not None and "items" in record:
-        return "train_state" in record["items"]
-    return "train_state" in saved_items(saved_keys(path))
+    full = is_full_checkpoint(path)
+    return full if full is not None else "train_state" in saved_items(saved_keys(path))
 
 
 def checkpoint_record(config, step: int, items: list[str], kind: str, **extra) -> dict:

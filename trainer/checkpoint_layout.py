@@ -183,3 +183,26 @@ def missing_exports(path: Path, config) -> list[str]:
     wanted = [name for name, on in ((MODEL_ONLY_DIR, config.checkpoint.last_save_model_only),
                                     (HF_EXPORT_DIR, config.checkpoint.last_save_in_hf)) if on]
     return [name for name in wanted if name not in record.get("exports", [])]
+
+
+def is_full_checkpoint(path: Path) -> bool | None:
+    """Whether a checkpoint holds the training state, from the items its checkpoint.json lists;
+    None when it has no such record (checkpoints of earlier versions: only their DCP metadata,
+    read with torch, tells)."""
+    record = read_checkpoint_record(path)
+    if record is None or "items" not in record:
+        return None
+    return "train_state" in record["items"]
+
+
+def past_steps_message(path: Path, newest: int, total: int) -> str:
+    """The refusal of a full checkpoint past training.steps (the preflight's and the ranks')."""
+    return (f"{path} is past training.steps = {total}: this run went further already. Raise "
+            f"training.steps above {newest} to continue it, resume an earlier step with "
+            "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
+
+
+def complete_message(path: Path, total: int, note: str = "") -> str:
+    """What a run whose final checkpoint is `path` says before it ends successfully."""
+    return (f"{path} is the final checkpoint of this run (training.steps = {total}); nothing to do{note}. Raise "
+            "training.steps to continue.")

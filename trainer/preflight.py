@@ -18,9 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import run_record
-from trainer.checkpoint_layout import (check_load_options, checkpoint_folder, complete_checkpoints, finished_partials,
-                                      initial_load_folder, missing_exports, read_checkpoint_record)
+from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
+from trainer.preflight_resume import RunComplete, check_resume, resume_candidate  # noqa: F401 (used from here)
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
@@ -417,80 +416,6 @@ def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:
     if seed.exists() and not config.checkpoint.overwrite:
         raise ConfigError(f"{seed} exists already; refusing to overwrite it (use --checkpoint.overwrite)")
     check_host_memory(config, seed_memory_need(config), meminfo)
-
-
-# ---------------------------------------------------------------------------------------------
-# The checkpoint a run resumes from
-
-
-class RunComplete(SystemExit):
-    """The checkpoint folder holds this run's final checkpoint: there is nothing to train.
-
-    The ranks end such a run successfully (trainer.checkpoint.TrainingComplete: exit 0 after
-    saying so). Found before they start, it is a SystemExit with code 0, raised once the message
-    is printed, so that whatever runs the checks (the launcher, python -m trainer.preflight) ends
-    the same way without starting them, whatever ConfigError handling it has."""
-
-    def __init__(self, message: str):
-        super().__init__(0)
-        self.message = message
-
-
-def resume_candidate(config: JobConfig) -> tuple[int, Path] | None:
-    """(step, path) of the checkpoint the ranks will resume from, when the folder alone decides
-    it as trainer.checkpoint.CheckpointManager.resume does: the newest complete one. None when
-    they load none (checkpoint.enable off, an empty folder), load checkpoint.load_step, or may
-    first publish a finished save as newer (a run that writes checkpoints does; whether that save
-    is whole takes reading its .metadata, with torch)."""
-    c = config.checkpoint
-    if not c.enable or c.load_step != -1:
-        return None
-    folder = checkpoint_folder(config)
-    found = complete_checkpoints(folder)
-    if not found:
-        return None
-    newest = max(found)
-    if not c.load_only and any(step >= newest for step in finished_partials(folder)):
-        return None
-    return newest, found[newest]
-
-
-def is_full_checkpoint(path: Path) -> bool | None:
-    """Whether a checkpoint holds the training state (trainer.checkpoint.is_resumable), from the
-    items its checkpoint.json lists; None when it has no such record (checkpoints of earlier
-    versions: only their DCP metadata, read with torch, tells)."""
-    record = read_checkpoint_record(path)
-    if record is None or "items" not in record:
-        return None
-    return "train_state" in record["items"]
-
-
-def check_resume(config: JobConfig) -> None:
-    """The ranks' refusals of the newest checkpoint against training.steps, decided here first
-    with their messages: one past training.steps is a ConfigError; this run's final checkpoint
-    prints the ranks' note and raises RunComplete."""
-    candidate = resume_candidate(config)
-    total = config.training.steps
-    if candidate is None or candidate[0] == 0 or candidate[0] < total:
-        return  # the seed, or a step to continue from
-    newest, path = candidate
-    if newest > total:
-        full = is_full_checkpoint(path)
-        if full is None:
-            return  # the ranks read its metadata
-        if full:
-            raise ConfigError(
-                f"{path} is past training.steps = {total}: this run went further already. Raise "
-                f"training.steps above {newest} to continue it, resume an earlier step with "
-                "--checkpoint.load_step S --checkpoint.overwrite, or use another job.dump_folder")
-    if newest == total and not config.checkpoint.load_only and missing_exports(path, config):
-        return  # the ranks write the exports the run stopped before writing
-    message = (f"{path} is the final checkpoint of this run (training.steps = {total}); nothing to do. Raise "
-               "training.steps to continue.")
-    if newest == total and run_record.complete_after_final_save(Path(config.job.dump_folder), total):
-        message += " (run_meta.json said the run was still running: it stopped after that save; now completed)"
-    print(message, flush=True)
-    raise RunComplete(message)
 
 
 def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | None = None,
