@@ -19,11 +19,23 @@ from trainer.models.llama3.model import document_index
 from trainer.optim import NormReduction
 from trainer.parallel.compile import compile_loss
 from trainer.parallel.context import shard_sequence
-from trainer.parallel.pipeline import MicrobatchLoss, Pipeline
+from trainer.parallel.fsdp import resolve_param_dtype
+from trainer.parallel.pipeline import MicrobatchLoss, Pipeline, StageShapes
 from trainer.parallel.tensor import loss_context
 from trainer.parallel.tied import TiedEmbeddings
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def stage_shapes(config, dims, args, device: torch.device) -> StageShapes:
+    """The shapes between pipeline stages of this layout: the hidden state is sequence-sharded
+    over the TP ranks (sequence parallelism) and computed in the FSDP compute dtype."""
+    tokens = config.training.seq_len // dims.cp
+    loss_parallel = dims.tp > 1 and not config.parallelism.disable_loss_parallel
+    return StageShapes(
+        microbatch=config.parallelism.pipeline_parallel_microbatch_size, tokens=tokens,
+        hidden_tokens=tokens // dims.tp, dim=args.dim, logits=args.vocab_size // (dims.tp if loss_parallel else 1),
+        dtype=resolve_param_dtype(config.training.mixed_precision_param, device))
 
 
 class StepRunner:
@@ -53,7 +65,7 @@ class StepRunner:
         if parallel.stage_plan is not None:
             n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
             self.pipeline = Pipeline(parallel.stages, parallel.stage_plan, mesh["pp"], device, n_microbatches,
-                                     MicrobatchLoss(self._loss_sum))
+                                     MicrobatchLoss(self._loss_sum), stage_shapes(config, dims, self.model.args, device))
 
     def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.cross_entropy_sum(logits, labels)

@@ -14,6 +14,7 @@ the global token count (invariant 2), so the schedule must not scale gradients a
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -72,15 +73,41 @@ class MicrobatchLoss:
         return self.cross_entropy_sum(logits, labels) / self.denominator
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """What one microbatch looks like between stages, known from the config: torch's stages then
+    skip their metadata exchange with their neighbours (static mode), and the receive buffers are
+    allocated from these shapes."""
+
+    microbatch: int  # sequences per pipeline microbatch
+    tokens: int  # tokens of each sequence this rank holds (training.seq_len / context-parallel degree)
+    hidden_tokens: int  # of those, in the hidden state between stages (/ TP degree under sequence parallelism)
+    dim: int
+    logits: int  # output columns of the last stage on this rank (vocabulary / TP degree with loss parallelism)
+    dtype: torch.dtype  # of the hidden state and the logits (the compute dtype)
+
+    def of_stage(self, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of a stage as meta tensors."""
+        # The hidden state carries a gradient back; torch reads that from requires_grad.
+        hidden = torch.empty(self.microbatch, self.hidden_tokens, self.dim, dtype=self.dtype, device="meta",
+                             requires_grad=True)
+        tokens = torch.empty(self.microbatch, self.tokens, dtype=torch.long, device="meta")
+        logits = torch.empty(self.microbatch, self.tokens, self.logits, dtype=self.dtype, device="meta")
+        return (tokens if stage == 0 else hidden), (logits if stage == num_stages - 1 else hidden)
+
+
 class Pipeline:
     """The stages of this PP rank and the schedule that drives them."""
 
     def __init__(self, stages: dict[int, nn.Module], plan: StagePlan, pp_mesh, device: torch.device,
-                 n_microbatches: int, loss: MicrobatchLoss):
+                 n_microbatches: int, loss: MicrobatchLoss, shapes: StageShapes):
         self.plan, self.loss = plan, loss
         group = pp_mesh.get_group()
-        pipeline_stages = [PipelineStage(module, index, plan.num_stages, device, group=group)
-                           for index, module in sorted(stages.items())]
+        pipeline_stages = []
+        for index, module in sorted(stages.items()):
+            inputs, outputs = shapes.of_stage(index, plan.num_stages)
+            pipeline_stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
+                                                 output_args=outputs, group=group))
         self.has_first_stage = 0 in stages
         self.has_last_stage = plan.num_stages - 1 in stages
         schedule_class = get_schedule_class(plan.schedule)

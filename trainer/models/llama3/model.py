@@ -268,12 +268,22 @@ class Transformer(nn.Module):
                 std, truncated = spec
                 generator = torch.Generator(device=full.device).manual_seed(parameter_seed(seed, name))
                 if truncated:
-                    nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=generator)
+                    truncated_normal_(full, std=std, bound=3.0, generator=generator)
                 else:
                     nn.init.normal_(full, std=std, generator=generator)
             copy_global_into(param, full)
         device = device if device is not None else self.freqs_cis.device
         self.freqs_cis = rope_table(self.args, device)
+
+
+def truncated_normal_(tensor: torch.Tensor, std: float, bound: float, generator: torch.Generator) -> None:
+    """Fill with N(0, std^2) truncated to +-bound x std, by the inverse of the normal CDF applied
+    to a uniform draw. Unlike nn.init.trunc_normal_ (which redraws rejected values in a loop that
+    reads the tensor), its cost and its values do not depend on the data drawn, so it also runs on
+    fake tensors (trainer.estimate) and gives the same values whatever torch's own algorithm."""
+    edge = math.erf(bound / math.sqrt(2))  # 2 * Phi(bound) - 1
+    tensor.uniform_(-edge, edge, generator=generator)
+    tensor.erfinv_().mul_(std * math.sqrt(2)).clamp_(-bound * std, bound * std)
 
 
 def parameter_seed(seed: int, name: str) -> int:
