@@ -48,8 +48,9 @@ from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parent_watch import watch_launcher
-from trainer.parallel import ParallelModel, parallelize
-from trainer.parallel.fsdp import DTYPES, parameters_in, resolve_param_dtype
+from trainer.model_build import build_on_meta, materialize, training_model_args
+from trainer.parallel import ParallelModel
+from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.perturbation import perturb_weights
 from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
 from trainer.process_exit import report_error, run_process
@@ -84,8 +85,7 @@ class Trainer:
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
 
-        model_args = configured_model_args(config.model)
-        model_args.max_seq_len = max(config.training.seq_len, config.validation.seq_len if config.validation.enable else 0)
+        model_args = training_model_args(config)
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name
         self.runner = StepRunner(parallel, plan.dims, self.mesh, config, self.device)
@@ -123,17 +123,8 @@ class Trainer:
         self.metrics_num_params = count_params_on_meta(model_args)
 
     def _build_model(self, model_args) -> ParallelModel:
-        """Build on the meta device, parallelize, then materialize: no full copy ever exists. The
-        parameters are of training.dtype from the start (FSDP keeps what it is given)."""
-        with torch.device("meta"), parameters_in(DTYPES[self.config.training.dtype]):
-            model = Transformer(model_args)
-        parallel = parallelize(model, self.plan.dims, self.mesh, self.config, self.device)
-        for stage in parallel.stages.values():
-            stage.to_empty(device=self.device)
-            stage.init_weights(seed=self.config.debug.seed, device=self.device)
-            stage.train()
-        if parallel.stage_plan is not None:
-            logger.info("pipeline: %s", parallel.stage_plan.describe())
+        parallel = build_on_meta(self.config, self.plan.dims, self.mesh, self.device, model_args)
+        materialize(parallel, self.config.debug.seed, self.device)
         return parallel
 
     def _build_loaders(self, vocab_size: int) -> tuple[BatchLoader, BatchLoader | None]:

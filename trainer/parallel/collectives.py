@@ -37,6 +37,14 @@ def mesh_group_names(meshes) -> dict[str, str]:
     return names
 
 
+def buffer_bytes(args, kwargs) -> int:
+    """The size of a collective's largest tensor: the gathered output of an all-gather, the input
+    of a reduce-scatter, the buffer of an all-reduce or a point-to-point transfer. (A ring
+    algorithm sends and receives (n-1)/n of it per rank.)"""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)
+
+
 def _group_name(value) -> str | None:
     if isinstance(value, str):
         return value
@@ -54,11 +62,14 @@ class CollectiveCounter(TorchDispatchMode):
         self.group_names = group_names
         self.phase = "data"  # set by the training step as it goes on: data, forward, update
         self.counts: Counter = Counter()  # (dimension, part of the step, op) -> calls
+        self.bytes: Counter = Counter()  # (dimension, part of the step, op) -> buffer bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.__name__.split(".")[0]
         if func.namespace in NAMESPACES and op not in NOT_COLLECTIVES:
-            self.counts[(self._dimension(args, kwargs), self._pass(), op)] += 1
+            key = (self._dimension(args, kwargs), self._pass(), op)
+            self.counts[key] += 1
+            self.bytes[key] += buffer_bytes(args, kwargs)
         return func(*args, **(kwargs or {}))
 
     def _dimension(self, args, kwargs) -> str:
@@ -79,8 +90,16 @@ class CollectiveCounter(TorchDispatchMode):
             table.setdefault(dimension, {}).setdefault(phase, {})[op] = calls
         forward_tp = table.get("tp", {}).get("forward", {})
         syncs = sum(forward_tp.get(op, 0) for op in SYNC_OPS)
-        return {"by_dimension": table, "forward_passes": forward_passes,
+        return {"by_dimension": table, "bytes_by_dimension": self._bytes_table(), "forward_passes": forward_passes,
                 "tp_syncs_per_forward": syncs / forward_passes}
+
+    def _bytes_table(self) -> dict:
+        """{dimension: {op: bytes}} over the whole step."""
+        table: dict = {}
+        for (dimension, _, op), size in sorted(self.bytes.items()):
+            ops = table.setdefault(dimension, {})
+            ops[op] = ops.get(op, 0) + size
+        return table
 
     @staticmethod
     def totals(summary: dict) -> dict[str, int]:

@@ -1,0 +1,116 @@
+"""python -m trainer.estimate --nproc N [--rank R] [--device-memory 80GiB] [--steps K]
+                              [--json FILE] [--strict] [--host] [training overrides ...]
+
+Runs one rank of each kind (every rank alike without pipeline parallelism; the first, a middle
+and the last pipeline rank with it), or the given --rank, of the configured job at world size N
+on fake tensors and a fake process group, and prints what each rank holds and allocates, the
+collectives of one step, and whether it fits the device. --strict exits 2 when a rank does not
+fit (put it in front of a cluster launch); --host adds the host memory of the one-process jobs
+(seed checkpoint, Hugging Face export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from trainer.config.manager import ConfigError
+from trainer.estimate.job import estimate_kinds, estimated_config
+
+logger = logging.getLogger("trainer.estimate")
+UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def memory_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 141GB or 85899345920")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.estimate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, required=True, help="world size of the job (all ranks, all nodes)")
+    p.add_argument("--rank", type=int, help="estimate this global rank only")
+    p.add_argument("--all-rank-kinds", action="store_true", help="one rank of each kind (the default)")
+    p.add_argument("--device-memory", type=memory_size, default=memory_size("80GiB"),
+                   help="memory of one device (default 80GiB)")
+    p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--strict", action="store_true", help="exit 2 when a rank does not fit the device memory")
+    p.add_argument("--host", action="store_true", help="also the host memory of the seed checkpoint and HF export")
+    return p
+
+
+def run(a, overrides: list[str]) -> int:
+    from trainer.estimate import report
+    from trainer.estimate.rank import RankKind, rank_kinds
+    from trainer.parallel.dims import stage_plan
+    from trainer.preflight import describe_degrees, plan_run
+
+    config, notes = estimated_config(overrides)
+    plan = plan_run(config, a.nproc)
+    dims = plan.dims
+    kinds = rank_kinds(dims, stage_plan(config, dims))
+    if a.rank is not None:
+        if not 0 <= a.rank < a.nproc:
+            raise ConfigError(f"--rank {a.rank}: the world has ranks 0-{a.nproc - 1}")
+        kind = next(k for k in kinds if a.rank in _range(k.ranks))
+        kinds = [RankKind(f"rank {a.rank}", a.rank, str(a.rank), kind.stages)]
+    print(f"{config.model.flavor} at {a.nproc} ranks: {describe_degrees(dims)}; global batch "
+          f"{plan.global_batch_size} x {config.training.seq_len} tokens, local batch {config.training.local_batch_size}"
+          f" ({plan.accumulation_steps} accumulation steps); AC {config.activation_checkpoint.mode}"
+          + "".join(f"; {n}" for n in notes), flush=True)
+    started = time.perf_counter()
+    estimates = estimate_kinds(overrides, a.nproc, kinds, a.steps)
+    print(report.memory_table(estimates, a.device_memory))
+    print("communication of one step per rank (buffer bytes):")
+    for e in estimates:
+        for line in report.communication_lines(e):
+            print(f"  {e.kind.name}: {line}")
+    host = _host_figures(config) if a.host else None
+    if host:
+        print("host memory: " + "; ".join(f"{name} {report.gib(size)} GiB" for name, size in host.items()))
+    print(f"estimated in {time.perf_counter() - started:.0f} s")
+    too_big = [e for e in estimates if not report.fits(e, a.device_memory)]
+    for e in too_big:
+        print("warning: " + report.advice(e, config, dims, a.device_memory))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump({"flavor": config.model.flavor, "nproc": a.nproc, "degrees": dims.degrees(),
+                       "device_memory": a.device_memory, "ranks": report.as_json(estimates, a.device_memory),
+                       "host_bytes": host}, f, indent=1)
+    return 2 if too_big and a.strict else 0
+
+
+def _host_figures(config) -> dict[str, int]:
+    import torch
+
+    from trainer.estimate.host import export_peak_bytes, seed_peak_bytes
+
+    streaming, whole = export_peak_bytes(config, torch.bfloat16, 5 * 10 ** 9)
+    return {"seed checkpoint": seed_peak_bytes(config), "HF export bf16 (5 GB shards)": streaming,
+            "HF export bf16, whole model at once": whole}
+
+
+def _range(text: str) -> range:
+    first, _, last = text.partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, overrides = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(a, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

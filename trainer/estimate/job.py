@@ -1,0 +1,48 @@
+"""The job the estimator runs: the config as estimated, and one fresh process per rank kind
+(the fake world is process-wide state: process groups and device meshes cannot be re-created for
+another rank in the same process)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from trainer.config.manager import ConfigError, load_config, with_default_config
+
+
+def estimated_config(overrides: list[str]):
+    """The job's config as the estimator runs it: eager (compile off; the compiler's memory plan
+    is not what eager allocates), and "auto" precision resolved as on CUDA (bfloat16)."""
+    config = load_config(with_default_config(overrides))
+    notes = []
+    if config.compile.enable:
+        config.compile.enable = False
+        config.parallelism.enable_async_tensor_parallel = False
+        notes.append("compile.enable is estimated in eager mode")
+    if config.training.mixed_precision_param == "auto":
+        config.training.mixed_precision_param = "bfloat16"
+    if config.training.enable_cpu_offload:
+        raise ConfigError("training.enable_cpu_offload: the estimator does not model offloaded state; turn it off")
+    return config, notes
+
+
+def estimate_kinds(overrides: list[str], nproc: int, kinds: list, steps: int) -> list:
+    """The estimates of `kinds`, each in its own process, two at a time."""
+    workers = max(1, min(len(kinds), os.cpu_count() or 1, 2))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        return list(pool.map(_estimate_one, [overrides] * len(kinds), [nproc] * len(kinds), kinds,
+                             [steps] * len(kinds)))
+
+
+def _estimate_one(overrides: list[str], nproc: int, kind, steps: int):
+    """In a fresh process: the fake world is process-wide state."""
+    from trainer.estimate.rank import estimate_rank
+    from trainer.preflight import plan_run
+
+    logging.basicConfig(level=logging.WARNING)
+    config, _ = estimated_config(overrides)
+    return estimate_rank(config, plan_run(config, nproc), kind, steps)
+
+

@@ -1,0 +1,68 @@
+"""Memory of one rank over a training step, by kind, from torch's MemTracker.
+
+MemTracker (torch.distributed._tools.mem_tracker) sees every tensor the step creates (a dispatch
+mode) and every storage resize (FSDP frees and re-allocates unsharded parameters that way), and
+files each under parameters, buffers, gradients, activations (forward), temporaries (backward)
+or optimizer state. Two changes for a training step: a module may run several times per step
+(pipeline and accumulation microbatches), which MemTracker's per-module statistics refuse, and
+only the global peak is needed, which is kept without walking every module at every operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+TOTAL = "Total"
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes held at the peak, by kind. `parameters` includes FSDP's unsharded (all-gathered)
+    copies that are alive at that moment; `temporaries` are what backward allocates besides
+    gradients (gradients of activations, recomputed activations under AC, communication buffers)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.temporaries
+
+    def as_dict(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "temporaries": self.temporaries, "total": self.total}
+
+
+class StepMemory(MemTracker):
+    """`with StepMemory() as memory: ...`, after `memory.track_external(model, optimizer)` for what
+    exists before; then `memory.peak()`."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            del self.memory_tracking[module]  # the next microbatch through this module
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[TOTAL]:
+                self._peak_mem[device] = snapshot[TOTAL]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+    def peak(self) -> MemoryBreakdown:
+        """The moment of the highest total, summed over devices (one per rank)."""
+        totals = {kind: 0 for kind in _MemRefType}
+        for snapshot in self.get_tracker_snapshot("peak").values():
+            for kind in _MemRefType:
+                totals[kind] += snapshot.get(kind, 0)
+        return MemoryBreakdown(
+            parameters=totals[_MemRefType.PARAM] + totals[_MemRefType.BUFFER],
+            gradients=totals[_MemRefType.GRAD],
+            optimizer=totals[_MemRefType.OPT],
+            activations=totals[_MemRefType.ACT],
+            temporaries=totals[_MemRefType.TEMP] + totals[_MemRefType.OTH],
+        )
