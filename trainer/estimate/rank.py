@@ -119,7 +119,7 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
             with step_memory:
                 for step in range(1, steps + 1):
                     counter = CollectiveCounter(mesh_group_names(mesh)) if step == steps else None
-                    state = _train_step(runner, parallel.model, optimizer, scheduler, config, run_plan, counter)
+                    state = run_training_step(runner, parallel.model, optimizer, scheduler, config, run_plan, counter)
     return RankEstimate(
         kind=kind, parameter_count=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                        for p in parallel.model.parameters()),
@@ -127,7 +127,7 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
         collectives=_collective_table(counter), seconds=time.perf_counter() - started)
 
 
-def _train_step(runner, model, optimizer, scheduler, config, run_plan, counter) -> StateBytes:
+def run_training_step(runner, model, optimizer, scheduler, config, run_plan, counter) -> StateBytes:
     """What Trainer.train_step does with a batch (the update of a float16 run is taken as finite:
     its loss scaler decides on values, which fake tensors do not have)."""
     with counter if counter is not None else _nothing():
