@@ -31,15 +31,11 @@ PEAK_MEMORY_NOTE = ("Peak memory: CUDA max allocated on GPUs, process peak RSS o
                     "figure taken before the model was built is what torch and the process group hold alone.")
 
 
-def local_bytes(tensor) -> int:
-    """Bytes this rank stores for a tensor: its local shard when it is a DTensor."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def model_state_bytes(model, optimizer) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     import torch
+
+    from trainer.estimate.rank import local_bytes
 
     params = list(model.parameters())
     state = [value for per_param in optimizer.state.values() for value in per_param.values()

@@ -11,6 +11,8 @@
 #      GPU"; 30 steps) and tabulates tokens/s, TFLOPS, MFU and memory from its metrics.jsonl
 #   4. runs benchmarks/document_masking.py (its runs train on the GPU: the launcher takes the GPU
 #      whenever one is visible)
+#   4b. compares the memory estimator (python -m trainer.estimate) with the CUDA allocator's peak
+#      of a real 1B run (benchmarks/estimate_vs_device.py; its table goes to suite.log)
 #   5. if time is left, the 1B job again without compile (the speed-up of compile)
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
@@ -346,12 +348,14 @@ T_TESTS=${GPU_SUITE_TESTS_S:-240}
 T_1B=${GPU_SUITE_1B_S:-80}
 T_MASK=${GPU_SUITE_MASKING_S:-110}
 T_1B_EAGER=${GPU_SUITE_1B_EAGER_S:-50}
+T_ESTIMATE=${GPU_SUITE_ESTIMATE_S:-70}
 SUMMARY_S=10
 
 TEST_DEVICE=cuda
 TESTS=(tests/cuda)
 MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
 MASKING=(--seq-len 1024 4096 --steps 20)
+ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
 if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   say "CPU smoke run (GPU_SUITE_CPU_SMOKE=1): no GPU is used"
   export CUDA_VISIBLE_DEVICES=""
@@ -360,6 +364,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   TESTS=(tests/cuda/test_in_process.py)
   MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   MASKING=(--seq-len 128 --steps 4)
+  ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
 fi
 
 # --- 2. the CUDA test subset ------------------------------------------------------------------
@@ -391,6 +396,15 @@ if (( CUDA_OK )); then
   tail -n 4 "$OUT_DIR/document_masking.log"
 else
   say "part document_masking: SKIPPED (no CUDA device)"
+fi
+
+# --- 4b. the memory estimator against the allocator's peak of a real 1B run ------------------------
+if (( CUDA_OK )) && (( $(left) >= T_ESTIMATE + SUMMARY_S )); then
+  run_part estimate_1b "$T_ESTIMATE" "$SUMMARY_S" "$WORK/estimate_1b.log" \
+    "$PYTHON" benchmarks/estimate_vs_device.py "${ESTIMATE[@]}"
+  grep -E '^\|' "$WORK/estimate_1b.log" | tail -n 3
+else
+  say "part estimate_1b: SKIPPED"
 fi
 
 # --- 5. the 1B job without compile, when time is left -------------------------------------------

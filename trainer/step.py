@@ -31,10 +31,9 @@ def stage_shapes(config, dims, args, device: torch.device) -> StageShapes:
     """The shapes between pipeline stages of this layout: the hidden state is sequence-sharded
     over the TP ranks (sequence parallelism) and computed in the FSDP compute dtype."""
     tokens = config.training.seq_len // dims.cp
-    loss_parallel = dims.tp > 1 and not config.parallelism.disable_loss_parallel
     return StageShapes(
         microbatch=config.parallelism.pipeline_parallel_microbatch_size, tokens=tokens,
-        hidden_tokens=tokens // dims.tp, dim=args.dim, logits=args.vocab_size // (dims.tp if loss_parallel else 1),
+        hidden_tokens=tokens // dims.tp, dim=args.dim, vocab=args.vocab_size,
         dtype=resolve_param_dtype(config.training.mixed_precision_param, device))
 
 

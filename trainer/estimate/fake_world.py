@@ -53,6 +53,9 @@ def _patched(owner, name: str, replacement):
 
 def _static_pipeline_vote():
     from torch.distributed.pipelining import schedules
+
+    if not hasattr(schedules._PipelineSchedule, "_warmup_p2p"):  # a torch without the vote
+        return contextlib.nullcontext()
     from torch.distributed.pipelining._utils import InferenceMode
 
     def replacement(original):
@@ -70,6 +73,9 @@ def _static_pipeline_vote():
 def _sharding_propagation_in_own_mode():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    if not hasattr(ShardingPropagator, "_propagate_tensor_meta_non_cached"):  # another torch: left as it is
+        return contextlib.nullcontext()
 
     def replacement(original):
         def propagate(self, op_schema):

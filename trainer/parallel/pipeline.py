@@ -83,7 +83,7 @@ class StageShapes:
     tokens: int  # tokens of each sequence this rank holds (training.seq_len / context-parallel degree)
     hidden_tokens: int  # of those, in the hidden state between stages (/ TP degree under sequence parallelism)
     dim: int
-    logits: int  # output columns of the last stage on this rank (vocabulary / TP degree with loss parallelism)
+    vocab: int  # columns of the last stage's logits (a vocabulary-sharded DTensor has the global shape)
     dtype: torch.dtype  # of the hidden state and the logits (the compute dtype)
 
     def of_stage(self, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +92,7 @@ class StageShapes:
         hidden = torch.empty(self.microbatch, self.hidden_tokens, self.dim, dtype=self.dtype, device="meta",
                              requires_grad=True)
         tokens = torch.empty(self.microbatch, self.tokens, dtype=torch.long, device="meta")
-        logits = torch.empty(self.microbatch, self.tokens, self.logits, dtype=self.dtype, device="meta")
+        logits = torch.empty(self.microbatch, self.tokens, self.vocab, dtype=self.dtype, device="meta")
         return (tokens if stage == 0 else hidden), (logits if stage == num_stages - 1 else hidden)
 
 
