@@ -53,7 +53,8 @@ def communication_lines(estimate: RankEstimate) -> list[str]:
             entry[0] += figures["calls"]
             entry[1] += figures["bytes"]
         parts = [f"{name} {calls} calls {gib(size)} GiB" for name, (calls, size) in sorted(merged.items())]
-        lines.append(f"{dimension}: " + ", ".join(parts))
+        # "other": the default group of all ranks (the gradient-norm all-reduce when no mesh dimension spans the world)
+        lines.append(f"{'world' if dimension == 'other' else dimension}: " + ", ".join(parts))
     return lines
 
 
