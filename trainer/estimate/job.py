@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -43,6 +44,14 @@ def _estimate_one(overrides: list[str], nproc: int, kind, steps: int):
 
     logging.basicConfig(level=logging.WARNING)
     config, _ = estimated_config(overrides)
-    return estimate_rank(config, plan_run(config, nproc), kind, steps)
+    try:
+        return estimate_rank(config, plan_run(config, nproc), kind, steps)
+    except Exception as e:  # torch's errors do not always pickle back to the parent: send the text
+        raise EstimateError(f"{kind.name} (rank {kind.rank}): {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc()}") from None
+
+
+class EstimateError(RuntimeError):
+    """A rank's estimate failed; the message holds its traceback."""
 
 
