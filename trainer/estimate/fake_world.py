@@ -71,16 +71,10 @@ def _static_pipeline_vote():
 
 
 def _sharding_propagation_in_own_mode():
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    """torch 2.13 picks the active fake mode with detect_fake_mode, imported into the sharding
+    propagator's module; there it finds none and creates its own (older torch always does)."""
+    from torch.distributed.tensor import _sharding_prop
 
-    if not hasattr(ShardingPropagator, "_propagate_tensor_meta_non_cached"):  # another torch: left as it is
+    if not hasattr(_sharding_prop, "detect_fake_mode"):
         return contextlib.nullcontext()
-
-    def replacement(original):
-        def propagate(self, op_schema):
-            with unset_fake_temporarily():
-                return original(self, op_schema)
-        return propagate
-
-    return _patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", replacement)
+    return _patched(_sharding_prop, "detect_fake_mode", lambda original: lambda *args, **kwargs: None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker
 
 TOTAL = "Total"
 
@@ -55,14 +55,15 @@ class StepMemory(MemTracker):
 
     def peak(self) -> MemoryBreakdown:
         """The moment of the highest total, summed over devices (one per rank)."""
-        totals = {kind: 0 for kind in _MemRefType}
+        totals: dict[str, int] = {}
         for snapshot in self.get_tracker_snapshot("peak").values():
-            for kind in _MemRefType:
-                totals[kind] += snapshot.get(kind, 0)
+            for kind, size in snapshot.items():
+                name = getattr(kind, "value", kind)  # "Parameter", "Gradient", ... and "Total"
+                totals[name] = totals.get(name, 0) + size
         return MemoryBreakdown(
-            parameters=totals[_MemRefType.PARAM] + totals[_MemRefType.BUFFER],
-            gradients=totals[_MemRefType.GRAD],
-            optimizer=totals[_MemRefType.OPT],
-            activations=totals[_MemRefType.ACT],
-            temporaries=totals[_MemRefType.TEMP] + totals[_MemRefType.OTH],
+            parameters=totals.get("Parameter", 0) + totals.get("Buffer", 0),
+            gradients=totals.get("Gradient", 0),
+            optimizer=totals.get("Optstate", 0),
+            activations=totals.get("Activation", 0),
+            temporaries=totals.get("Temp", 0) + totals.get("Other", 0),
         )
