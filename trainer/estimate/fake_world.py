@@ -2,8 +2,8 @@
 
 Two places in torch do not fit a fake world as they are; both are details of torch, not
 computations of the trainer, and are adapted here (only while the estimator runs):
-- the pipeline schedule's warm-up vote reads a tensor's value (fake tensors have none): the vote is how the stages agree through point-to-point
-  messages whether their shapes are static. Every stage of this trainer is given its shapes
+- the pipeline schedule's warm-up vote reads a tensor's value (fake tensors have none): the vote
+  is how the stages agree through point-to-point messages whether their shapes are static. Every stage of this trainer is given its shapes
   (trainer.parallel.pipeline.StageShapes), so the answer is "static"; it is asserted, not assumed.
 - DTensor's sharding propagation creates tensors of the GLOBAL shape to infer output metadata. It
   reuses whatever fake mode is active, so under ours those tensors would be counted as this
