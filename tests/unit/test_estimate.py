@@ -74,14 +74,22 @@ def test_pipeline_rank_kinds_hold_the_first_shards_of_their_stages():
             4 * neighbours
 
 
-def test_a_rank_that_does_not_fit_is_a_warning_with_advice_and_strict_exits_2(capsys, tmp_path):
-    args = ["--nproc", "2", "--device-memory", "1MiB", "--json", str(tmp_path / "e.json"), *DEBUG]
+def test_a_rank_that_does_not_fit_is_a_warning_with_the_remedies_estimated_and_strict_exits_2(capsys, tmp_path):
+    # The debug model with a long sequence: activations dominate, so full recomputation fits
+    # in 200 MiB and the other remedies do not (one local batch per rank already).
+    job = [*DEBUG, "--training.seq_len", "2048", "--training.local_batch_size", "1"]
+    args = ["--nproc", "2", "--device-memory", "200MiB", "--json", str(tmp_path / "e.json"), *job]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "NO (" in out and "warning: every rank (ranks 0-1) needs" in out and "to fit:" in out
+    assert "NO (" in out and "warning: every rank (ranks 0-1) needs" in out and "largest at the step peak: activ" in out
     figures = json.loads((tmp_path / "e.json").read_text())
     assert figures["nproc"] == 2 and figures["ranks"][0]["fits"] is False
-    assert main(["--strict", *args]) == 2
+    changes = {c["change"]: c for c in figures["changes"]}
+    assert changes['activation_checkpoint.mode = "full"']["fits"] is True
+    assert [c["fits"] for c in figures["changes"]] == [True, False]  # AC full; twice the ranks: not enough
+    assert figures["changes"][1]["nproc"] == 4
+    assert main(["--strict", "--no-changes", *args]) == 2
+    assert "changes, each estimated" not in capsys.readouterr().out
     assert main(["--nproc", "2", "--device-memory", "80GiB", "--strict", *DEBUG]) == 0
 
 

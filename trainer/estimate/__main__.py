@@ -4,8 +4,10 @@
 Runs one rank of each kind (every rank alike without pipeline parallelism; the first, a middle
 and the last pipeline rank with it), or the given --rank, of the configured job at world size N
 on fake tensors and a fake process group, and prints what each rank holds and allocates, the
-collectives of one step, and whether it fits the device. --strict exits 2 when a rank does not
-fit (put it in front of a cluster launch); --host adds the host memory of the one-process jobs
+collectives of one step, and whether it fits the device. For a rank that does not fit, the usual
+remedies (full activation checkpointing, half the local batch, resharding after forward under PP,
+twice the ranks) are each estimated again and reported with their peak. --strict exits 2 when a
+rank does not fit (put it in front of a cluster launch); --host adds the host memory of the one-process jobs
 (seed checkpoint, Hugging Face export).
 """
 
@@ -18,6 +20,7 @@ import re
 import sys
 import time
 from trainer.config.manager import ConfigError
+from trainer.estimate.changes import try_changes
 from trainer.estimate.job import estimate_kinds, estimated_config
 
 logger = logging.getLogger("trainer.estimate")
@@ -43,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--strict", action="store_true", help="exit 2 when a rank does not fit the device memory")
+    p.add_argument("--no-changes", action="store_true",
+                   help="for a rank that does not fit, do not estimate the usual remedies")
     p.add_argument("--host", action="store_true", help="also the host memory of the seed checkpoint and HF export")
     return p
 
@@ -79,12 +84,17 @@ def run(a, overrides: list[str]) -> int:
     print(f"estimated in {time.perf_counter() - started:.0f} s")
     too_big = [e for e in estimates if not report.fits(e, a.device_memory)]
     for e in too_big:
-        print("warning: " + report.advice(e, config, dims, a.device_memory))
+        print("warning: " + report.advice(e, a.device_memory))
+    tried = []
+    if too_big and not a.no_changes:
+        print("changes, each estimated again (all rank kinds):", flush=True)
+        tried = try_changes(overrides, config, plan, a.nproc, a.steps, report.usable(a.device_memory))
+        print("\n".join(report.change_lines(tried)))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"flavor": config.model.flavor, "nproc": a.nproc, "degrees": dims.degrees(),
                        "device_memory": a.device_memory, "ranks": report.as_json(estimates, a.device_memory),
-                       "host_bytes": host}, f, indent=1)
+                       "host_bytes": host, "changes": [report.change_json(t) for t in tried]}, f, indent=1)
     return 2 if too_big and a.strict else 0
 
 

@@ -31,7 +31,7 @@ def fits(estimate: RankEstimate, device_memory: int) -> bool:
 def memory_table(estimates: list[RankEstimate], device_memory: int) -> str:
     """One row per rank kind, GiB."""
     header = ("rank kind", "ranks", "params", "weights", "grads", "optim", "step peak", "of which: params",
-              "grads", "optim", "activations", "temporaries", "init peak", f"fits {device_memory / GIB:g} GiB")
+              "grads", "optim", "activations", "temporaries", "init peak", f"fits {device_memory / GIB:.4g} GiB")
     rows = [header]
     for e in estimates:
         s, p = e.state, e.step_peak
@@ -58,32 +58,32 @@ def communication_lines(estimate: RankEstimate) -> list[str]:
     return lines
 
 
-def advice(estimate: RankEstimate, config, dims, device_memory: int) -> str:
-    """Why a rank does not fit, its largest contributors, and changes that lower them."""
+def advice(estimate: RankEstimate, device_memory: int) -> str:
+    """Why a rank does not fit and its largest contributors."""
     peak = estimate.step_peak if estimate.step_peak.total >= estimate.init_peak.total else estimate.init_peak
-    parts = sorted(peak.as_dict().items(), key=lambda kv: -kv[1] if kv[0] != "total" else 0)
-    largest = ", ".join(f"{name} {gib(size)} GiB" for name, size in parts if name != "total")[:200]
-    changes = []
-    act = peak.activations + peak.temporaries
-    state = peak.parameters + peak.gradients + peak.optimizer
-    if act >= state:
-        if config.activation_checkpoint.mode != "full":
-            changes.append(f"activation_checkpoint.mode = \"full\" (now {config.activation_checkpoint.mode!r})")
-        if config.training.local_batch_size > 1:
-            changes.append(f"a smaller training.local_batch_size (now {config.training.local_batch_size}; keep the "
-                           "global batch with training.global_batch_size, which accumulates gradients)")
-        changes.append("more tensor or context parallelism (each divides the activations of a rank)")
-    else:
-        changes.append(f"more FSDP: more ranks in data_parallel_shard_degree (now {dims.dp_shard}), e.g. by launching "
-                       "more ranks")
-        if dims.pp > 1 and config.parallelism.fsdp_reshard_after_forward != "always":
-            changes.append("parallelism.fsdp_reshard_after_forward = \"always\" (under PP the unsharded weights of "
-                           "all this rank's blocks stay allocated from forward to backward)")
-        changes.append("more tensor or pipeline parallelism")
+    parts = sorted(((name, size) for name, size in peak.as_dict().items() if name != "total"), key=lambda kv: -kv[1])
+    largest = ", ".join(f"{name} {gib(size)} GiB" for name, size in parts[:3])
+    phase = "step" if peak is estimate.step_peak else "initialization"
     return (f"{estimate.kind.name} (ranks {estimate.kind.ranks}) needs {gib(estimate.peak)} GiB, more than "
-            f"{gib(usable(device_memory))} GiB usable of {device_memory / GIB:g} GiB "
-            f"({100 * DEVICE_RESERVE:.0f}% kept for the CUDA context, allocator and NCCL buffers); largest: "
-            f"{largest}; to fit: " + "; or ".join(changes))
+            f"{gib(usable(device_memory))} GiB usable of {gib(device_memory)} GiB "
+            f"({100 * DEVICE_RESERVE:.0f}% kept for the CUDA context, allocator and NCCL buffers); largest at the "
+            f"{phase} peak: {largest}")
+
+
+def change_lines(tried) -> list[str]:
+    """One line per change estimated: its peak and whether it fits."""
+    lines = []
+    for t in tried:
+        if t.peak is None:
+            lines.append(f"  {t.change.description}: cannot run this job ({t.reason})")
+        else:
+            lines.append(f"  {t.change.description}: peak {gib(t.peak)} GiB, {'fits' if t.fits else 'does not fit'}")
+    return lines
+
+
+def change_json(tried) -> dict:
+    return {"change": tried.change.description, "nproc": tried.change.nproc, "overrides": list(tried.change.overrides),
+            "peak_bytes": tried.peak, "fits": tried.fits, "reason": tried.reason}
 
 
 def as_json(estimates: list[RankEstimate], device_memory: int) -> list[dict]:
