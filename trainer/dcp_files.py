@@ -1,13 +1,15 @@
 """Reading a DCP checkpoint folder in one process, whatever layout wrote it: the keys and shapes
-it holds, and its full model weights. Used by the checkpoint manager and by the Hugging Face
-converter, which must not depend on each other. Every read goes through CheckedReader, which
-refuses a crafted checkpoint instead of running code from it."""
+it holds, and its model weights (all at once, or tensor by tensor). Used by the checkpoint
+manager and by the Hugging Face converter, which must not depend on each other. Every read goes
+through CheckedReader, which refuses a crafted checkpoint instead of running code from it."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainer.dcp_metadata import CheckedReader
 
@@ -34,6 +36,47 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     _load_state_dict(state, storage_reader=reader,
                      planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
+
+
+class TensorReader:
+    """Reads the tensors of a DCP checkpoint one at a time, by key, each with a partial load into
+    a tensor of its saved shape and dtype: a process holds only the tensors it keeps, whatever
+    the checkpoint's size or the layout that wrote it."""
+
+    def __init__(self, path: Path):
+        self.reader = _MetadataOnce(path)
+        # Read .metadata first, for one clear error (see read_model_state).
+        metadata = self.reader.read_metadata()
+        self.saved: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            key: (tuple(entry.size), entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+
+    def read(self, key: str) -> torch.Tensor:
+        """The full tensor saved under `key` (a flattened key, e.g. model.norm.weight), on the CPU."""
+        import torch.distributed.checkpoint as dcp
+
+        shape, dtype = self.saved[key]
+        tensor = torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: tensor}, storage_reader=self.reader, no_dist=True)
+        return tensor
+
+
+class _MetadataOnce(CheckedReader):
+    """A CheckedReader that unpickles .metadata once for many loads: a run's .metadata lists every
+    chunk that every rank wrote, and TensorReader loads key by key."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:  # DCP's fallback to rank-local metadata: not cached
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
 
 
 def saved_items(keys: dict) -> set[str]:

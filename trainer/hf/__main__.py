@@ -2,7 +2,12 @@
 
     python -m trainer.hf import --hf HF_DIR --flavor 8B --out DCP_DIR
     python -m trainer.hf import --hf HF_DIR --flavor hf --out DCP_DIR      (shapes from HF_DIR/config.json)
-    python -m trainer.hf export --dcp DCP_DIR --flavor 3B --out HF_DIR [--dtype bfloat16]
+    python -m trainer.hf export --dcp DCP_DIR --flavor 3B --out HF_DIR [--dtype bfloat16] [--max-shard-size 5GB]
+
+The export reads the checkpoint one tensor at a time and writes safetensors shards of at most
+--max-shard-size (model-00001-of-0000N.safetensors and model.safetensors.index.json, as
+save_pretrained; a model that fits one shard is written as model.safetensors): it holds about one
+shard plus the largest tensor twice, not the model.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.hf.folder import read_hf_folder, write_hf_folder
+from trainer.hf.export import export_hf_folder, parse_size
+from trainer.hf.folder import read_hf_folder
 from trainer.hf.weights import HFCheckpointError
 from trainer.models.llama3.hf_config import flavor_names, model_args
 
@@ -33,10 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-assets", default="", help='with --flavor hf: the folder whose config.json gives the shapes')
     exp.add_argument("--out", required=True)
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    exp.add_argument("--max-shard-size", type=_size, default="5GB",
+                     help="largest safetensors file: bytes, or with KB/MB/GB (powers of 1000) or KiB/MiB/GiB "
+                          "(default 5GB, as transformers); a tensor larger than this is a file of its own")
     exp.add_argument("--accept-model-change", action="store_true",
                      help="export weights trained with reduced tensor-parallel synchronization, which the exact "
                           "Hugging Face Llama computes differently")
     return parser
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:  # argparse then names the option and exits with status 2
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def refuse_model_change(dcp_dir: Path, accepted: bool) -> None:
@@ -56,8 +72,6 @@ def refuse_model_change(dcp_dir: Path, accepted: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
 
-    from trainer.dcp_files import read_model_state
-
     a = _parser().parse_args(argv)
     try:
         if Path(a.out).exists():
@@ -73,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             refuse_model_change(Path(a.dcp), a.accept_model_change)
             args = model_args(a.flavor, a.hf_assets)
-            write_hf_folder(a.out, read_model_state(Path(a.dcp)), args, getattr(torch, a.dtype))
+            export_hf_folder(Path(a.dcp), Path(a.out), args, getattr(torch, a.dtype), a.max_shard_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,22 +1,31 @@
-"""A Hugging Face save_pretrained folder: config.json + model.safetensors (single or sharded)."""
+"""A Hugging Face save_pretrained folder: config.json + model.safetensors, or shards
+model-0000i-of-0000N.safetensors listed by model.safetensors.index.json."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from trainer.hf.weights import HFCheckpointError, from_hf, to_hf
+from trainer.hf.weights import HFCheckpointError, from_hf, key_map, to_hf_tensor
 from trainer.models.llama3.args import LlamaModelArgs
 from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, hf_config, read_config_json
 
+# transformers' save_pretrained default, max_shard_size="5GB" (powers of 1000).
+DEFAULT_SHARD_BYTES = 5 * 10**9
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
 
 def _safetensors_files(folder: Path) -> list[str]:
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX_FILE
     if index.is_file():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return ["model.safetensors"]
+    return [SINGLE_FILE]
 
 
 def read_hf_folder(path: str | Path, args: LlamaModelArgs) -> dict[str, torch.Tensor]:
@@ -37,15 +46,102 @@ def read_hf_folder(path: str | Path, args: LlamaModelArgs) -> dict[str, torch.Te
     return from_hf(state, args, str(folder))
 
 
-def write_hf_folder(path: str | Path, state: dict[str, torch.Tensor], args: LlamaModelArgs,
-                    dtype: torch.dtype = torch.float32) -> Path:
-    """config.json + model.safetensors, as `save_pretrained` writes them."""
+# ---------------------------------------------------------------------------------------------
+# Writing, one shard at a time
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the export: our name (the checkpoint key is "model." + ours), the Hugging Face
+    name, and the shape (the same on both sides)."""
+
+    ours: str
+    theirs: str
+    shape: tuple[int, ...]
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        return torch.Size(self.shape).numel() * dtype.itemsize
+
+
+def hf_tensors(args: LlamaModelArgs) -> list[HFTensor]:
+    """The tensors an export writes, in the model's parameter order (embedding, layers, norm,
+    output: the order save_pretrained fills its shards in). Shapes from the model built on the
+    meta device, so nothing is allocated; a tied output is the embedding and not listed again."""
+    from trainer.models.llama3.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    names = key_map(args)
+    return [HFTensor(ours, names[ours], tuple(p.shape)) for ours, p in model.named_parameters()]
+
+
+def shard_plan(sizes: list[int], shard_bytes: int) -> list[list[int]]:
+    """Positions in `sizes` grouped into shards, in order, as save_pretrained groups them: a shard
+    takes tensors until the next one would pass shard_bytes; a tensor larger than that is a shard
+    of its own."""
+    shards: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and held + size > shard_bytes:
+            shards.append([])
+            held = 0
+        shards[-1].append(i)
+        held += size
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def write_hf_tensors(path: str | Path, args: LlamaModelArgs, dtype: torch.dtype, shard_bytes: int,
+                     read: Callable[[str], torch.Tensor]) -> Path:
+    """config.json and the safetensors files of a save_pretrained folder. `read(ours)` gives one of
+    our tensors (in any dtype); it is called once per tensor, in parameter order, and the tensor is
+    converted and cast at once, so this holds one shard of written tensors plus the one in hand."""
     from safetensors.torch import save_file
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype) for k, v in to_hf(state, args).items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tensors = hf_tensors(args)
+    plan = shard_plan([t.bytes(dtype) for t in tensors], shard_bytes)
+    files = shard_file_names(len(plan))
+    for file, shard in zip(files, plan):
+        written = {tensors[i].theirs: _converted(tensors[i].ours, read(tensors[i].ours), args, dtype) for i in shard}
+        save_file(written, str(folder / file), metadata={"format": "pt"})
+        del written  # before the next shard is read
+        _return_freed_memory()
+    if len(files) > 1:
+        weight_map = {tensors[i].theirs: file for file, shard in zip(files, plan) for i in shard}
+        index = {"metadata": {"total_size": sum(t.bytes(dtype) for t in tensors)}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = hf_config(args, str(dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def _converted(ours: str, w: torch.Tensor, args: LlamaModelArgs, dtype: torch.dtype) -> torch.Tensor:
+    # Rebinding `w` drops the tensor as read once it is converted (the caller keeps no reference):
+    # at most two copies of one tensor exist at a time.
+    w = to_hf_tensor(ours, w.detach(), args)
+    return w.to("cpu", dtype)
+
+
+def _return_freed_memory() -> None:
+    """Give the written shard's memory back to the system. glibc keeps freed blocks smaller than
+    its mmap threshold (up to 32 MB: every tensor of a small model, wk and wv of 8B) in its heap,
+    still resident, where a later large tensor cannot use them: without this the next shard's
+    largest tensor is allocated beside the last shard, not in its place. Other C libraries: no-op."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def write_hf_folder(path: str | Path, state: dict[str, torch.Tensor], args: LlamaModelArgs,
+                    dtype: torch.dtype = torch.float32, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """A save_pretrained folder from our state dict in memory (extra keys such as freqs_cis and a
+    tied output.weight are ignored)."""
+    return write_hf_tensors(path, args, dtype, shard_bytes, state.__getitem__)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint_layout import HF_EXPORT_DIR
-from trainer.dcp_files import read_model_state
-from trainer.hf.folder import read_hf_folder, write_hf_folder
+from trainer.hf.export import export_hf_folder
+from trainer.hf.folder import read_hf_folder
 from trainer.models.llama3.args import LlamaModelArgs
 from trainer.models.llama3.model import copy_global_into
 
@@ -35,6 +35,7 @@ class HFWeights:
         logger.info("loaded model weights from the Hugging Face folder %s", path)
 
     def export(self, checkpoint: Path, out: Path, dtype: torch.dtype) -> None:
-        """Convert the model of a written checkpoint (one process). Reading the checkpoint, not
-        the ranks' memory, gets every stage of a pipeline-parallel run."""
-        write_hf_folder(out, read_model_state(checkpoint), self.args, dtype)
+        """Convert the model of a written checkpoint (one process), one tensor at a time, in
+        shards of transformers' default size. Reading the checkpoint, not the ranks' memory, gets
+        every stage of a pipeline-parallel run."""
+        export_hf_folder(checkpoint, out, self.args, dtype)

@@ -62,13 +62,23 @@ def _rope_heads(ours: str, args: LlamaModelArgs) -> int | None:
     return None
 
 
+def permutes_rows(ours: str, args: LlamaModelArgs) -> bool:
+    """Whether converting this tensor copies it (wq and wk: the RoPE row order)."""
+    return _rope_heads(ours, args) is not None
+
+
 def _convert(w: torch.Tensor, heads: int | None, permute) -> torch.Tensor:
     return (permute(w, heads) if heads else w).contiguous()
 
 
+def to_hf_tensor(ours: str, w: torch.Tensor, args: LlamaModelArgs) -> torch.Tensor:
+    """One of our tensors in Hugging Face layout (its name there is key_map(args)[ours]). Only wq
+    and wk are copied (row permutation); any other tensor comes back as it is."""
+    return _convert(w, _rope_heads(ours, args), _pairs_to_halves)
+
+
 def to_hf(state: dict[str, torch.Tensor], args: LlamaModelArgs) -> dict[str, torch.Tensor]:
-    return {theirs: _convert(state[ours], _rope_heads(ours, args), _pairs_to_halves)
-            for ours, theirs in key_map(args).items()}
+    return {theirs: to_hf_tensor(ours, state[ours], args) for ours, theirs in key_map(args).items()}
 
 
 def from_hf(state: dict[str, torch.Tensor], args: LlamaModelArgs, source: str = "") -> dict[str, torch.Tensor]:
