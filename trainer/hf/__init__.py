@@ -1,7 +1,9 @@
 """Hugging Face Llama checkpoints (config.json + safetensors) <-> this trainer's model.
 
     weights.py   parameter names and the RoPE row order, both directions (tied or not)
-    folder.py    read and write a save_pretrained folder
+    folder.py    read and write a save_pretrained folder (sharded safetensors, written a tensor at a time)
+    export.py    a DCP checkpoint -> a folder, streamed: one tensor in memory besides the shard; its
+                 host memory peak from the model's shapes (export_host_peak_bytes)
     model_io.py  what the trainer plugs into its checkpoint manager: load a folder into a
                  (sharded) model at start, export a written checkpoint
     __main__.py  python -m trainer.hf import|export
