@@ -55,11 +55,11 @@ def compare(name: str, nproc: int, overrides: list[str], folder: Path) -> list[d
     from trainer.estimate.job import estimate_kinds, estimated_config
     from trainer.estimate.rank import rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import plan_run
+    from trainer.preflight import plan_layout
 
     real = real_run(nproc, overrides, folder)
     config, _ = estimated_config(overrides)
-    plan = plan_run(config, nproc)
+    plan = plan_layout(config, nproc)
     rows = []
     for e in estimate_kinds(overrides, nproc, rank_kinds(plan.dims, stage_plan(config, plan.dims)), steps=1):
         measured = real[e.kind.rank]

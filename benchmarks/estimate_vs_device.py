@@ -18,7 +18,7 @@ from common import machine, run_training, table  # noqa: I001 (sets sys.path)
 
 from trainer.estimate.job import estimate_kinds, estimated_config
 from trainer.estimate.rank import rank_kinds
-from trainer.preflight import plan_run
+from trainer.preflight import plan_layout
 
 GIB = float(1 << 30)
 
@@ -34,7 +34,7 @@ def main() -> None:
            str(a.local_batch), "--training.mixed_precision_param", "bfloat16"]
     config, _ = estimated_config(job)
     started = time.perf_counter()
-    [estimate] = estimate_kinds(job, 1, rank_kinds(plan_run(config, 1).dims, None), steps=1)
+    [estimate] = estimate_kinds(job, 1, rank_kinds(plan_layout(config, 1).dims, None), steps=1)
     estimate_s = time.perf_counter() - started
     started = time.perf_counter()
     [report] = run_training(1, [*job, "--training.steps", str(a.steps), "--metrics.log_freq", "1"])

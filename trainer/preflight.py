@@ -199,6 +199,17 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
         check_load_options(config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    plan = plan_layout(config, world_size)
+    check_stream_lanes(config, plan.dims, plan.global_batch_size)
+    if config.metrics.count_collectives and config.compile.enable:
+        raise ConfigError("metrics.count_collectives: counts in eager mode (a dispatch mode sees every operation), and "
+                          "torch.compile does not compile under it; turn compile.enable off for the run that counts")
+    return plan
+
+
+def plan_layout(config: JobConfig, world_size: int) -> RunPlan:
+    """The degrees and the batch split alone, checked against the model and the batch: what
+    `python -m trainer.estimate` needs of a job (its data and files may be on another machine)."""
     dims = ParallelDims.from_config(config.parallelism, world_size)
     problems = layout_problems(config, dims)
     if problems:
@@ -213,10 +224,6 @@ def plan_run(config: JobConfig, world_size: int) -> RunPlan:
             f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size {local} x "
             f"data-parallel degree {dims.dp} = {per_pass}; use a multiple of {per_pass} or -1"
         )
-    check_stream_lanes(config, dims, global_batch)
-    if config.metrics.count_collectives and config.compile.enable:
-        raise ConfigError("metrics.count_collectives: counts in eager mode (a dispatch mode sees every operation), and "
-                          "torch.compile does not compile under it; turn compile.enable off for the run that counts")
     return RunPlan(dims=dims, global_batch_size=global_batch, accumulation_steps=global_batch // per_pass)
 
 

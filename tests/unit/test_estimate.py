@@ -15,7 +15,7 @@ from trainer.estimate.rank import rank_kinds
 from trainer.models.llama3 import Transformer
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.parallel.dims import stage_plan
-from trainer.preflight import plan_run
+from trainer.preflight import plan_layout
 
 DEBUG = ["--model.flavor", "debugmodel", "--training.seq_len", "128", "--training.local_batch_size", "2",
          "--training.mixed_precision_param", "float32"]
@@ -29,7 +29,7 @@ def first_shard_bytes(shape: torch.Size, world: int, element_size: int = 4) -> i
 
 def test_fsdp_over_64_fake_ranks_holds_the_first_shard_of_every_parameter():
     config, _ = estimated_config(DEBUG)
-    plan = plan_run(config, 64)
+    plan = plan_layout(config, 64)
     started = time.perf_counter()
     [estimate] = estimate_kinds(DEBUG, 64, rank_kinds(plan.dims, None), steps=1)
     assert time.perf_counter() - started < 60
@@ -54,7 +54,7 @@ def test_pipeline_rank_kinds_hold_the_first_shards_of_their_stages():
     args = [*DEBUG, "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
             "--training.local_batch_size", "4"]
     config, _ = estimated_config(args)
-    plan = plan_run(config, 64)
+    plan = plan_layout(config, 64)
     stages = stage_plan(config, plan.dims)
     kinds = rank_kinds(plan.dims, stages)
     assert [(k.rank, k.ranks, k.stages) for k in kinds] == [(0, "0-15", (0,)), (32, "32-47", (2,)), (48, "48-63", (3,))]

@@ -56,10 +56,10 @@ def run(a, overrides: list[str]) -> int:
     from trainer.estimate import report
     from trainer.estimate.rank import RankKind, rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import describe_degrees, plan_run
+    from trainer.preflight import describe_degrees, plan_layout
 
     config, notes = estimated_config(overrides)
-    plan = plan_run(config, a.nproc)
+    plan = plan_layout(config, a.nproc)
     dims = plan.dims
     kinds = rank_kinds(dims, stage_plan(config, dims))
     if a.rank is not None:

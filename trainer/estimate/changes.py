@@ -54,14 +54,14 @@ def try_changes(overrides: list[str], config, plan, nproc: int, steps: int, usab
     from trainer.estimate.job import estimate_kinds, estimated_config
     from trainer.estimate.rank import rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import plan_run
+    from trainer.preflight import plan_layout
 
     tried = []
     for change in candidate_changes(config, plan, nproc):
         changed = [*overrides, *change.overrides]
         try:
             changed_config, _ = estimated_config(changed)
-            changed_plan = plan_run(changed_config, change.nproc)
+            changed_plan = plan_layout(changed_config, change.nproc)
         except ConfigError as e:
             tried.append(Tried(change, None, False, str(e).splitlines()[-1].strip()))
             continue

@@ -40,12 +40,12 @@ def estimate_kinds(overrides: list[str], nproc: int, kinds: list, steps: int) ->
 def _estimate_one(overrides: list[str], nproc: int, kind, steps: int):
     """In a fresh process: the fake world is process-wide state."""
     from trainer.estimate.rank import estimate_rank
-    from trainer.preflight import plan_run
+    from trainer.preflight import plan_layout
 
     logging.basicConfig(level=logging.WARNING)
     config, _ = estimated_config(overrides)
     try:
-        return estimate_rank(config, plan_run(config, nproc), kind, steps)
+        return estimate_rank(config, plan_layout(config, nproc), kind, steps)
     except Exception as e:  # torch's errors do not always pickle back to the parent: send the text
         raise EstimateError(f"{kind.name} (rank {kind.rank}): {type(e).__name__}: {e}\n"
                             f"{traceback.format_exc()}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
 def run_training_step(runner, model, optimizer, scheduler, config, run_plan, counter) -> StateBytes:
     """What Trainer.train_step does with a batch (the update of a float16 run is taken as finite:
     its loss scaler decides on values, which fake tensors do not have)."""
-    with counter if counter is not None else _nothing():
+    with counter if counter is not None else contextlib.nullcontext():
         batch = fake_batch(config, run_plan.accumulation_steps)
         if counter is not None:
             counter.phase = "forward"
@@ -145,20 +146,12 @@ def run_training_step(runner, model, optimizer, scheduler, config, run_plan, cou
     return state
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _collective_table(counter: CollectiveCounter | None) -> dict:
     table: dict = {}
     if counter is None:
         return table
-    for (dimension, _, op), calls in counter.counts.items():
+    for (dimension, phase, op), calls in counter.counts.items():
         entry = table.setdefault(dimension, {}).setdefault(op, {"calls": 0, "bytes": 0})
         entry["calls"] += calls
-        entry["bytes"] += counter.bytes[(dimension, _, op)]
+        entry["bytes"] += counter.bytes[(dimension, phase, op)]
     return table
