@@ -147,7 +147,10 @@ def test_the_torchtitan_debug_config_trains_with_only_a_data_path(workdir):
     assert (result.stdout + result.stderr).count("ignoring options this trainer does not implement") == 1
     records = read_metrics(workdir / "outputs")
     assert [r["step"] for r in records] == [1, 2]
-    # At init the loss is about ln V + 0.99^2 / 2 whatever the tokens (README); the vocabulary is
-    # the debug model's 2048 rows.
-    assert abs(records[0]["loss"] - (math.log(2048) + 0.99 ** 2 / 2)) < 0.2
+    # At init the loss is about ln V + 0.99^2 / 2 = 8.11 for the debug model's 2048 rows (README), in
+    # expectation over the initial weights: on one draw the few, frequent target tokens of a batch
+    # meet fixed random output rows, which moves the first loss by about 0.2 (debug.seed 0-5 on the
+    # c4 batch of test_torchtitan_names.py: 7.69, 8.11, 8.09, 8.08, 8.01, 8.37). The bound is three
+    # times that spread.
+    assert abs(records[0]["loss"] - (math.log(2048) + 0.99 ** 2 / 2)) < 0.6
     assert records[1]["loss"] < records[0]["loss"]

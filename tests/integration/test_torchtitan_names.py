@@ -44,6 +44,9 @@ def test_debug_model_trains_on_c4_test_and_validates_on_c4_validation(tmp_path, 
     train = [r for r in records if "kind" not in r]
     validation = [r for r in records if r.get("kind") == "validation"]
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in validation] == [2]
-    # At init the loss is about ln 2048 + 0.99^2 / 2 = 8.11 whatever the tokens (README); a step lowers it.
-    assert abs(train[0]["loss"] - (math.log(2048) + 0.99 ** 2 / 2)) < 0.2
+    # At init the loss is about ln V + 0.99^2 / 2 = 8.11 for the debug model's 2048 rows (README), in
+    # expectation over the initial weights: on one draw the few, frequent target tokens of a batch
+    # meet fixed random output rows, which moves the first loss by about 0.2 (debug.seed 0-5 on this
+    # batch: 7.69, 8.11, 8.09, 8.08, 8.01, 8.37). The bound is three times that spread.
+    assert abs(train[0]["loss"] - (math.log(2048) + 0.99 ** 2 / 2)) < 0.6
     assert validation[0]["validation/loss"] < train[0]["loss"]
