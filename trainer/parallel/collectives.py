@@ -37,11 +37,13 @@ def mesh_group_names(meshes) -> dict[str, str]:
     return names
 
 
-def buffer_bytes(args, kwargs) -> int:
-    """The size of a collective's largest tensor: the gathered output of an all-gather, the input
+def buffer_bytes(args, kwargs, result) -> int:
+    """The size of a collective's largest tensor, argument or result: the gathered output of an
+    all-gather (an argument of c10d's, the result of the functional one DTensor calls), the input
     of a reduce-scatter, the buffer of an all-reduce or a point-to-point transfer. (A ring
     algorithm sends and receives (n-1)/n of it per rank.)"""
-    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs, result))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     return max((t.numel() * t.element_size() for t in tensors), default=0)
 
 
@@ -66,11 +68,12 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.__name__.split(".")[0]
+        result = func(*args, **(kwargs or {}))
         if func.namespace in NAMESPACES and op not in NOT_COLLECTIVES:
             key = (self._dimension(args, kwargs), self._pass(), op)
             self.counts[key] += 1
-            self.bytes[key] += buffer_bytes(args, kwargs)
-        return func(*args, **(kwargs or {}))
+            self.bytes[key] += buffer_bytes(args, kwargs, result)
+        return result
 
     def _dimension(self, args, kwargs) -> str:
         for value in torch.utils._pytree.tree_leaves((args, kwargs)):
