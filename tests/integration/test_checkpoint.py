@@ -97,6 +97,14 @@ def uninterrupted(tmp_path_factory):
     return losses_by_step(dump)
 
 
+def head_step(folder) -> int | None:
+    """The step lineage.json names (None before it is written)."""
+    try:
+        return json.loads((folder / "lineage.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
     """Start a run and SIGKILL all its processes as soon as the checkpoint of `step` is published."""
     env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
@@ -106,6 +114,9 @@ def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
     deadline = time.time() + 240
     while not published.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.005)  # the log reaches us late; the folder appears the moment it is renamed
+    # Publishing ends with the folder's lineage head naming the step (written right after the rename).
+    while head_step(dump / "checkpoint") != step and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
     for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers live in their own groups
         try:
             os.kill(pid, signal.SIGKILL)
