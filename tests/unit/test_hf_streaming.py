@@ -209,3 +209,13 @@ def test_shard_counts_of_the_published_llama_folders():
     for flavor, count in [("8B", 4), ("70B", 30), ("405B", 191), ("3B", 2), ("1B", 1)]:
         sizes = [t.bytes(torch.bfloat16) for t in hf_tensors(model_args(flavor))]
         assert len(shard_plan(sizes, 5 * 10**9)) == count, flavor
+
+
+def test_the_weights_are_as_readable_as_the_config(tmp_path):
+    """safetensors writes its files for their owner only; the export gives them the folder's mode."""
+    args = tiny()
+    saved_checkpoint(tmp_path / "dcp", args)
+    out = export_hf_folder(tmp_path / "dcp", tmp_path / "hf", args, torch.float32, parse_size("100KB"))
+    config_mode = (out / "config.json").stat().st_mode & 0o777
+    modes = {f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")}
+    assert len(list(out.glob("*.safetensors"))) > 1 and modes == {config_mode}

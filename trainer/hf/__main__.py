@@ -38,9 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--flavor", required=True)
     exp.add_argument("--hf-assets", default="", help='with --flavor hf: the folder whose config.json gives the shapes')
     exp.add_argument("--out", required=True)
-    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="dtype of the written weights (default float32)")
     exp.add_argument("--max-shard-size", type=_size, default="5GB",
-                     help="largest safetensors file: bytes, or with KB/MB/GB (powers of 1000) or KiB/MiB/GiB "
+                     help="largest safetensors file: bytes, or with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB "
                           "(default 5GB, as transformers); a tensor larger than this is a file of its own")
     exp.add_argument("--accept-model-change", action="store_true",
                      help="export weights trained with reduced tensor-parallel synchronization, which the exact "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -111,6 +112,7 @@ def write_hf_tensors(path: str | Path, args: LlamaModelArgs, dtype: torch.dtype,
     for file, shard in zip(files, plan):
         written = {tensors[i].theirs: _converted(tensors[i].ours, read(tensors[i].ours), args, dtype) for i in shard}
         save_file(written, str(folder / file), metadata={"format": "pt"})
+        readable_as_umask_allows(folder / file)
         del written  # before the next shard is read
         _return_freed_memory()
     if len(files) > 1:
@@ -120,6 +122,15 @@ def write_hf_tensors(path: str | Path, args: LlamaModelArgs, dtype: torch.dtype,
     config = hf_config(args, str(dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def readable_as_umask_allows(file: Path) -> None:
+    """safetensors creates its files readable by their owner only (0600); give them the mode any
+    other file of the folder gets (0644 under the usual umask 022), so others on a shared cluster
+    can read the weights as they can read config.json."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
 
 
 def _converted(ours: str, w: torch.Tensor, args: LlamaModelArgs, dtype: torch.dtype) -> torch.Tensor:
