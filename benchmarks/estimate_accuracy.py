@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -114,9 +115,8 @@ def main() -> None:
         for index, name in enumerate(a.layouts):
             nproc, args = LAYOUTS[name]
             rows += compare(name, nproc, [*job, *args], Path(tmp) / str(index))
+    print("python benchmarks/estimate_accuracy.py " + " ".join(shlex.quote(arg) for arg in sys.argv[1:]))
     print(machine())
-    print(f"python benchmarks/estimate_accuracy.py --flavor {a.flavor} --seq-len {a.seq_len} "
-          f"--local-batch {a.local_batch}")
     print(table(["layout", "rank kind", "state bytes (params + grads + optim)", "equal", "step peak estimated",
                  "step peak real", "difference"],
                 [[r["layout"], r["kind"], f"{sum(r['estimated_state']):,}",

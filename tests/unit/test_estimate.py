@@ -98,3 +98,7 @@ def test_user_mistakes_get_one_clear_error(capsys):
     assert "world size 3" in capsys.readouterr().err
     assert main(["--nproc", "2", "--rank", "5", *DEBUG]) == 2
     assert "--rank 5: the world has ranks 0-1" in capsys.readouterr().err
+    assert main(["--nproc", "2", "--device-memmory", "40GiB", *DEBUG]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memmory: not an option of python -m trainer.estimate" in err
+    assert err.rstrip().endswith("did you mean --device-memory?") and err.count("\n") == 1

@@ -5,8 +5,8 @@ Runs one rank of each kind (every rank alike without pipeline parallelism; the f
 and the last pipeline rank with it), or the given --rank, of the configured job at world size N
 on fake tensors and a fake process group, and prints what each rank holds and allocates, the
 collectives of one step, and whether it fits the device. For a rank that does not fit, the usual
-remedies (full activation checkpointing, half the local batch, resharding after forward under PP,
-twice the ranks) are each estimated again and reported with their peak. --strict exits 2 when a
+remedies that apply to the job (full activation checkpointing, half the local batch, resharding
+after forward under PP, twice the ranks) are each estimated again and reported with their peak. --strict exits 2 when a
 rank does not fit (put it in front of a cluster launch); --host adds the host memory of the one-process jobs
 (seed checkpoint, Hugging Face export).
 """
@@ -14,6 +14,7 @@ rank does not fit (put it in front of a cluster launch); --host adds the host me
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import re
@@ -66,7 +67,7 @@ def run(a, overrides: list[str]) -> int:
         if not 0 <= a.rank < a.nproc:
             raise ConfigError(f"--rank {a.rank}: the world has ranks 0-{a.nproc - 1}")
         kind = next(k for k in kinds if a.rank in _range(k.ranks))
-        kinds = [RankKind(f"rank {a.rank}", a.rank, str(a.rank), kind.stages)]
+        kinds = [RankKind(f"rank {a.rank} ({kind.name})", a.rank, str(a.rank), kind.stages)]
     print(f"{config.model.flavor} at {a.nproc} ranks: {describe_degrees(dims)}; global batch "
           f"{plan.global_batch_size} x {config.training.seq_len} tokens, local batch {config.training.local_batch_size}"
           f" ({plan.accumulation_steps} accumulation steps); AC {config.activation_checkpoint.mode}"
@@ -81,7 +82,7 @@ def run(a, overrides: list[str]) -> int:
     host = _host_figures(config) if a.host else None
     if host:
         print("host memory: " + "; ".join(f"{name} {report.gib(size)} GiB" for name, size in host.items()))
-    print(f"estimated in {time.perf_counter() - started:.0f} s")
+    print(f"estimated in {time.perf_counter() - started:.0f} s")  # the remedies below take their own time
     too_big = [e for e in estimates if not report.fits(e, a.device_memory)]
     for e in too_big:
         print("warning: " + report.advice(e, a.device_memory))
@@ -113,9 +114,24 @@ def _range(text: str) -> range:
     return range(int(first), int(last or first) + 1)
 
 
+def check_overrides(p: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """What argparse did not take must be training options (--section.key): a mistyped option of
+    the estimator gets its name suggested, not the config loader's message."""
+    options = [o for action in p._actions for o in action.option_strings if o.startswith("--")]
+    for word in overrides:
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and "." not in name:
+            close = difflib.get_close_matches(name, options, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{name}: not an option of python -m trainer.estimate ({', '.join(options)}) nor a "
+                              f"training option (--section.key value){hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    a, overrides = parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    a, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_overrides(p, overrides)
         return run(a, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
