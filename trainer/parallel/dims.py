@@ -48,12 +48,14 @@ class ParallelDims:
         for degree in fixed.values():
             others *= degree
         shard = p.data_parallel_shard_degree
-        described = " x ".join(f"{k}={v}" for k, v in fixed.items() if v > 1) or "no other parallelism"
+        named = [f"{k}={v}" for k, v in fixed.items() if v > 1]
+        described = " x ".join(named) or "no other parallelism"
         if shard == -1:
             if world_size % others:
+                product = described + (f" = {others}" if len(named) > 1 else "")
                 raise ConfigError(
                     f"parallelism: world size {world_size} is not divisible by the product of the other degrees "
-                    f"({described} = {others}); launch a multiple of {others} processes (NGPU) or change the degrees"
+                    f"({product}); launch a multiple of {others} processes (NGPU, or --nproc) or change the degrees"
                 )
             shard = world_size // others
         if shard * others != world_size:
