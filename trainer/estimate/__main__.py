@@ -17,23 +17,22 @@ import argparse
 import difflib
 import json
 import logging
-import re
 import sys
 import time
+
 from trainer.config.manager import ConfigError
 from trainer.estimate.changes import try_changes
 from trainer.estimate.job import estimate_kinds, estimated_config
+from trainer.hf.export import parse_size
 
 logger = logging.getLogger("trainer.estimate")
-UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
 def memory_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 141GB or 85899345920")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    try:
+        return parse_size(text)
+    except ValueError as e:  # argparse then names the option and exits with status 2
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,8 +65,8 @@ def run(a, overrides: list[str]) -> int:
     if a.rank is not None:
         if not 0 <= a.rank < a.nproc:
             raise ConfigError(f"--rank {a.rank}: the world has ranks 0-{a.nproc - 1}")
-        kind = next(k for k in kinds if a.rank in _range(k.ranks))
-        kinds = [RankKind(f"rank {a.rank} ({kind.name})", a.rank, str(a.rank), kind.stages)]
+        kind = next(k for k in kinds if a.rank in k)
+        kinds = [RankKind(f"rank {a.rank} ({kind.name})", a.rank, a.rank, a.rank, kind.stages)]
     print(f"{config.model.flavor} at {a.nproc} ranks: {describe_degrees(dims)}; global batch "
           f"{plan.global_batch_size} x {config.training.seq_len} tokens, local batch {config.training.local_batch_size}"
           f" ({plan.accumulation_steps} accumulation steps); AC {config.activation_checkpoint.mode}"
@@ -107,11 +106,6 @@ def _host_figures(config) -> dict[str, int]:
     streaming, whole = export_peak_bytes(config, torch.bfloat16, 5 * 10 ** 9)
     return {"seed checkpoint": seed_peak_bytes(config), "HF export bf16 (5 GB shards)": streaming,
             "HF export bf16, whole model at once": whole}
-
-
-def _range(text: str) -> range:
-    first, _, last = text.partition("-")
-    return range(int(first), int(last or first) + 1)
 
 
 def check_overrides(p: argparse.ArgumentParser, overrides: list[str]) -> None:

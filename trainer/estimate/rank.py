@@ -39,8 +39,16 @@ class RankKind:
 
     name: str
     rank: int  # the one estimated
-    ranks: str  # the global ranks it stands for
+    first: int  # the global ranks it stands for: first..last
+    last: int
     stages: tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> str:
+        return f"{self.first}-{self.last}" if self.last > self.first else str(self.first)
+
+    def __contains__(self, rank: int) -> bool:
+        return self.first <= rank <= self.last
 
 
 @dataclass
@@ -77,18 +85,14 @@ def rank_kinds(dims, stage_plan) -> list[RankKind]:
     """Without pipeline parallelism every rank holds the same; with it, the first, a middle and
     the last pipeline rank (the pp coordinate is the outermost, so each holds a block of ranks)."""
     if stage_plan is None:
-        return [RankKind("every rank", 0, f"0-{dims.world_size - 1}" if dims.world_size > 1 else "0")]
+        return [RankKind("every rank", 0, 0, dims.world_size - 1)]
     per_pp_rank = dims.world_size // dims.pp
-    chosen = {"first pipeline rank": 0, "middle pipeline rank": dims.pp // 2, "last pipeline rank": dims.pp - 1}
-    kinds, seen = [], set()
-    for name, pp_rank in chosen.items():
-        if pp_rank in seen or (name.startswith("middle") and pp_rank in (0, dims.pp - 1)):
-            continue
-        seen.add(pp_rank)
-        first = pp_rank * per_pp_rank
-        kinds.append(RankKind(f"{name} ({pp_rank})", first, f"{first}-{first + per_pp_rank - 1}",
-                              tuple(stage_plan.stages_of_rank(pp_rank))))
-    return kinds
+    chosen = [("first", 0), ("middle", dims.pp // 2), ("last", dims.pp - 1)]
+    if dims.pp == 2:  # no rank between the first and the last
+        del chosen[1]
+    return [RankKind(f"{name} pipeline rank ({pp_rank})", pp_rank * per_pp_rank, pp_rank * per_pp_rank,
+                     (pp_rank + 1) * per_pp_rank - 1, tuple(stage_plan.stages_of_rank(pp_rank)))
+            for name, pp_rank in chosen]
 
 
 def fake_batch(config, accumulation_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,7 +129,7 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
         kind=kind, parameter_count=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                        for p in parallel.model.parameters()),
         state=state, init_peak=init_memory.peak(), step_peak=step_memory.peak(),
-        collectives=_collective_table(counter), seconds=time.perf_counter() - started)
+        collectives=counter.per_op(), seconds=time.perf_counter() - started)
 
 
 def run_training_step(runner, model, optimizer, scheduler, config, run_plan, counter) -> StateBytes:
@@ -144,14 +148,3 @@ def run_training_step(runner, model, optimizer, scheduler, config, run_plan, cou
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return state
-
-
-def _collective_table(counter: CollectiveCounter | None) -> dict:
-    table: dict = {}
-    if counter is None:
-        return table
-    for (dimension, phase, op), calls in counter.counts.items():
-        entry = table.setdefault(dimension, {}).setdefault(op, {"calls": 0, "bytes": 0})
-        entry["calls"] += calls
-        entry["bytes"] += counter.bytes[(dimension, phase, op)]
-    return table

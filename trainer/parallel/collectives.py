@@ -93,15 +93,18 @@ class CollectiveCounter(TorchDispatchMode):
             table.setdefault(dimension, {}).setdefault(phase, {})[op] = calls
         forward_tp = table.get("tp", {}).get("forward", {})
         syncs = sum(forward_tp.get(op, 0) for op in SYNC_OPS)
-        return {"by_dimension": table, "bytes_by_dimension": self._bytes_table(), "forward_passes": forward_passes,
+        bytes_table = {dimension: {op: figures["bytes"] for op, figures in ops.items()}
+                       for dimension, ops in self.per_op().items()}
+        return {"by_dimension": table, "bytes_by_dimension": bytes_table, "forward_passes": forward_passes,
                 "tp_syncs_per_forward": syncs / forward_passes}
 
-    def _bytes_table(self) -> dict:
-        """{dimension: {op: bytes}} over the whole step."""
+    def per_op(self) -> dict:
+        """{dimension: {op: {"calls", "bytes"}}} over the whole step, all its parts together."""
         table: dict = {}
-        for (dimension, _, op), size in sorted(self.bytes.items()):
-            ops = table.setdefault(dimension, {})
-            ops[op] = ops.get(op, 0) + size
+        for (dimension, phase, op), calls in sorted(self.counts.items()):
+            entry = table.setdefault(dimension, {}).setdefault(op, {"calls": 0, "bytes": 0})
+            entry["calls"] += calls
+            entry["bytes"] += self.bytes[(dimension, phase, op)]
         return table
 
     @staticmethod
