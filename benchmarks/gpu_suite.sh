@@ -30,7 +30,7 @@ set -uo pipefail  # no -e: a part that fails is reported and the next one runs
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 START=$(date +%s)
-BUDGET=${GPU_SUITE_BUDGET_S:-520}
+BUDGET=${GPU_SUITE_BUDGET_S:-780}
 OUT_DIR="${OUT:-$ROOT/outputs/gpu_suite}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
@@ -300,6 +300,11 @@ for name in ("bench_1b", "bench_1b_eager"):
 if len(bench) == 2 and bench["bench_1b_eager"]["tokens_per_s"]:
     lines += [f"torch.compile speed-up (bench_1b / bench_1b_eager, steady-state tokens/s): "
               f"{bench['bench_1b']['tokens_per_s'] / bench['bench_1b_eager']['tokens_per_s']:.2f}x", ""]
+for name, title in (("side_by_side_1b", "1B"), ("side_by_side_8b", "8B cut to 8 layers")):
+    table = work / name / "side_by_side.md"
+    if table.exists():
+        lines += [f"## Side by side, {title} (benchmarks/side_by_side.py: this trainer, torchtitan, a plain loop)", "",
+                  *table.read_text().strip().splitlines(), ""]
 docmask = out / "document_masking.log"
 if docmask.exists():
     text = docmask.read_text().splitlines()
@@ -343,19 +348,34 @@ timeout 90 "$PYTHON" "$WORK/probe.py" 2>&1 | tee "$WORK/probe.log"
 CUDA_OK=0
 grep -q '^CUDA device:' "$WORK/probe.log" && CUDA_OK=1
 
-# Seconds the later parts need (they keep them even when an earlier part runs long).
-T_TESTS=${GPU_SUITE_TESTS_S:-240}
-T_1B=${GPU_SUITE_1B_S:-80}
-T_MASK=${GPU_SUITE_MASKING_S:-110}
-T_1B_EAGER=${GPU_SUITE_1B_EAGER_S:-50}
-T_ESTIMATE=${GPU_SUITE_ESTIMATE_S:-70}
+# Each part's time limit in seconds. A part gets min(its limit, time left - the limits of the
+# required parts after it - the summary's): a later required part keeps its time even when an
+# earlier one runs long; an optional part runs on what is left (skipped under 20 s).
+declare -A LIMIT=(
+  [cuda_tests]=${GPU_SUITE_TESTS_S:-200}
+  [side_by_side_1b]=${GPU_SUITE_SIDE_BY_SIDE_1B_S:-240}
+  [side_by_side_8b]=${GPU_SUITE_SIDE_BY_SIDE_8B_S:-200}
+  [document_masking]=${GPU_SUITE_MASKING_S:-110}
+  [estimate_1b]=${GPU_SUITE_ESTIMATE_S:-70}
+  [bench_1b]=${GPU_SUITE_1B_S:-80}
+  [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
+)
+OPTIONAL=" estimate_1b bench_1b bench_1b_eager "
 SUMMARY_S=10
+# Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
+PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking estimate_1b bench_1b bench_1b_eager})
+for part in "${PARTS[@]}"; do
+  [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
+done
 
 TEST_DEVICE=cuda
 TESTS=(tests/cuda)
 MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
 MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
+# The side-by-side comparison (benchmarks/side_by_side.py): this trainer, torchtitan and a plain loop.
+SIDE_BY_SIDE_1B=(--shape 1B --seq-len 2048 --local-batch 4 --modes compile --ac selective --run-timeout 130)
+SIDE_BY_SIDE_8B=(--shape 8B-L8 --seq-len 2048 --local-batch 2 --modes compile --ac selective --run-timeout 150)
 if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   say "CPU smoke run (GPU_SUITE_CPU_SMOKE=1): no GPU is used"
   export CUDA_VISIBLE_DEVICES=""
@@ -365,55 +385,86 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
+  SIDE_BY_SIDE_1B=(--dry-run)
+  SIDE_BY_SIDE_8B=(--dry-run --ac full)
+  # torchtitan is not among the project's dependencies: the dry run leaves it out where it is absent.
+  if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchtitan') is None)"; then
+    say "torchtitan is not installed: the side-by-side dry runs compare the trainer and the plain loop only"
+    SIDE_BY_SIDE_1B+=(--systems trainer plain)
+    SIDE_BY_SIDE_8B+=(--systems trainer plain)
+  fi
 fi
 
-# --- 2. the CUDA test subset ------------------------------------------------------------------
-XDIST=()
-if "$PYTHON" -c "import xdist" 2>/dev/null; then
-  XDIST=(-n "${GPU_SUITE_XDIST_WORKERS:-6}" --dist loadfile)
-fi
-run_part cuda_tests "$T_TESTS" $(( T_1B + T_MASK + SUMMARY_S )) "$OUT_DIR/cuda_tests.log" \
-  env TRAINER_TEST_DEVICE="$TEST_DEVICE" TRAINER_TEST_FIGURES="$WORK/figures.txt" \
-  "$PYTHON" -m pytest "${TESTS[@]}" -v -rA --durations=0 -p no:cacheprovider -o addopts= "${XDIST[@]}" \
-  --basetemp="$WORK/pytest" --junitxml="$OUT_DIR/cuda_tests.xml"
-grep -E '^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)' "$OUT_DIR/cuda_tests.log" | tail -n 30
+after() {  # seconds the required parts selected after $1 keep, plus the summary's
+  local seen=0 total=$SUMMARY_S part
+  for part in "${PARTS[@]}"; do
+    (( seen )) && [[ "$OPTIONAL" != *" $part "* ]] && total=$(( total + LIMIT[$part] ))
+    [ "$part" = "$1" ] && seen=1
+  done
+  echo "$total"
+}
 
-# --- 3. the 1B benchmark ----------------------------------------------------------------------
 BENCH_1B=("${MODEL[@]}" --training.mixed_precision_param bfloat16 --training.steps 30 --metrics.log_freq 10
           --metrics.no_enable_tensorboard)
-if (( CUDA_OK )); then
-  run_part bench_1b "$T_1B" $(( T_MASK + SUMMARY_S )) "$OUT_DIR/bench_1b.log" \
+
+# --- the CUDA test subset ---------------------------------------------------------------------
+part_cuda_tests() {
+  local xdist=()
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then
+    xdist=(-n "${GPU_SUITE_XDIST_WORKERS:-6}" --dist loadfile)
+  fi
+  run_part cuda_tests "${LIMIT[cuda_tests]}" "$(after cuda_tests)" "$OUT_DIR/cuda_tests.log" \
+    env TRAINER_TEST_DEVICE="$TEST_DEVICE" TRAINER_TEST_FIGURES="$WORK/figures.txt" \
+    "$PYTHON" -m pytest "${TESTS[@]}" -v -rA --durations=0 -p no:cacheprovider -o addopts= "${xdist[@]}" \
+    --basetemp="$WORK/pytest" --junitxml="$OUT_DIR/cuda_tests.xml"
+  grep -E '^(=+ .*(passed|failed|error).* =+|FAILED|ERROR)' "$OUT_DIR/cuda_tests.log" | tail -n 30
+}
+
+# --- this trainer beside torchtitan and a plain loop ---------------------------------------------
+part_side_by_side_1b() {
+  run_part side_by_side_1b "${LIMIT[side_by_side_1b]}" "$(after side_by_side_1b)" "$WORK/side_by_side_1b.log" \
+    "$PYTHON" benchmarks/side_by_side.py "${SIDE_BY_SIDE_1B[@]}" --out "$WORK/side_by_side_1b"
+  grep -E '^\|' "$WORK/side_by_side_1b.log" | tail -n 8
+}
+part_side_by_side_8b() {
+  run_part side_by_side_8b "${LIMIT[side_by_side_8b]}" "$(after side_by_side_8b)" "$WORK/side_by_side_8b.log" \
+    "$PYTHON" benchmarks/side_by_side.py "${SIDE_BY_SIDE_8B[@]}" --out "$WORK/side_by_side_8b"
+  grep -E '^\|' "$WORK/side_by_side_8b.log" | tail -n 8
+}
+
+# --- the 1B benchmark, its eager twin ------------------------------------------------------------
+part_bench_1b() {
+  run_part bench_1b "${LIMIT[bench_1b]}" "$(after bench_1b)" "$OUT_DIR/bench_1b.log" \
     env NGPU=1 ./torchrun_launch.sh "${BENCH_1B[@]}" --compile.enable --job.dump_folder "$WORK/bench_1b"
   grep -E 'step +[0-9]+ +loss|error' "$OUT_DIR/bench_1b.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 6
-else
-  say "part bench_1b: SKIPPED (no CUDA device)"
-fi
+}
+part_bench_1b_eager() {
+  run_part bench_1b_eager "${LIMIT[bench_1b_eager]}" "$(after bench_1b_eager)" "$WORK/bench_1b_eager.log" \
+    env NGPU=1 ./torchrun_launch.sh "${BENCH_1B[@]}" --job.dump_folder "$WORK/bench_1b_eager"
+}
 
-# --- 4. document masking ----------------------------------------------------------------------
-if (( CUDA_OK )); then
-  run_part document_masking "$T_MASK" "$SUMMARY_S" "$OUT_DIR/document_masking.log" \
-    env NGPU=1 "$PYTHON" benchmarks/document_masking.py "${MASKING[@]}"
+# --- document masking ----------------------------------------------------------------------------
+part_document_masking() {
+  run_part document_masking "${LIMIT[document_masking]}" "$(after document_masking)" \
+    "$OUT_DIR/document_masking.log" env NGPU=1 "$PYTHON" benchmarks/document_masking.py "${MASKING[@]}"
   tail -n 4 "$OUT_DIR/document_masking.log"
-else
-  say "part document_masking: SKIPPED (no CUDA device)"
-fi
+}
 
-# --- 4b. the memory estimator against the allocator's peak of a real 1B run ------------------------
-if (( CUDA_OK )) && (( $(left) >= T_ESTIMATE + SUMMARY_S )); then
-  run_part estimate_1b "$T_ESTIMATE" "$SUMMARY_S" "$WORK/estimate_1b.log" \
+# --- the memory estimator against the allocator's peak of a real 1B run ----------------------------
+part_estimate_1b() {
+  run_part estimate_1b "${LIMIT[estimate_1b]}" "$(after estimate_1b)" "$WORK/estimate_1b.log" \
     "$PYTHON" benchmarks/estimate_vs_device.py "${ESTIMATE[@]}"
   grep -E '^\|' "$WORK/estimate_1b.log" | tail -n 3
-else
-  say "part estimate_1b: SKIPPED"
-fi
+}
 
-# --- 5. the 1B job without compile, when time is left -------------------------------------------
-if (( CUDA_OK )) && (( $(left) >= T_1B_EAGER + SUMMARY_S )); then
-  run_part bench_1b_eager "$T_1B_EAGER" "$SUMMARY_S" "$WORK/bench_1b_eager.log" \
-    env NGPU=1 ./torchrun_launch.sh "${BENCH_1B[@]}" --job.dump_folder "$WORK/bench_1b_eager"
-else
-  say "part bench_1b_eager: not run ($(left)s left, needs $(( T_1B_EAGER + SUMMARY_S ))s)"
-fi
+for part in "${PARTS[@]}"; do
+  if (( CUDA_OK )) || [ "$part" = cuda_tests ]; then
+    "part_$part"
+  else
+    say "part $part: SKIPPED (no CUDA device)"
+    printf '%s\t\tSKIPPED (no CUDA device)\t0\t%s\t\t\n' "$part" "${LIMIT[$part]}" >>"$WORK/status.tsv"
+  fi
+done
 
 # --- summary and the details archive ------------------------------------------------------------
 (cd "$WORK" && find . -type f -size -2M ! -name '*.distcp' ! -name '*.pt' ! -path './pytest/*/checkpoint/*' \
