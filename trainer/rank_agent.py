@@ -18,6 +18,7 @@ torch opens them for writing, so one folder per attempt keeps every attempt's ou
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
@@ -122,7 +123,10 @@ class RankAgent(LocalElasticAgent):
             for pid in self._pcontext.pids().values():
                 if process_state(pid) in STOPPED:
                     kill(pid)
-        super()._shutdown(death_sig, timeout)
+        if "timeout" in inspect.signature(super()._shutdown).parameters:
+            super()._shutdown(death_sig, timeout)
+        else:  # torch 2.11: _shutdown(death_sig) alone
+            super()._shutdown(death_sig)
 
 
 def launch(*, nnodes: int, nproc: int, endpoint: str, run_id: str, max_restarts: int, logs_specs,

@@ -89,7 +89,9 @@ def set_memory_budget(budget: float) -> None:
     # Between 0 and 1 the partitioner sizes every value a graph could keep, and torch 2.13 refuses
     # to size a script object ("Cannot compute the size of FakeScriptObject"). The only ones in
     # these graphs are DTensor's device meshes under TP, which hold no activations: size 0.
-    torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
+    # torch 2.11 has no such setting (nor the refusal it answers): set it only where it exists.
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
 
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
