@@ -1,5 +1,6 @@
 """Which code a run ran: the git commit, whether the tree had local changes, and a hash of the
-trainer's own source files.
+trainer's own source files; and which torch releases that code supports (`require_supported_torch`,
+called when the trainer package is first imported, before any torch import).
 
 Torch-free, so the protocol can compute what a run *would* record without starting one. The
 source hash is what decides whether two runs ran the same trainer: it covers uncommitted edits
@@ -10,10 +11,20 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import importlib.util
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The torch releases the trainer is tested with, as (major, minor): from TORCH_MIN up to, not
+# including, TORCH_BELOW. The one place in the code; pyproject.toml's torch requirement says the
+# same (tests/unit/test_torch_range.py checks that they agree).
+TORCH_MIN = (2, 11)
+TORCH_BELOW = (2, 14)
+TORCH_RANGE = f">={TORCH_MIN[0]}.{TORCH_MIN[1]},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
 # What a training process executes: the trainer package and the launcher script.
 SOURCE_GLOBS = ("trainer/**/*.py", "torchrun_launch.sh")
 
@@ -72,3 +83,48 @@ def describe(version: dict) -> str:
     if not commit:
         return f"source {version.get('source_sha256', '?')[:12]} (not a git checkout)"
     return commit[:8] + (" (with local changes)" if version.get("dirty") else "")
+
+
+def installed_torch_version() -> str | None:
+    """The version of the torch this interpreter would import ('2.13.0+cpu', '2.11.0+cu130'), or
+    None when there is none. Read from the package's metadata, without importing torch (seconds),
+    unless torch is already imported or is importable without metadata (a source tree on the path)."""
+    if "torch" in sys.modules:
+        return getattr(sys.modules["torch"], "__version__", None)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return torch.__version__
+
+
+def torch_supported(version: str) -> bool:
+    """Whether a torch version lies in the tested range, judged on its release's major.minor: local
+    builds (+cpu, +cu130) and pre-releases count as their release (2.14.0a0 is a 2.14)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and TORCH_MIN <= (int(match[1]), int(match[2])) < TORCH_BELOW
+
+
+def torch_problem() -> str | None:
+    """Why the installed torch cannot run this trainer, in one line, or None when it can."""
+    version = installed_torch_version()
+    if version is not None and torch_supported(version):
+        return None
+    found = f"torch {version} is installed" if version else "torch is not installed"
+    releases = ", ".join(f"{TORCH_MIN[0]}.{minor}" for minor in range(TORCH_MIN[1], TORCH_BELOW[1]))
+    return (f"{found} ({sys.executable}); this trainer supports torch{TORCH_RANGE} ({releases}): "
+            "install one of those, see README.md, Install")
+
+
+def require_supported_torch() -> None:
+    """Exit with one line on stderr (exit code 2, a setup mistake) when the installed torch is not
+    one the trainer supports: before an entry point's heavy imports, not as an AttributeError of an
+    API the release lacks somewhere in a run."""
+    problem = torch_problem()
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
