@@ -386,6 +386,9 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
   SIDE_BY_SIDE_1B=(--dry-run)
+  # A shared CPU is slower than any GPU at these parts: three times each GPU limit (unless set).
+  for part in "${!LIMIT[@]}"; do LIMIT[$part]=$(( LIMIT[$part] * 3 )); done
+  (( BUDGET < 1500 )) && [ -z "${GPU_SUITE_BUDGET_S:-}" ] && BUDGET=1500
   SIDE_BY_SIDE_8B=(--dry-run --ac full)
   # torchtitan is not among the project's dependencies: the dry run leaves it out where it is absent.
   if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchtitan') is None)"; then

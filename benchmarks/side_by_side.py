@@ -16,9 +16,9 @@ Llama shape three ways, each in its own process under a time limit (--run-timeou
 * plain: benchmarks/plain_loop.py, the trainer's model in a hand-written loop (autocast bf16,
   fused AdamW, no framework): the floor of framework overhead.
 
-All three use AdamW ("fused" implementation where the device has one), gradient clipping at 1.0,
-the same local batch and sequence length, and selective checkpointing of every second block
-(selective_ac_option "2"; full: every block). Tokens/s is the mean over the steps after --warmup
+All three use AdamW (lr 1e-4; the "fused" implementation where the device has one), gradient
+clipping at 1.0, the same local batch and sequence length, and selective checkpointing of every
+second block (selective_ac_option "2"; full: every block). Tokens/s is the mean over the steps after --warmup
 (the logging windows that start after it); MFU is computed here, for all three alike, from the
 trainer's FLOPs-per-token formula (trainer.models.llama3.args.flops_per_token, the same 6N + 12LHQT
 torchtitan uses) and the device's dense bf16 peak (trainer.metrics). Memory is the CUDA caching
@@ -126,7 +126,7 @@ def trainer_command(case: Case, opts, inputs, folder: Path) -> list[str]:
                "--training.dataset", "synthetic", "--training.seq_len", str(case.seq_len),
                "--training.local_batch_size", str(opts.local_batch), "--training.steps", str(opts.steps),
                "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", opts.optimizer,
-               "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", case.ac,
+               "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", case.ac,
                "--activation_checkpoint.selective_ac_option", "2", "--metrics.log_freq", str(opts.log_freq),
                "--metrics.no_enable_tensorboard", "--job.dump_folder", str(folder)]
     return command + (["--compile.enable"] if case.compile else [])
