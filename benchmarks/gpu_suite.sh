@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
 # The GPU checks of this project in one command, for a machine with one NVIDIA GPU:
 #
-#   bash benchmarks/gpu_suite.sh          (from the repository root; about 8 to 9 minutes on an H200)
+#   bash benchmarks/gpu_suite.sh          (from the repository root; about 19 minutes in all)
+#   GPU_SUITE_PARTS="side_by_side_1b cuda_tests" bash benchmarks/gpu_suite.sh   (those parts, in that order)
 #
-#   0. installs the wheels carried in .whl/ (packages the machine lacks) into /tmp/site, if any
-#   1. prints the machine: nvidia-smi, torch, CUDA, cuDNN, NCCL, Triton, package versions; imports
-#      every trainer module and times a bf16 matmul (what the GPU sustains, beside the MFU peak)
-#   2. runs the CUDA test subset, tests/cuda, with TRAINER_TEST_DEVICE=cuda (pytest-xdist when present)
-#   3. trains the 1B flavor in bf16 with torch.compile on the GPU (docs/performance.md, "On a
-#      GPU"; 30 steps) and tabulates tokens/s, TFLOPS, MFU and memory from its metrics.jsonl
-#   4. runs benchmarks/document_masking.py (its runs train on the GPU: the launcher takes the GPU
-#      whenever one is visible)
-#   4b. compares the memory estimator (python -m trainer.estimate) with the CUDA allocator's peak
-#      of a real 1B run (benchmarks/estimate_vs_device.py; its table goes to suite.log)
-#   5. if time is left, the 1B job again without compile (the speed-up of compile)
+# First it installs the wheels carried in .whl/ (packages the machine lacks) into /tmp/site, if any,
+# and prints the machine: nvidia-smi, torch, CUDA, cuDNN, NCCL, Triton, package versions; it
+# imports every trainer module and times a bf16 matmul (what the GPU sustains, beside the MFU
+# peak). Then the parts (docs/performance.md, "On a GPU"):
+#   cuda_tests           tests/cuda with TRAINER_TEST_DEVICE=cuda (pytest-xdist when present)
+#   side_by_side_1b      benchmarks/side_by_side.py: this trainer, torchtitan and a plain loop on
+#                        the 1B shape (torchtitan's wheels in .whl/: see that script)
+#   side_by_side_8b      the same on the 8B flavor cut to 8 layers
+#   document_masking     benchmarks/document_masking.py (its runs train on the GPU)
+#   protocol_techniques  protocol/plans/gpu_techniques.toml in statistical mode
+#   estimate_1b          optional: the memory estimator against the CUDA allocator's peak of a
+#                        real 1B run (benchmarks/estimate_vs_device.py)
+#   bench_1b             optional: the 1B flavor (tied), bf16, compile, 30 steps: tokens/s,
+#                        TFLOPS, MFU and memory from its metrics.jsonl
+#   bench_1b_eager       optional: the same without compile (compile's speed-up)
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
 # that fails or times out is recorded and the suite goes on. The whole suite keeps within
-# GPU_SUITE_BUDGET_S seconds (default 520). Results go to ${OUT:-outputs/gpu_suite}, at most 8
-# files: summary.md (every table and the status of each part, also printed at the end),
+# GPU_SUITE_BUDGET_S seconds (default 1200); a required part keeps its limit even when an earlier
+# one runs long, an optional one runs on what is left. Results go to ${OUT:-outputs/gpu_suite},
+# at most 8 files: summary.md (every table and the status of each part, also printed at the end),
 # suite.log, cuda_tests.log, cuda_tests.xml, bench_1b.log, document_masking.log and
 # details.tar.gz (the runs' logs, metrics and records; checkpoints left out).
 #
-# Environment: PYTHON (default .venv/bin/python when it exists, else python3), OUT, GPU_SUITE_BUDGET_S, GPU_SUITE_XDIST_WORKERS (default 6).
+# Environment: PYTHON (default .venv/bin/python when it exists, else python3), OUT, GPU_SUITE_BUDGET_S,
+# GPU_SUITE_PARTS, GPU_SUITE_XDIST_WORKERS (default 6), a GPU_SUITE_*_S limit per part (below).
 # GPU_SUITE_CPU_SMOKE=1 checks the script itself on a machine without a GPU: everything on the CPU,
-# tests/cuda/test_in_process.py only (TRAINER_TEST_DEVICE=cpu), the debug model in place of 1B.
+# tests/cuda/test_in_process.py only (TRAINER_TEST_DEVICE=cpu), the debug model in place of 1B,
+# the side-by-side dry runs, the technique plan expanded but not run; limits three times longer.
 set -uo pipefail  # no -e: a part that fails is reported and the next one runs
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 START=$(date +%s)
-BUDGET=${GPU_SUITE_BUDGET_S:-780}
+BUDGET=${GPU_SUITE_BUDGET_S:-1200}
 OUT_DIR="${OUT:-$ROOT/outputs/gpu_suite}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
@@ -305,6 +313,10 @@ for name, title in (("side_by_side_1b", "1B"), ("side_by_side_8b", "8B cut to 8 
     if table.exists():
         lines += [f"## Side by side, {title} (benchmarks/side_by_side.py: this trainer, torchtitan, a plain loop)", "",
                   *table.read_text().strip().splitlines(), ""]
+protocol = work / "protocol_techniques.log"
+if protocol.exists():
+    lines += ["## Technique plan, statistical (protocol/plans/gpu_techniques.toml)", "", "```",
+              *protocol.read_text().strip().splitlines()[-40:], "```", ""]
 docmask = out / "document_masking.log"
 if docmask.exists():
     text = docmask.read_text().splitlines()
@@ -356,6 +368,7 @@ declare -A LIMIT=(
   [side_by_side_1b]=${GPU_SUITE_SIDE_BY_SIDE_1B_S:-240}
   [side_by_side_8b]=${GPU_SUITE_SIDE_BY_SIDE_8B_S:-200}
   [document_masking]=${GPU_SUITE_MASKING_S:-110}
+  [protocol_techniques]=${GPU_SUITE_PROTOCOL_S:-330}
   [estimate_1b]=${GPU_SUITE_ESTIMATE_S:-70}
   [bench_1b]=${GPU_SUITE_1B_S:-80}
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
@@ -363,7 +376,8 @@ declare -A LIMIT=(
 OPTIONAL=" estimate_1b bench_1b bench_1b_eager "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
-PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking estimate_1b bench_1b bench_1b_eager})
+PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking protocol_techniques estimate_1b
+       bench_1b bench_1b_eager})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
 done
@@ -375,6 +389,8 @@ MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
 # The side-by-side comparison (benchmarks/side_by_side.py): this trainer, torchtitan and a plain loop.
 SIDE_BY_SIDE_1B=(--shape 1B --seq-len 2048 --local-batch 4 --modes compile --ac selective --run-timeout 130)
+# The technique plan in statistical mode (compile and AC full must pass, a 5% higher lr must fail).
+PROTOCOL=(run --compare)
 SIDE_BY_SIDE_8B=(--shape 8B-L8 --seq-len 2048 --local-batch 2 --modes compile --ac selective --run-timeout 150)
 if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   say "CPU smoke run (GPU_SUITE_CPU_SMOKE=1): no GPU is used"
@@ -388,8 +404,9 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   SIDE_BY_SIDE_1B=(--dry-run)
   # A shared CPU is slower than any GPU at these parts: three times each GPU limit (unless set).
   for part in "${!LIMIT[@]}"; do LIMIT[$part]=$(( LIMIT[$part] * 3 )); done
-  (( BUDGET < 1500 )) && [ -z "${GPU_SUITE_BUDGET_S:-}" ] && BUDGET=1500
+  [ -z "${GPU_SUITE_BUDGET_S:-}" ] && BUDGET=$(( BUDGET * 3 ))
   SIDE_BY_SIDE_8B=(--dry-run --ac full)
+  PROTOCOL=(plan)  # expands and checks the plan; runs nothing
   # torchtitan is not among the project's dependencies: the dry run leaves it out where it is absent.
   if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchtitan') is None)"; then
     say "torchtitan is not installed: the side-by-side dry runs compare the trainer and the plain loop only"
@@ -451,6 +468,16 @@ part_document_masking() {
   run_part document_masking "${LIMIT[document_masking]}" "$(after document_masking)" \
     "$OUT_DIR/document_masking.log" env NGPU=1 "$PYTHON" benchmarks/document_masking.py "${MASKING[@]}"
   tail -n 4 "$OUT_DIR/document_masking.log"
+}
+
+# --- the technique plan, judged statistically --------------------------------------------------
+part_protocol_techniques() {
+  # The plan with its output in the scratch folder: a run of the suite leaves the user's
+  # outputs/protocol/gpu_techniques alone.
+  sed "s|^output = .*|output = \"$WORK/protocol_out\"|" protocol/plans/gpu_techniques.toml >"$WORK/gpu_techniques.toml"
+  run_part protocol_techniques "${LIMIT[protocol_techniques]}" "$(after protocol_techniques)" \
+    "$WORK/protocol_techniques.log" "$PYTHON" -m protocol.cli "${PROTOCOL[0]}" "$WORK/gpu_techniques.toml" "${PROTOCOL[@]:1}"
+  tail -n 20 "$WORK/protocol_techniques.log"
 }
 
 # --- the memory estimator against the allocator's peak of a real 1B run ----------------------------
