@@ -3,7 +3,8 @@
 Whatever the layout, a step computes the loss of ARCHITECTURE invariant 2: each rank adds the
 cross-entropy sums of its tokens divided by the number of target tokens of the whole global batch.
 Context-parallel ranks first keep their part of every sequence; the pipeline, when there is one,
-runs the microbatches through the stages; a vocabulary-sharded loss runs inside loss_parallel.
+runs the microbatches of all accumulation steps through the stages in one schedule step; a
+vocabulary-sharded loss runs inside loss_parallel.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trainer.parallel.compile import compile_loss
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline, StageShapes
+from trainer.parallel.stages import accumulation_steps
 from trainer.parallel.tensor import loss_context
 from trainer.parallel.tied import TiedEmbeddings
 
@@ -51,7 +53,7 @@ class StepRunner:
         self.cross_entropy_sum = compile_loss(cross_entropy_sum, config.compile.backend) if loss_compiled \
             else cross_entropy_sum
         # Gradient accumulation: the all-reduce across replicas (HSDP, DDP) runs once, after the
-        # last microbatch; see `_all_reduce_only_after`.
+        # last microbatch; see `_all_reduce_only_after` (under PP the one schedule step does it).
         self.replicated_roots = [stage for stage in parallel.stages.values() if isinstance(stage, FSDPModule)] \
             if dims.dp_replicate > 1 else []
         # Document masking (training.document_masking): the EOS id that ends each document.
@@ -62,7 +64,10 @@ class StepRunner:
         if parallel.stage_plan is not None and self.model.args.tie_embeddings:
             self.tied = TiedEmbeddings(parallel.stages, parallel.stage_plan, mesh.world)
         if parallel.stage_plan is not None:
-            n_microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+            # One schedule step per optimizer step: the pipeline microbatches of every accumulation step.
+            t = config.training
+            n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size * accumulation_steps(
+                t.global_batch_size, t.local_batch_size, dims.dp)
             self.pipeline = Pipeline(parallel.stages, parallel.stage_plan, mesh["pp"], device, n_microbatches,
                                      MicrobatchLoss(self._loss_sum), stage_shapes(config, dims, self.model.args, device))
 
@@ -93,17 +98,28 @@ class StepRunner:
         denominator = global_targets if loss_scale is None else global_targets / loss_scale
         share = torch.zeros((), device=self.device)
         with loss_context(self.loss_parallel):
-            for index, (inputs, labels, documents) in enumerate(microbatches):
-                with self._all_reduce_only_after(last=index == len(microbatches) - 1):
-                    if self.pipeline is not None:
-                        share += self.pipeline.forward_backward(inputs, labels, denominator)
-                        continue
-                    loss = self._loss_sum(self.model(inputs, documents), labels) / denominator
-                    loss.backward()
-                    share += loss.detach()
+            if self.pipeline is not None:
+                share += self._pipeline_forward_backward(microbatches, denominator)
+            else:
+                for index, (inputs, labels, documents) in enumerate(microbatches):
+                    with self._all_reduce_only_after(last=index == len(microbatches) - 1):
+                        loss = self._loss_sum(self.model(inputs, documents), labels) / denominator
+                        loss.backward()
+                        share += loss.detach()
         if self.tied is not None:
             self.tied.sum_gradients()
         return share if loss_scale is None else share / loss_scale
+
+    def _pipeline_forward_backward(self, microbatches, denominator) -> torch.Tensor:
+        """All accumulation steps in one schedule step: their local batches, one after the other
+        along the batch dimension, are cut into the same pipeline microbatches as each alone, each
+        with the loss of invariant 2; the bubble and FSDP's gradient reduction (the all-reduce
+        across replicas included) come once per optimizer step, not once per accumulation step.
+        Document masking is refused under PP (the later stages never see the tokens): no indices."""
+        assert all(documents is None for _, _, documents in microbatches)
+        inputs = torch.cat([inputs for inputs, _, _ in microbatches])
+        labels = torch.cat([labels for _, labels, _ in microbatches])
+        return self.pipeline.forward_backward(inputs, labels, denominator)
 
     @contextlib.contextmanager
     def _all_reduce_only_after(self, last: bool):

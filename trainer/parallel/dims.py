@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config.manager import ConfigError
-from trainer.parallel.stages import (V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, check_microbatches,
-                                     plan_stages)
+from trainer.parallel.stages import (V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, StageError, StagePlan, accumulation_steps,
+                                     check_microbatches, plan_stages)
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -243,7 +243,8 @@ def pipeline_problems(config, dims: ParallelDims) -> list[str]:
     try:
         plan = stage_plan(config, dims)
         check_microbatches(p.pipeline_parallel_schedule, c.training.local_batch_size,
-                           p.pipeline_parallel_microbatch_size, dims.pp, plan.num_stages)
+                           p.pipeline_parallel_microbatch_size, dims.pp, plan.num_stages,
+                           accumulation_steps(c.training.global_batch_size, c.training.local_batch_size, dims.dp))
     except StageError as e:
         return [str(e)]
     problems = []
@@ -256,6 +257,12 @@ def pipeline_problems(config, dims: ParallelDims) -> list[str]:
         problems.append("validation.local_batch_size / validation.seq_len: under pipeline parallelism validation runs "
                         "through the training pipeline, so they must equal training.local_batch_size "
                         f"({c.training.local_batch_size}) and training.seq_len ({c.training.seq_len})")
+    elif c.validation.enable:  # validation runs one local batch per schedule step, without accumulation
+        try:
+            check_microbatches(p.pipeline_parallel_schedule, c.training.local_batch_size,
+                               p.pipeline_parallel_microbatch_size, dims.pp, plan.num_stages)
+        except StageError as e:
+            problems.append(f"validation.enable: validation runs one local batch per pipeline schedule step: {e}")
     if c.training.document_masking:
         problems.append("training.document_masking: not available with pipeline parallelism (the stages after the "
                         "first do not see the tokens that mark documents); set pipeline_parallel_degree 1 or turn it off")

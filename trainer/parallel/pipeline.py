@@ -5,10 +5,12 @@ which blocks each stage holds and which PP rank runs it). A stage is a copy of t
 modules it does not own removed, so its parameters keep their original names: checkpoints,
 initialization and the optimizer see the same names whatever the pipeline layout.
 
-The schedule runs the microbatches of one local batch through the stages and calls the loss on
-the last stage for each microbatch. The loss of a microbatch is its cross-entropy sum divided by
-the global token count (invariant 2), so the schedule must not scale gradients again
-(scale_grads=False), and the sum of the microbatch losses is this rank's share of the global loss.
+The schedule runs the microbatches of one optimizer step (the local batches of all its
+gradient-accumulation steps, one after the other) through the stages in one schedule step and
+calls the loss on the last stage for each microbatch. The loss of a microbatch is its
+cross-entropy sum divided by the global token count (invariant 2), so the schedule must not
+scale gradients again (scale_grads=False), and the sum of the microbatch losses is this rank's
+share of the global loss.
 """
 
 from __future__ import annotations
@@ -97,23 +99,45 @@ class StageShapes:
 
 
 class Pipeline:
-    """The stages of this PP rank and the schedule that drives them."""
+    """The stages of this PP rank and the schedules that drive them.
+
+    Training runs every pipeline microbatch of an optimizer step, from all its accumulation steps,
+    in one schedule step (`n_microbatches` of them), so the bubble and FSDP's gradient reduction
+    (reduce-scatter, and the all-reduce across replicas under HSDP and DDP) come once per step.
+    Validation runs one local batch at a time: when that is fewer microbatches than a training
+    step, it gets a schedule of its own over the same modules (torch's stages keep per-microbatch
+    buffers, so a schedule and its stages serve one microbatch count)."""
 
     def __init__(self, stages: dict[int, nn.Module], plan: StagePlan, pp_mesh, device: torch.device,
                  n_microbatches: int, loss: MicrobatchLoss, shapes: StageShapes):
-        self.plan, self.loss = plan, loss
-        group = pp_mesh.get_group()
-        pipeline_stages = []
-        for index, module in sorted(stages.items()):
-            inputs, outputs = shapes.of_stage(index, plan.num_stages)
-            pipeline_stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
-                                                 output_args=outputs, group=group))
+        self.plan, self.loss, self.shapes = plan, loss, shapes
+        self.modules, self.group, self.device = stages, pp_mesh.get_group(), device
         self.has_first_stage = 0 in stages
         self.has_last_stage = plan.num_stages - 1 in stages
+        self.n_microbatches = n_microbatches
+        self.schedule = self._build_schedule(n_microbatches)
+        self._schedules = {n_microbatches: self.schedule}  # microbatch count -> schedule
+
+    def _build_schedule(self, n_microbatches: int):
+        plan = self.plan
+        pipeline_stages = []
+        for index, module in sorted(self.modules.items()):
+            inputs, outputs = self.shapes.of_stage(index, plan.num_stages)
+            pipeline_stages.append(PipelineStage(module, index, plan.num_stages, self.device, input_args=inputs,
+                                                 output_args=outputs, group=self.group))
         schedule_class = get_schedule_class(plan.schedule)
         owned = pipeline_stages[0] if plan.schedule in SINGLE_STAGE_SCHEDULES else pipeline_stages
-        self.schedule = schedule_class(owned, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-        assert isinstance(self.schedule, PipelineScheduleSingle) == (plan.schedule in SINGLE_STAGE_SCHEDULES)
+        schedule = schedule_class(owned, n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
+        assert isinstance(schedule, PipelineScheduleSingle) == (plan.schedule in SINGLE_STAGE_SCHEDULES)
+        return schedule
+
+    def _schedule_for(self, rows: int):
+        n = rows // self.shapes.microbatch
+        if rows % self.shapes.microbatch or n < 1:
+            raise ValueError(f"{rows} sequences are not whole pipeline microbatches of {self.shapes.microbatch}")
+        if n not in self._schedules:
+            self._schedules[n] = self._build_schedule(n)
+        return self._schedules[n]
 
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
         self.loss.denominator = denominator
@@ -127,11 +151,15 @@ class Pipeline:
         return total
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
-        """Train on one local batch; returns the sum of its microbatch losses on the rank with the
-        last stage, zero elsewhere."""
+        """Train on the local batches of one optimizer step, concatenated along the batch dimension
+        (`n_microbatches` pipeline microbatches, in one schedule step); returns the sum of their
+        microbatch losses on the rank with the last stage, zero elsewhere."""
+        if labels.shape[0] != self.n_microbatches * self.shapes.microbatch:
+            raise ValueError(f"the pipeline trains on {self.n_microbatches} microbatches of {self.shapes.microbatch} "
+                             f"sequences per step, got {labels.shape[0]} sequences")
         return self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, labels, denominator)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy sum of one local batch (forward only), on the rank with the last stage."""
-        return self._run(self.schedule.eval, inputs, labels, 1.0)
+        return self._run(self._schedule_for(labels.shape[0]).eval, inputs, labels, 1.0)

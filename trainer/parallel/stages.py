@@ -120,24 +120,39 @@ def check_stage_count(num_stages: int, pp: int, schedule: str, layers_per_stage:
                          f"({2 * pp} stages); leave it unset")
 
 
-def check_microbatches(schedule: str, local_batch_size: int, microbatch_size: int, pp: int, num_stages: int) -> int:
-    """The number of pipeline microbatches per local batch, or StageError naming the fix."""
+def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
+    """Local batches per data-parallel rank and optimizer step (global_batch_size -1: one). A global
+    batch that is not a multiple of local x dp is the preflight's to refuse; it counts as one here."""
+    per_pass = local_batch_size * dp
+    if global_batch_size <= 0 or per_pass <= 0 or global_batch_size % per_pass:
+        return 1
+    return global_batch_size // per_pass
+
+
+def check_microbatches(schedule: str, local_batch_size: int, microbatch_size: int, pp: int, num_stages: int,
+                       accumulation_steps: int = 1) -> int:
+    """The number of pipeline microbatches of one optimizer step, or StageError naming the fix.
+
+    Each local batch is cut into pipeline microbatches, and the local batches of all accumulation
+    steps go through the pipeline in one schedule step, so what the schedule must accept is
+    local_batch_size / microbatch_size x accumulation_steps microbatches."""
     if microbatch_size < 1 or local_batch_size % microbatch_size:
         raise StageError(
             f"training.local_batch_size={local_batch_size} is not a multiple of "
             f"parallelism.pipeline_parallel_microbatch_size={microbatch_size}")
-    n = local_batch_size // microbatch_size
+    n = local_batch_size // microbatch_size * accumulation_steps
+    gives = (f"training.local_batch_size={local_batch_size} / pipeline_parallel_microbatch_size={microbatch_size}"
+             + (f" x {accumulation_steps} accumulation steps" if accumulation_steps > 1 else "") + f" gives {n}")
     need = {"1F1B": pp, "Interleaved1F1B": pp, "InterleavedZeroBubble": pp,
             "ZBVZeroBubble": num_stages, "DualPipeV": num_stages}.get(schedule, 1)
     if n < need:
+        local_needed = -(-need // accumulation_steps) * microbatch_size
         raise StageError(
             f"{schedule} with {pp} PP ranks and {num_stages} stages needs at least {need} microbatches, but "
-            f"training.local_batch_size={local_batch_size} / pipeline_parallel_microbatch_size={microbatch_size} "
-            f"gives {n}; raise the local batch size to {need * microbatch_size} or lower the microbatch size")
+            f"{gives}; raise the local batch size to {local_needed} or lower the microbatch size")
     rounds = max(1, n // pp)
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n % rounds:
         raise StageError(
             f"{schedule} runs the microbatches in {rounds} equal rounds ({n} // PP degree {pp}), but "
-            f"training.local_batch_size={local_batch_size} / pipeline_parallel_microbatch_size={microbatch_size} "
-            f"gives {n}; use a multiple of {pp} microbatches")
+            f"{gives}; use a multiple of {pp} microbatches")
     return n
