@@ -89,6 +89,28 @@ def test_microbatches_schedules_refuse(schedule, local, micro, pp, stages, messa
         check_microbatches(schedule, local, micro, pp, stages)
 
 
+def test_microbatches_of_all_accumulation_steps_count_together():
+    """The accumulation steps of an optimizer step share one schedule step: its microbatches are
+    local / microbatch size x accumulation steps, and the schedule's rules apply to that number."""
+    assert check_microbatches("1F1B", 1, 1, 2, 2, accumulation_steps=2) == 2
+    assert check_microbatches("Interleaved1F1B", 2, 1, 2, 4, accumulation_steps=3) == 6
+    with pytest.raises(StageError, match="needs at least 4 microbatches, but training.local_batch_size=1 / "
+                       "pipeline_parallel_microbatch_size=1 x 2 accumulation steps gives 2; raise the local batch "
+                       "size to 2"):
+        check_microbatches("1F1B", 1, 1, 4, 4, accumulation_steps=2)
+    with pytest.raises(StageError, match="in 4 equal rounds .* x 3 accumulation steps gives 9"):
+        check_microbatches("Interleaved1F1B", 3, 1, 2, 4, accumulation_steps=3)  # 3 alone would be one round
+
+
+def test_pipeline_accumulation_in_the_layout_check():
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1"]
+    assert problems(4, *pp2, "--training.global_batch_size", "4") == []  # 2 accumulation steps: 2 microbatches
+    # Validation runs one local batch (one microbatch here) per schedule step, which 1F1B at PP 2 refuses.
+    found = problems(4, *pp2, "--training.global_batch_size", "4", "--validation.enable")
+    assert any(p.startswith("validation.enable: validation runs one local batch per pipeline schedule step: 1F1B "
+                            "with 2 PP ranks and 2 stages needs at least 2 microbatches") for p in found), found
+
+
 # ---------------------------------------------------------------------------------------------
 # Layout against model, batch and options
 
