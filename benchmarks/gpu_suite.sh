@@ -19,6 +19,8 @@
 #   bench_1b             optional: the 1B flavor (tied), bf16, compile, 30 steps: tokens/s,
 #                        TFLOPS, MFU and memory from its metrics.jsonl
 #   bench_1b_eager       optional: the same without compile (compile's speed-up)
+#   profile_1b           optional: benchmarks/profile_step.py on the side-by-side 1B case: ms per
+#                        phase, the kernels with the most device time, a Chrome trace
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
 # that fails or times out is recorded and the suite goes on. The whole suite keeps within
@@ -313,6 +315,10 @@ for name, title in (("side_by_side_1b", "1B"), ("side_by_side_8b", "8B cut to 8 
     if table.exists():
         lines += [f"## Side by side, {title} (benchmarks/side_by_side.py: this trainer, torchtitan, a plain loop)", "",
                   *table.read_text().strip().splitlines(), ""]
+profile = work / "profile_1b.log"
+if profile.exists():
+    rows = [line for line in profile.read_text().splitlines() if line.startswith(("|", "model FLOP/s", "1B", "debugmodel"))]
+    lines += ["## Where the trainer's 1B step goes (benchmarks/profile_step.py)", "", *rows, ""]
 protocol = work / "protocol_techniques.log"
 if protocol.exists():
     lines += ["## Technique plan, statistical (protocol/plans/gpu_techniques.toml)", "", "```",
@@ -372,12 +378,13 @@ declare -A LIMIT=(
   [estimate_1b]=${GPU_SUITE_ESTIMATE_S:-70}
   [bench_1b]=${GPU_SUITE_1B_S:-80}
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
+  [profile_1b]=${GPU_SUITE_PROFILE_S:-120}
 )
-OPTIONAL=" estimate_1b bench_1b bench_1b_eager "
+OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
 PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking protocol_techniques estimate_1b
-       bench_1b bench_1b_eager})
+       bench_1b bench_1b_eager profile_1b})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
 done
@@ -387,6 +394,10 @@ TESTS=(tests/cuda)
 MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
 MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
+# Where the trainer's 1B step spends its time: the side-by-side 1B case, phase by phase and by kernel.
+PROFILE=(--steps 10 --top 25 --model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4
+         --training.mixed_precision_param bfloat16 --compile.enable --activation_checkpoint.mode selective
+         --activation_checkpoint.selective_ac_option 2 --optimizer.implementation fused --optimizer.lr 1e-4)
 # The side-by-side comparison (benchmarks/side_by_side.py): this trainer, torchtitan and a plain loop.
 SIDE_BY_SIDE_1B=(--shape 1B --seq-len 2048 --local-batch 4 --modes compile --ac selective --run-timeout 130)
 # The technique plan in statistical mode (compile and AC full must pass, a 5% higher lr must fail).
@@ -401,6 +412,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
+  PROFILE=(--steps 2 --top 5 --model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   SIDE_BY_SIDE_1B=(--dry-run)
   # A shared CPU is slower than any GPU at these parts: three times each GPU limit (unless set).
   for part in "${!LIMIT[@]}"; do LIMIT[$part]=$(( LIMIT[$part] * 3 )); done
@@ -485,6 +497,16 @@ part_estimate_1b() {
   run_part estimate_1b "${LIMIT[estimate_1b]}" "$(after estimate_1b)" "$WORK/estimate_1b.log" \
     "$PYTHON" benchmarks/estimate_vs_device.py "${ESTIMATE[@]}"
   grep -E '^\|' "$WORK/estimate_1b.log" | tail -n 3
+}
+
+# --- a profile of the trainer's 1B step -------------------------------------------------------------
+part_profile_1b() {
+  run_part profile_1b "${LIMIT[profile_1b]}" "$(after profile_1b)" "$WORK/profile_1b.log" \
+    env NGPU=1 "$PYTHON" benchmarks/profile_step.py "${PROFILE[@]}" --trace "$WORK/profile_1b_trace.json"
+  grep -E '^\|' "$WORK/profile_1b.log" | head -n 12
+  if [ -f "$WORK/profile_1b_trace.json" ]; then  # for chrome://tracing or Perfetto
+    gzip -c "$WORK/profile_1b_trace.json" >"$OUT_DIR/profile_1b_trace.json.gz" && rm "$WORK/profile_1b_trace.json"
+  fi
 }
 
 for part in "${PARTS[@]}"; do

@@ -45,14 +45,23 @@ def phases(trainer: Trainer):
     ]
 
 
-def matmul_flops_per_s(size: int = 2048, repeats: int = 10) -> float:
-    """Sustained float32 FLOP/s of one size x size matmul with torch's threads."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_flops_per_s(device: torch.device, size: int, dtype: torch.dtype, repeats: int = 10) -> float:
+    """Sustained FLOP/s of one size x size matmul on `device` (the CPU: with torch's threads)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm up
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device: on a GPU a phase's time is its kernels', not their launch's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -60,12 +69,14 @@ def main() -> None:
     parser.add_argument("--config", default="debug_model.toml", help="training config (default debug_model.toml)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--top", type=int, default=12, help="operators to list")
+    parser.add_argument("--trace", help="also write the profiled steps as a Chrome trace (JSON) to this file")
     args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as dump:
         config = load_config(["--job.config_file", args.config, "--training.steps", str(2 * args.steps + 3),
                               "--job.dump_folder", dump, *overrides])
         trainer = Trainer(config, plan_run(config, 1))
+        device = trainer.device
         steps = phases(trainer)
         for _ in range(3):  # warm up
             for _, run in steps:
@@ -75,29 +86,38 @@ def main() -> None:
             for name, run in steps:
                 start = time.perf_counter()
                 run()
+                synchronize(device)
                 spent[name] += time.perf_counter() - start
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
             for _ in range(args.steps):
                 for _, run in steps:
                     run()
+            synchronize(device)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         trainer.close()
 
     total = sum(spent.values())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"{config.model.flavor}, batch {config.training.local_batch_size} x {config.training.seq_len}, "
-          f"1 process, {torch.get_num_threads()} threads, {args.steps} steps; {machine()}")
+          f"1 process, {where}, {args.steps} steps; {machine()}")
     rows = [[name, f"{1000 * t / args.steps:.2f}", f"{100 * t / total:.1f}"] for name, t in spent.items()]
     rows.append(["step", f"{1000 * total / args.steps:.2f}", "100.0"])
     print(table(["phase", "ms/step", "%"], rows))
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
-    profiled = sum(e.self_cpu_time_total for e in prof.key_averages())
-    print(table(["operator (self time)", "ms/step", "%", "calls/step"],
-                [[e.key[:60], f"{e.self_cpu_time_total / 1000 / args.steps:.2f}",
-                  f"{100 * e.self_cpu_time_total / profiled:.1f}", f"{e.count / args.steps:g}"] for e in events]))
+    # On a GPU the operators are ranked by their kernels' time, on a CPU by their own host time.
+    own = ((lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total))
+    events = sorted(prof.key_averages(), key=lambda e: -own(e))[:args.top]
+    profiled = sum(own(e) for e in prof.key_averages()) or 1
+    print(table([f"operator (self {'device' if device.type == 'cuda' else 'CPU'} time)", "ms/step", "%", "calls/step"],
+                [[e.key[:60], f"{own(e) / 1000 / args.steps:.2f}",
+                  f"{100 * own(e) / profiled:.1f}", f"{e.count / args.steps:g}"] for e in events]))
     tokens = config.training.local_batch_size * config.training.seq_len
     shapes = configured_model_args(config.model)
     model_flops = flops_per_token(shapes, config.training.seq_len) * tokens * args.steps / total
-    peak = matmul_flops_per_s()
-    print(f"model FLOP/s of the step {model_flops / 1e9:.1f} G; a 2048 x 2048 float32 matmul here "
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    peak = matmul_flops_per_s(device, size, dtype)
+    print(f"model FLOP/s of the step {model_flops / 1e9:.1f} G; a {size} x {size} {str(dtype)[6:]} matmul here "
           f"{peak / 1e9:.1f} G; ratio {100 * model_flops / peak:.1f}%")
 
 
