@@ -21,6 +21,8 @@
 #   bench_1b_eager       optional: the same without compile (compile's speed-up)
 #   profile_1b           optional: benchmarks/profile_step.py on the side-by-side 1B case: ms per
 #                        phase, the kernels with the most device time, a Chrome trace
+#   offload_1b           optional: benchmarks/strategies.py, 1B on one GPU: FSDP with and without
+#                        CPU offload (time per step, peak memory)
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
 # that fails or times out is recorded and the suite goes on. The whole suite keeps within
@@ -319,6 +321,10 @@ profile = work / "profile_1b.log"
 if profile.exists():
     rows = [line for line in profile.read_text().splitlines() if line.startswith(("|", "model FLOP/s", "1B", "debugmodel"))]
     lines += ["## Where the trainer's 1B step goes (benchmarks/profile_step.py)", "", *rows, ""]
+offload = work / "offload_1b.log"
+if offload.exists():
+    rows = [line for line in offload.read_text().splitlines() if line.startswith(("|", "1 processes"))]
+    lines += ["## FSDP with and without CPU offload, one GPU (benchmarks/strategies.py)", "", *rows, ""]
 protocol = work / "protocol_techniques.log"
 if protocol.exists():
     lines += ["## Technique plan, statistical (protocol/plans/gpu_techniques.toml)", "", "```",
@@ -379,12 +385,13 @@ declare -A LIMIT=(
   [bench_1b]=${GPU_SUITE_1B_S:-80}
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
   [profile_1b]=${GPU_SUITE_PROFILE_S:-120}
+  [offload_1b]=${GPU_SUITE_OFFLOAD_S:-150}
 )
-OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b "
+OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
 PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking protocol_techniques estimate_1b
-       bench_1b bench_1b_eager profile_1b})
+       bench_1b bench_1b_eager profile_1b offload_1b})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
 done
@@ -394,6 +401,8 @@ TESTS=(tests/cuda)
 MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
 MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
+# FSDP with and without CPU offload on one GPU (the strategies table's GPU row).
+OFFLOAD=(--flavor 1B --nproc 1 --only FSDP --ac none --seq-len 2048 --steps 6)
 # Where the trainer's 1B step spends its time: the side-by-side 1B case, phase by phase and by kernel.
 PROFILE=(--steps 10 --top 25 --model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4
          --training.mixed_precision_param bfloat16 --compile.enable --activation_checkpoint.mode selective
@@ -412,6 +421,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
+  OFFLOAD=(--flavor debugmodel --nproc 1 --only FSDP --ac none --seq-len 128 --steps 3)
   PROFILE=(--steps 2 --top 5 --model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   SIDE_BY_SIDE_1B=(--dry-run)
   # A shared CPU is slower than any GPU at these parts: three times each GPU limit (unless set).
@@ -507,6 +517,13 @@ part_profile_1b() {
   if [ -f "$WORK/profile_1b_trace.json" ]; then  # for chrome://tracing or Perfetto
     gzip -c "$WORK/profile_1b_trace.json" >"$OUT_DIR/profile_1b_trace.json.gz" && rm "$WORK/profile_1b_trace.json"
   fi
+}
+
+# --- FSDP with and without CPU offload ---------------------------------------------------------------
+part_offload_1b() {
+  run_part offload_1b "${LIMIT[offload_1b]}" "$(after offload_1b)" "$WORK/offload_1b.log" \
+    "$PYTHON" benchmarks/strategies.py "${OFFLOAD[@]}"
+  grep -E '^\|' "$WORK/offload_1b.log" | tail -n 5
 }
 
 for part in "${PARTS[@]}"; do
