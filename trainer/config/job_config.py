@@ -325,9 +325,10 @@ class Parallelism:
     """Layers fewer on the last stage, to make room for the output projection and loss."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline microbatch; local_batch_size must be a multiple. 1F1B and the
-    interleaved schedules need at least pipeline_parallel_degree microbatches, the V schedules at
-    least 2 x pipeline_parallel_degree."""
+    """Sequences per pipeline microbatch; local_batch_size must be a multiple. The microbatches of
+    all gradient-accumulation steps run in one schedule step: 1F1B and the interleaved schedules
+    need at least pipeline_parallel_degree of them per step, the V schedules at least 2 x
+    pipeline_parallel_degree."""
 
     context_parallel_degree: int = 1
     """Context parallel degree: each rank holds 1/degree of every sequence (two chunks of
