@@ -1,6 +1,8 @@
 """Context-parallel attention over 2 gloo processes equals causal attention of the whole sequence,
 in the forward and in the gradients of queries, keys and values (GQA: 4 query heads, 2 K/V heads).
-The gathered keys and values are kept for backward once, not once per query head."""
+Backward keeps this rank's keys and values with their 2 heads and nothing of the whole sequence
+(the ring attention of trainer/parallel/ring_attention.py; CP 4 and float32 in
+tests/unit/test_ring_attention.py)."""
 
 from __future__ import annotations
 
@@ -59,8 +61,9 @@ def test_cp_attention_matches_full_sequence_attention(tmp_path, with_documents):
 
     for rank in range(CP):
         cp_out, dq, dk, dv, positions, saved_shapes = results[rank]
-        # The attention kernel keeps the whole sequence's K and V with their 2 heads, not 4 copies.
-        assert (B, KV_HEADS, T, DIM) in saved_shapes and (B, HEADS, T, DIM) not in saved_shapes
+        # Backward keeps the local K and V with their 2 heads, not 4 copies, and nothing of length T.
+        assert (B, T // CP, KV_HEADS, DIM) in saved_shapes and (B, T // CP, HEADS, DIM) in saved_shapes
+        assert not any(T in shape for shape in saved_shapes if shape != (B, T)), saved_shapes  # (B, T): documents
         torch.testing.assert_close(positions, torch.cat([torch.arange(rank * 4, rank * 4 + 4),
                                                          torch.arange((3 - rank) * 4, (4 - rank) * 4)]))
         torch.testing.assert_close(cp_out, shard_sequence(out.detach(), rank, CP), rtol=1e-12, atol=1e-12)
