@@ -2,10 +2,12 @@
 
 With bfloat16 parameters and `mixed_precision_reduce = "float32"`, no gradient is summed in
 bfloat16: not FSDP's reduce-scatter, not TP's all-reduce of the (replicated) RMSNorm weights, not
-CP's reduce-scatter of the key/value gradients. All-gathers of bf16 weights and activations, and
-TP's reduce-scatters of bf16 activations (their sums are the forward's own output), are expected.
-Selective activation checkpointing (op) under CP keeps the key/value all-gathers' outputs, so a
-step runs as many all-gathers as without checkpointing, with the same gradients.
+CP's key/value gradient sums (they travel the ring inside CP's attention op, in the dtype the
+layers are given here; tests/unit/test_ring_attention.py checks the messages themselves).
+All-gathers of bf16 weights and activations, and TP's reduce-scatters of bf16 activations (their
+sums are the forward's own output), are expected. Selective activation checkpointing (op) under
+CP keeps the ring attention's outputs, so a step runs the ring as often as without checkpointing,
+with the same gradients.
 
 The model is the tiny Llama (4 layers, 4 heads, 2 KV heads), built and parallelized by
 trainer.parallel.parallelize from a config, as the trainer does.
@@ -61,15 +63,17 @@ def one_step(overrides: list[str]) -> tuple[Counter, dict[str, torch.Tensor]]:
     with CountCollectives() as log:
         model(tokens).float().logsumexp(-1).mean().backward()
     grads = {name: p.grad.full_tensor().float() for name, p in model.named_parameters()}
-    return log.counts, grads
+    cp_reduce = {block.attention.core.reduce_dtype for block in model.layers.values() if dims.cp > 1}
+    return log.counts, grads, cp_reduce
 
 
 def run_rank(rank: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     for name, overrides in SCENARIOS.items():
-        counts, grads = one_step(overrides)
+        counts, grads, cp_reduce = one_step(overrides)
         if rank == 0:
             results[name] = (counts, grads)
+            results[(name, "cp reduce dtype")] = cp_reduce
     dist.destroy_process_group()
     exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
 
@@ -104,20 +108,26 @@ def test_tp_reduces_the_norm_weight_gradients_in_float32(steps):
                                   ("reduce_scatter_tensor", "bfloat16"): 18}
 
 
-def test_cp_reduce_scatters_key_value_gradients_in_float32(steps):
+def test_cp_sums_key_value_gradients_in_float32(steps):
     counts, _ = steps["CP2 bf16"]
     show("CP2 bf16", counts)
-    # dK and dV of 4 layers (8) and FSDP's 5 units (4 blocks + the root), every one in float32.
-    assert reductions(counts) == {("_reduce_scatter_base_", "float32"): 13}
+    # FSDP's 5 units (4 blocks + the root), in float32; CP reduces nothing by collective: one ring
+    # op each way per layer, whose key/value gradient sums are float32.
+    assert reductions(counts) == {("_reduce_scatter_base_", "float32"): 5}
+    assert counts[("ring_attention", "bfloat16")] == 4 and counts[("ring_attention_backward", "bfloat16")] == 4
+    assert steps[("CP2 bf16", "cp reduce dtype")] == {torch.float32}
 
 
-def test_selective_ac_keeps_the_cp_key_value_gathers(steps):
+def test_selective_ac_keeps_the_cp_ring_outputs(steps):
     (plain, plain_grads), (ac, ac_grads) = steps["CP2"], steps["CP2 AC op"]
     show("CP2", plain)
     show("CP2 AC op", ac)
     gathers = {name: sum(n for (op, _), n in counts.items() if op in ALL_GATHERS)
                for name, counts in (("plain", plain), ("ac", ac))}
-    # FSDP: 5 units in forward + 4 re-gathered in backward (the last block stays); CP: K and V of 4 layers.
-    assert gathers == {"plain": 17, "ac": 17}
+    # FSDP: 5 units in forward + 4 re-gathered in backward (the last block stays); CP gathers nothing.
+    assert gathers == {"plain": 9, "ac": 9}
+    # One ring forward per layer: the recompute takes the kept outputs instead of a second ring.
+    for counts in (plain, ac):
+        assert counts[("ring_attention", "float32")] == 4 and counts[("ring_attention_backward", "float32")] == 4
     for name, grad in plain_grads.items():
         torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=1e-6, msg=name)

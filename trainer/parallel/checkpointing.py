@@ -11,8 +11,10 @@ Modes (activation_checkpoint.mode):
 
 Only functional collectives (`_c10d_functional`, which return new tensors) can be kept: a blocking
 c10d call writes into a tensor it is given, and a recompute that skips it would leave that tensor
-unwritten. So the forward collectives inside blocks are functional: DTensor's (TP) and CP's
-key/value all-gather (trainer/parallel/context.py).
+unwritten. So the forward collectives inside blocks are functional: DTensor's (TP), and CP's ring
+attention is one custom op (`trainer::ring_attention`, trainer/parallel/ring_attention.py) whose
+outputs are kept whole: the recompute neither sends the keys and values around the ring again
+nor keeps any per-step partial result.
 
 The recompute runs inside the block's forward (`TransformerBlock.recompute`), so parameter names,
 FSDP units and pipeline stages are the same with and without it. Layer indices are global, so a
@@ -28,12 +30,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 
 def _ops_worth_saving() -> set:
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    import trainer.parallel.ring_attention  # noqa: F401  (registers torch.ops.trainer)
+
+    aten, c10d, ours = torch.ops.aten, torch.ops._c10d_functional, torch.ops.trainer
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"),
              (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
              (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
              (aten, "_scaled_dot_product_attention_math"),
-             (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor")]
+             (c10d, "reduce_scatter_tensor"), (c10d, "all_gather_into_tensor"), (ours, "ring_attention")]
     return {getattr(getattr(ns, name), "default") for ns, name in names if hasattr(ns, name)}
 
 

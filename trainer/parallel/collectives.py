@@ -23,6 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 NAMESPACES = ("c10d", "_c10d_functional")
+# CP's ring attention (trainer/parallel/ring_attention.py): its point-to-point hops run inside one
+# custom op each way, counted as one call of the `cp` group with the bytes its hops send.
+RING_OPS = ("ring_attention", "ring_attention_backward")
 NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # bookkeeping ops of those namespaces
 SYNC_OPS = ("reduce_scatter_tensor", "all_reduce", "reduce_scatter_", "allreduce_", "_reduce_scatter_base_")
 
@@ -69,10 +72,16 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         op = func.__name__.split(".")[0]
         result = func(*args, **(kwargs or {}))
-        if func.namespace in NAMESPACES and op not in NOT_COLLECTIVES:
+        ring = func.namespace == "trainer" and op in RING_OPS
+        if ring or (func.namespace in NAMESPACES and op not in NOT_COLLECTIVES):
             key = (self._dimension(args, kwargs), self._pass(), op)
             self.counts[key] += 1
-            self.bytes[key] += buffer_bytes(args, kwargs, result)
+            if ring:
+                from trainer.parallel.ring_attention import ring_bytes
+
+                self.bytes[key] += ring_bytes(op, args)
+            else:
+                self.bytes[key] += buffer_bytes(args, kwargs, result)
         return result
 
     def _dimension(self, args, kwargs) -> str:
