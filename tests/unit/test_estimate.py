@@ -102,3 +102,20 @@ def test_user_mistakes_get_one_clear_error(capsys):
     err = capsys.readouterr().err
     assert "--device-memmory: not an option of python -m trainer.estimate" in err
     assert err.rstrip().endswith("did you mean --device-memory?") and err.count("\n") == 1
+
+
+def test_context_parallel_estimates_with_the_ring_counted_as_cp_traffic():
+    # The ring attention runs as custom ops: on fake tensors they take their shapes from their fake
+    # implementations and send nothing, and each call counts the bytes its hops would send.
+    args = [*DEBUG, "--parallelism.context_parallel_degree", "2"]
+    config, _ = estimated_config(args)
+    [estimate] = estimate_kinds(args, 8, rank_kinds(plan_layout(config, 8).dims, None), steps=1)
+    model_args = configured_model_args(config.model)
+    cp = estimate.collectives["cp"]
+    assert cp["ring_attention"]["calls"] == cp["ring_attention_backward"]["calls"] == model_args.n_layers
+    # Per layer, forward: the stacked local K and V (2 x B x T/2 x H_kv x D float32) on 1 hop;
+    # backward: the same again, and their gradient sums on 2 hops.
+    kv = 2 * 2 * 64 * model_args.kv_heads * model_args.head_dim * 4
+    assert cp["ring_attention"]["bytes"] == model_args.n_layers * kv
+    assert cp["ring_attention_backward"]["bytes"] == model_args.n_layers * 3 * kv
+    assert estimate.step_peak.activations > 0
