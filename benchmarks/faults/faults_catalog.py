@@ -6,12 +6,12 @@ leaves a run that trains and logs normally: only the convergence protocol can te
   so the gradient of a replicated RMSNorm weight is a partial sum; this bug skips its all-reduce
   and every TP rank updates its copy with its own partial gradient (the copies drift apart).
 * cp_rope_unshifted: under context parallelism each rank rotates its queries and keys as if its
-  chunk started at position 0 (the mask still uses the true positions), so relative positions
-  between chunks are wrong.
-* cp_kv_grad_unreduced: under context parallelism each rank gathers every rank's keys and values
-  for its queries; in backward the gradients of those keys and values must be summed back to the
-  rank that owns them. This bug keeps only each rank's own contribution, so the key and value
-  projections miss the gradient from queries on other ranks.
+  chunk started at position 0 (the ring's masks still use the true positions), so relative
+  positions between chunks are wrong.
+* cp_kv_grad_unreduced: under context parallelism every rank's keys and values travel the ring
+  to the queries of the others; in backward their gradient shares must be summed on the way back
+  to the rank that owns them. This bug drops the sum carried so far at each hop, so an owner
+  receives one other rank's share only and the key and value projections miss the rest.
 * norm_counts_replicas: the global gradient norm counts a TP-replicated gradient once per TP rank
   instead of once, so the logged norm (and clipping, when it is active) is wrong while the
   gradients themselves are right.
@@ -39,33 +39,18 @@ def tp_norm_grad_unreduced() -> None:
 def cp_rope_unshifted() -> None:
     import torch
 
-    from trainer.models.llama3.model import grouped_query_attention
     from trainer.parallel import context
 
     def positions(self, local_len, device):
         return torch.arange(local_len, device=device)
 
-    def attend(self, q, k, v):
-        local_len, degree = q.shape[1], self.degree
-        k = context.GatherSequence.apply(k, self.group, self.reduce_dtype)
-        v = context.GatherSequence.apply(v, self.group, self.reduce_dtype)
-        true_queries = context.load_balanced_positions(self.rank, degree, local_len * degree, q.device)
-        true_keys = torch.cat([context.load_balanced_positions(r, degree, local_len * degree, q.device)
-                               for r in range(degree)])
-        return grouped_query_attention(q, k, v, attn_mask=true_queries[:, None] >= true_keys[None, :])
-
     context.ContextParallelAttention.positions = positions
-    context.ContextParallelAttention.__call__ = attend
 
 
 def cp_kv_grad_unreduced() -> None:
-    from trainer.parallel import context
+    from trainer.parallel import ring_attention
 
-    def backward(ctx, grad):
-        world, rank = context.dist.get_world_size(ctx.group), context.dist.get_rank(ctx.group)
-        return grad.unflatten(1, (world, -1)).select(1, rank).contiguous(), None, None
-
-    context.GatherSequence.backward = staticmethod(backward)
+    ring_attention.add_partial = lambda arrived, own: own
 
 
 def norm_counts_replicas() -> None:
