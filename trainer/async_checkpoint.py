@@ -45,10 +45,21 @@ def reusable_stager():
     if not pinned:
         logger.info("checkpoint.async_mode = 'async_with_pinned_mem': pinning needs CUDA; staging into "
                     "reused, unpinned CPU buffers")
+
+    class KeptStager(DefaultStager):
+        """DefaultStager whose CPU buffers outlive a save. torch 2.11's DefaultStager closes its
+        StateDictStager at the end of every stage (cached buffers and copy table cleared): nothing
+        would be reused, and the second save fails (KeyError: <class 'type'>). torch 2.13's keeps
+        them until close(), and with the options below (synchronous, blocking copies) its stage
+        is exactly this one: both releases run the same code."""
+
+        def _stage(self, state_dict, **kwargs):
+            return self._state_dict_stager.stage(state_dict, non_blocking=False)
+
     # Synchronous staging: the copy is complete when async_save returns, so the optimizer step
     # that follows cannot change what is saved. No shared memory: the writer is a thread.
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+    return KeptStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                     use_async_staging=False, use_non_blocking_copy=False))
 
 
 @dataclass
