@@ -266,7 +266,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor], g
     batch, local, heads, dim = q.shape
     chunk = local // 2
     acc = accumulation_dtype(q.dtype)
-    out_acc = torch.zeros((batch, heads, local, dim), dtype=acc, device=q.device)
+    out_acc = torch.zeros((batch, local, heads, dim), dtype=acc, device=q.device)  # q's layout, as the fake
     lse_acc = torch.full((batch, heads, local), float("-inf"), dtype=acc, device=q.device)
     queries = _heads_first(q)
     kv = torch.stack([k, v])  # one buffer: one message per hop
@@ -276,10 +276,10 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor], g
         for call in block_calls(rank, ring_source(rank, step, degree), degree, chunk, documents):
             out, lse = pair_forward(queries[:, :, call.q_rows], keys[:, :, call.k_rows], values[:, :, call.k_rows],
                                     call.causal, call.mask)
-            merge(out_acc, lse_acc, call.q_rows, out, lse)
+            merge(_heads_first(out_acc), lse_acc, call.q_rows, out, lse)
         if hop is not None:
             [kv] = hop.wait()
-    return _heads_first(out_acc).to(q.dtype).contiguous(), lse_acc
+    return out_acc.to(q.dtype), lse_acc
 
 
 def add_partial(arrived: Tensor, own: Tensor) -> Tensor:
@@ -297,7 +297,7 @@ def ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: 
     chunk = local // 2
     acc = accumulation_dtype(q.dtype)
     reduce = reduce_dtype or k.dtype
-    dq_acc = torch.zeros(_heads_first(q).shape, dtype=acc, device=q.device)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     queries, grads, outs = _heads_first(q), _heads_first(grad_out), _heads_first(out)
     kv = torch.stack([k, v])
     travelling = None  # the gradient sum of the keys and values held at the previous step
@@ -311,7 +311,7 @@ def ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: 
             dq, dk, dv = pair_backward(grads[:, :, rows], queries[:, :, rows], keys[:, :, call.k_rows],
                                        values[:, :, call.k_rows], outs[:, :, rows], lse[..., rows],
                                        call.causal, call.mask)
-            dq_acc[:, :, rows] += dq
+            dq_acc[:, rows] += _heads_first(dq)
             own[0][:, call.k_rows] += _heads_first(dk)
             own[1][:, call.k_rows] += _heads_first(dv)
         received = hop.wait() if hop is not None else []
@@ -320,7 +320,7 @@ def ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: 
         travelling = own if step == 0 else add_partial(received[-1], own)
     dkv = Hop([travelling], group, rank, degree).wait()[0] if degree > 1 else travelling
     # Copies: the two must not share dkv's storage (custom-op outputs may not alias).
-    return _heads_first(dq_acc).to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    return dq_acc.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
 # ---------------------------------------------------------------------------------------------
