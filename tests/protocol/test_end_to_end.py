@@ -34,10 +34,10 @@ APPLIED = {
     "3D FSDP+TP2+PP2": "PP 2 (Interleaved1F1B, 4 stages), TP 2 with sequence parallelism and loss parallelism, "
                        "FSDP over 2 ranks",
     "4D FSDP+TP2+CP2+PP2": "PP 2 (Interleaved1F1B, 4 stages), TP 2 with sequence parallelism and loss parallelism, "
-                           "CP 2 (load-balanced, all-gathered keys/values), FSDP over 4 ranks",
+                           "CP 2 (load-balanced ring attention), FSDP over 4 ranks",
     "2D FSDP+TP2 compiled": "TP 2 with sequence parallelism and loss parallelism, activation checkpointing "
                             "selective (2), torch.compile per block (inductor), FSDP over 2 ranks",
-    "2D FSDP+CP2": "CP 2 (load-balanced, all-gathered keys/values), FSDP over 4 ranks",
+    "2D FSDP+CP2": "CP 2 (load-balanced ring attention), FSDP over 4 ranks",
     "AC full": "activation checkpointing full",
 }
 

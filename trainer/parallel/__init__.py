@@ -117,7 +117,7 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
         parts.append(f"TP {dims.tp} with sequence parallelism" + ("" if p.disable_loss_parallel else " and loss parallelism")
                      + (", async" if p.enable_async_tensor_parallel else "") + sync_phrase(p))
     if dims.cp > 1:
-        parts.append(f"CP {dims.cp} (load-balanced, all-gathered keys/values)")
+        parts.append(f"CP {dims.cp} (load-balanced ring attention)")
     if ac.mode == "memory_budget":
         parts.append(f"activation checkpointing by the compiler (memory budget {ac.memory_budget:g})")
     elif ac.mode != "none":
