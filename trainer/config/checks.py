@@ -121,7 +121,7 @@ def validate(config: JobConfig) -> None:
     )
     need(p.context_parallel_rotate_method == "allgather",
          f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not available; context "
-         "parallelism here gathers keys and values ('allgather')")
+         "parallelism here passes keys and values around a ring; leave the default 'allgather'")
     for key in ("validation.global_batch_size", "validation.local_batch_size", "validation.seq_len", "validation.freq"):
         section, name = key.split(".")
         need(getattr(getattr(c, section), name) >= 1, f"{key}: must be >= 1, got {getattr(getattr(c, section), name)}")

@@ -335,8 +335,10 @@ class Parallelism:
     2 x degree, head and tail, for an even causal workload). seq_len must be a multiple of 2 x degree."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How context-parallel ranks exchange keys and values. Only 'allgather' (every rank gathers all
-    keys and values, on any backend) is available; 'alltoall' is refused, whatever the degree."""
+    """torchtitan's choice of how context-parallel ranks exchange keys and values. Here they always
+    pass around the CP ranks as a ring, one point-to-point hop per step (on any backend; see
+    docs/parallelisms.md); 'allgather', the default, is accepted and runs that ring; 'alltoall' is
+    refused, whatever the degree."""
 
 
 @dataclass

@@ -105,7 +105,7 @@ DIFFERENT: dict[str, str] = {
                                        "DDP/HSDP, tensor and context parallelism)",
     "parallelism.pipeline_parallel_schedule": "one of GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
                                               "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
-    "parallelism.context_parallel_rotate_method": "only allgather; alltoall is refused",
+    "parallelism.context_parallel_rotate_method": "only allgather (which runs a ring here); alltoall is refused",
     "checkpoint.initial_load_in_hf": "needs checkpoint.initial_load_path (torchtitan falls back to "
                                      "model.hf_assets_path)",
     "checkpoint.last_save_model_only": "the last save stays a full checkpoint (a finished run can be continued) "
