@@ -70,7 +70,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 # name -> (overrides, backend). inductor where its generated code meets what the layout changes
 # in the graph (sharded matmuls, the vocabulary-parallel loss, the gathered logits); aot_eager,
 # which traces and partitions as inductor does but runs torch's kernels, where the layout changes
-# how graphs are cut and composed (pipeline stages, CP's gathered keys and values, the
+# how graphs are cut and composed (pipeline stages, CP's ring attention op, the
 # reduced-sync residual stream).
 LAYOUTS_2 = {
     "FSDP": ([], "inductor"),

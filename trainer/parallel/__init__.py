@@ -4,7 +4,8 @@ Composition order, on the model built on the meta device (each step sees what th
   1. pipeline parallelism: cut the model into this PP rank's stages (pipeline.py, stages.py);
      every later step applies to each stage
   2. tensor + sequence parallelism over the tp mesh, loss parallelism (tensor.py)
-  3. context parallelism over the cp mesh: the attention core of every block (context.py)
+  3. context parallelism over the cp mesh: the attention core of every block (context.py),
+     ring attention (ring_attention.py)
   4. activation checkpointing (checkpointing.py)
   5. torch.compile per block (compile.py)
   6. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py); skipped
