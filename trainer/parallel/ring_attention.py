@@ -139,8 +139,9 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf")).unsqueeze(1)
 
 
-def _is_half(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float16, torch.bfloat16)
+def _flash_applies(q: Tensor) -> bool:
+    """CUDA's flash kernel: float16/bfloat16, head dim a multiple of 8 up to 256."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def pair_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor],
@@ -156,7 +157,7 @@ def pair_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[T
             lse = lse.masked_fill(~mask.any(-1).unsqueeze(1), float("-inf"))
         return out, lse
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    if _is_half(q.dtype):
+    if _flash_applies(q):
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
         return out, lse
     out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
@@ -175,8 +176,10 @@ def pair_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                                                                          attn_mask=bias)
     kv_heads = k.shape[1]
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    # The CUDA kernels get dense per-pair slices of the row-wise tensors (lse is a slice of columns).
+    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
-    if _is_half(q.dtype):
+    if _flash_applies(q):
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng)
     else:
