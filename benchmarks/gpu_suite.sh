@@ -12,6 +12,8 @@
 #   side_by_side_1b      benchmarks/side_by_side.py: this trainer, torchtitan and a plain loop on
 #                        the 1B shape (torchtitan's wheels in .whl/: see that script)
 #   side_by_side_8b      the same on the 8B flavor cut to 8 layers
+#   ring_kernels         benchmarks/ring_kernels.py: one CP rank's ring attention kernels against
+#                        whole-sequence flash attention (time, peak memory)
 #   document_masking     benchmarks/document_masking.py (its runs train on the GPU)
 #   protocol_techniques  protocol/plans/gpu_techniques.toml in statistical mode
 #   estimate_1b          optional: the memory estimator against the CUDA allocator's peak of a
@@ -321,6 +323,11 @@ profile = work / "profile_1b.log"
 if profile.exists():
     rows = [line for line in profile.read_text().splitlines() if line.startswith(("|", "model FLOP/s", "1B", "debugmodel"))]
     lines += ["## Where the trainer's 1B step goes (benchmarks/profile_step.py)", "", *rows, ""]
+ring = work / "ring_kernels.log"
+if ring.exists():
+    rows = [line for line in ring.read_text().splitlines() if line.startswith(("|", "attention forward"))]
+    lines += ["## Ring attention kernels per CP rank vs whole-sequence attention (benchmarks/ring_kernels.py)", "",
+              *rows, ""]
 offload = work / "offload_1b.log"
 if offload.exists():
     rows = [line for line in offload.read_text().splitlines() if line.startswith(("|", "1 processes"))]
@@ -381,6 +388,7 @@ declare -A LIMIT=(
   [side_by_side_8b]=${GPU_SUITE_SIDE_BY_SIDE_8B_S:-200}
   [document_masking]=${GPU_SUITE_MASKING_S:-110}
   [protocol_techniques]=${GPU_SUITE_PROTOCOL_S:-330}
+  [ring_kernels]=${GPU_SUITE_RING_S:-90}
   [estimate_1b]=${GPU_SUITE_ESTIMATE_S:-70}
   [bench_1b]=${GPU_SUITE_1B_S:-80}
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
@@ -390,7 +398,7 @@ declare -A LIMIT=(
 OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
-PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b document_masking protocol_techniques estimate_1b
+PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b ring_kernels document_masking protocol_techniques estimate_1b
        bench_1b bench_1b_eager profile_1b offload_1b})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
@@ -401,6 +409,8 @@ TESTS=(tests/cuda)
 MODEL=(--model.flavor 1B --training.seq_len 2048 --training.local_batch_size 4)
 MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
+# The ring attention's kernel work per CP rank against whole-sequence flash attention.
+RING=(--cp 2 4 8 --seq-lens 8192 32768 --repeats 5)
 # FSDP with and without CPU offload on one GPU (the strategies table's GPU row).
 OFFLOAD=(--flavor 1B --nproc 1 --only FSDP --ac none --seq-len 2048 --steps 6)
 # Where the trainer's 1B step spends its time: the side-by-side 1B case, phase by phase and by kernel.
@@ -421,6 +431,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MODEL=(--model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
+  RING=(--cp 2 --seq-lens 256 --heads 4 --kv-heads 2 --repeats 1)
   OFFLOAD=(--flavor debugmodel --nproc 1 --only FSDP --ac none --seq-len 128 --steps 3)
   PROFILE=(--steps 2 --top 5 --model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   SIDE_BY_SIDE_1B=(--dry-run)
@@ -517,6 +528,13 @@ part_profile_1b() {
   if [ -f "$WORK/profile_1b_trace.json" ]; then  # for chrome://tracing or Perfetto
     gzip -c "$WORK/profile_1b_trace.json" >"$OUT_DIR/profile_1b_trace.json.gz" && rm "$WORK/profile_1b_trace.json"
   fi
+}
+
+# --- ring attention kernels against whole-sequence attention ----------------------------------------
+part_ring_kernels() {
+  run_part ring_kernels "${LIMIT[ring_kernels]}" "$(after ring_kernels)" "$WORK/ring_kernels.log" \
+    "$PYTHON" benchmarks/ring_kernels.py "${RING[@]}"
+  grep -E '^\|' "$WORK/ring_kernels.log" | tail -n 14
 }
 
 # --- FSDP with and without CPU offload ---------------------------------------------------------------
