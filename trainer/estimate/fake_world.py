@@ -5,6 +5,9 @@ computations of the trainer, and are adapted here (only while the estimator runs
 - the pipeline schedule's warm-up vote reads a tensor's value (fake tensors have none): the vote
   is how the stages agree through point-to-point messages whether their shapes are static. Every stage of this trainer is given its shapes
   (trainer.parallel.pipeline.StageShapes), so the answer is "static"; it is asserted, not assumed.
+  torch 2.11 has no vote: its schedule's first step sends one float to each neighbour instead, to
+  set up the communicators; that once-per-schedule message is left out too, so that the step's
+  traffic counts the same messages under 2.11 and 2.13.
 - DTensor's sharding propagation creates tensors of the GLOBAL shape to infer output metadata. It
   reuses whatever fake mode is active, so under ours those tensors would be counted as this
   rank's memory; it is given a fake mode of its own, as it has outside the estimator.
@@ -54,8 +57,11 @@ def _patched(owner, name: str, replacement):
 def _static_pipeline_vote():
     from torch.distributed.pipelining import schedules
 
-    if not hasattr(schedules._PipelineSchedule, "_warmup_p2p"):  # a torch without the vote
-        return contextlib.nullcontext()
+    if not hasattr(schedules._PipelineSchedule, "_warmup_p2p"):
+        # torch 2.11, without the vote: its neighbour warm-up (one float each way) is not sent.
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        return _patched(_PipelineStageBase, "_get_init_p2p_neighbors_ops", lambda original: lambda self: [])
     from torch.distributed.pipelining._utils import InferenceMode
 
     def replacement(original):
