@@ -19,7 +19,6 @@ in the plan stopped it (protocol.early_stop): it is then STOPPED, and not run ag
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from dataclasses import dataclass
 
@@ -66,11 +65,11 @@ def current() -> Now:
 
 
 def installed_torch() -> str | None:
-    """torch.__version__ of the installed torch, without importing it (seconds saved per command)."""
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """torch.__version__ of the installed torch, without importing it (seconds saved per command).
+    Not the package's metadata: a PyPI CUDA wheel's says 2.11.0 where runs record 2.11.0+cu130."""
+    from trainer.version import installed_torch_version
+
+    return installed_torch_version()
 
 
 def expected_config(launch: Launch) -> dict:

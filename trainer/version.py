@@ -86,20 +86,28 @@ def describe(version: dict) -> str:
 
 
 def installed_torch_version() -> str | None:
-    """The version of the torch this interpreter would import ('2.13.0+cpu', '2.11.0+cu130'), or
-    None when there is none. Read from the package's metadata, without importing torch (seconds),
-    unless torch is already imported or is importable without metadata (a source tree on the path)."""
+    """torch.__version__ of the torch this interpreter would import ('2.13.0+cpu', '2.11.0+cu130'),
+    or None when there is none, without importing torch (seconds): read from the package's
+    torch/version.py, which is what torch.__version__ is. Not from the package's metadata: PyPI's
+    CUDA wheels say 2.11.0 there and 2.11.0+cu130 in torch.__version__, which a run records."""
     if "torch" in sys.modules:
-        return getattr(sys.modules["torch"], "__version__", None)
+        version = getattr(sys.modules["torch"], "__version__", None)
+        return str(version) if version else None
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return None
+    for folder in spec.submodule_search_locations or ():
+        try:
+            text = (Path(folder) / "version.py").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        match = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.MULTILINE)
+        if match:
+            return match[1]
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
-        pass
-    if importlib.util.find_spec("torch") is None:
         return None
-    import torch
-
-    return torch.__version__
 
 
 def torch_supported(version: str) -> bool:
