@@ -21,7 +21,7 @@ def test_cpu_smoke_run_of_the_gpu_suite(tmp_path):
     env = {**os.environ, "GPU_SUITE_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
            "GPU_SUITE_XDIST_WORKERS": "1", "GPU_SUITE_PARTS": " ".join(PARTS)}
     done = subprocess.run(["bash", "benchmarks/gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=1200)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.md").read_text()
 

@@ -164,9 +164,7 @@ class BatchLoader:
             tokens = tokens.pin_memory().to(self.device, non_blocking=True)
         else:
             tokens = tokens.to(self.device)
-        # Contiguous inputs: torch 2.11's pipeline stage checks its inputs' strides against the
-        # declared (contiguous) shapes and refuses this view's (stride row_length); torch 2.13 does not.
-        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]  # views of one copy on the device
         if padding or self.document_eos is not None:
             labels = labels.clone()
             labels[len(rows):] = IGNORE_INDEX

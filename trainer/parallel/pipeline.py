@@ -142,7 +142,9 @@ class Pipeline:
     def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
         self.loss.denominator = denominator
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first_stage else ()
+        # Contiguous: torch 2.11's stage checks its inputs' strides against the declared (contiguous)
+        # shapes and refuses the loader's view (torch 2.13 does not); training's are already (joined).
+        args = (inputs.contiguous(),) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         run(*args, target=target, losses=losses if self.has_last_stage else None)
         total = torch.zeros((), device=labels.device)
