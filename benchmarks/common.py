@@ -31,6 +31,14 @@ PEAK_MEMORY_NOTE = ("Peak memory: CUDA max allocated on GPUs, process peak RSS o
                     "figure taken before the model was built is what torch and the process group hold alone.")
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a CUDA GPU's kernels run after their launch returns)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def model_state_bytes(model, optimizer) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards)."""
     import torch

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common import REPO  # noqa: F401,I001 (sets sys.path)
+from common import synchronize  # noqa: I001 (sets sys.path)
 from trainer.models.llama3.args import LlamaModelArgs
 from trainer.models.llama3.model import Transformer
 
@@ -106,11 +106,6 @@ def main() -> None:
         result["max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     print("RESULT " + json.dumps(result), flush=True)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import machine, table  # noqa: I001 (sets sys.path)
+from common import machine, synchronize, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
@@ -56,12 +56,6 @@ def matmul_flops_per_s(device: torch.device, size: int, dtype: torch.dtype, repe
         a @ b
     synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device: on a GPU a phase's time is its kernels', not their launch's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

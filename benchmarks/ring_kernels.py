@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from common import machine, table  # noqa: I001 (sets sys.path)
+from common import machine, synchronize, table  # noqa: I001 (sets sys.path)
 from trainer.parallel import ring_attention
 
 
@@ -38,11 +38,6 @@ class HandOn:
 
     def wait(self):
         return self.received
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:

@@ -22,7 +22,6 @@ from trainer.parallel.compile import compile_loss
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline, StageShapes
-from trainer.parallel.stages import accumulation_steps
 from trainer.parallel.tensor import loss_context
 from trainer.parallel.tied import TiedEmbeddings
 
@@ -40,8 +39,9 @@ def stage_shapes(config, dims, args, device: torch.device) -> StageShapes:
 
 
 class StepRunner:
-    def __init__(self, parallel, dims, mesh, config, device: torch.device):
-        p = config.parallelism
+    def __init__(self, parallel, plan, mesh, config, device: torch.device):
+        """`plan`: the run's trainer.preflight.RunPlan (its degrees and accumulation steps)."""
+        dims, p = plan.dims, config.parallelism
         self.model = parallel.model
         self.device = device
         self.cp, self.cp_rank = dims.cp, mesh["cp"].get_local_rank()
@@ -65,9 +65,8 @@ class StepRunner:
             self.tied = TiedEmbeddings(parallel.stages, parallel.stage_plan, mesh.world)
         if parallel.stage_plan is not None:
             # One schedule step per optimizer step: the pipeline microbatches of every accumulation step.
-            t = config.training
-            n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size * accumulation_steps(
-                t.global_batch_size, t.local_batch_size, dims.dp)
+            n_microbatches = (config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+                              * plan.accumulation_steps)
             self.pipeline = Pipeline(parallel.stages, parallel.stage_plan, mesh["pp"], device, n_microbatches,
                                      MicrobatchLoss(self._loss_sum), stage_shapes(config, dims, self.model.args, device))
 

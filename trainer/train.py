@@ -88,7 +88,7 @@ class Trainer:
         model_args = training_model_args(config)
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name
-        self.runner = StepRunner(parallel, plan.dims, self.mesh, config, self.device)
+        self.runner = StepRunner(parallel, plan, self.mesh, config, self.device)
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
         self.loader, self.val_loader = self._build_loaders(model_args.vocab_size)

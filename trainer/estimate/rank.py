@@ -114,7 +114,7 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
         with fake_tensors():
             with StepMemory() as init_memory:
                 materialize(parallel, config.debug.seed, device)
-            runner = StepRunner(parallel, dims, mesh, config, device)
+            runner = StepRunner(parallel, run_plan, mesh, config, device)
             if config.training.document_masking:
                 runner.document_eos = model_args.vocab_size - 1
             optimizer = build_optimizer(parallel.model.named_parameters(), config.optimizer)

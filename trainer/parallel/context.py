@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.parallel import ring_attention  # noqa: F401  (registers torch.ops.trainer.ring_attention)
+from trainer.parallel.ring_attention import ring_attention
 
 
 def load_balanced_positions(cp_rank: int, cp: int, seq_len: int, device=None) -> torch.Tensor:
@@ -54,8 +54,8 @@ class ContextParallelAttention:
                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, T/cp, H, D), k and v (B, T/cp, H_kv, D) of this rank's chunks; documents (B, T)
         over the whole sequence, when given -> (B, T/cp, H, D)."""
-        out, _ = torch.ops.trainer.ring_attention(q, k, v, documents, self.group.group_name, self.rank,
-                                                  self.degree, self.reduce_dtype)
+        out, _ = ring_attention(q, k, v, documents, self.group.group_name, self.rank, self.degree,
+                                self.reduce_dtype)
         return out
 
 
