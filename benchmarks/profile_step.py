@@ -111,6 +111,9 @@ def main() -> None:
     model_flops = flops_per_token(shapes, config.training.seq_len) * tokens * args.steps / total
     size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
     peak = matmul_flops_per_s(device, size, dtype)
+    if device.type == "cuda":
+        print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated, "
+              f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved")
     print(f"model FLOP/s of the step {model_flops / 1e9:.1f} G; a {size} x {size} {str(dtype)[6:]} matmul here "
           f"{peak / 1e9:.1f} G; ratio {100 * model_flops / peak:.1f}%")
 
