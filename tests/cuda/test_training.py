@@ -10,9 +10,10 @@ from tests.cuda.device import (DETERMINISTIC, DEVICE, JOB, all_finite, dtype_arg
 from tests.launch import describe
 from trainer.metrics import PEAK_BF16_DENSE_FLOPS
 
-# What `parallelize` reports for one process: float32 runs the model unwrapped, a lower compute
-# dtype keeps FSDP over the one rank for its parameter casts.
-LAYOUT = {"float32": "none (one process, float32: the model runs unwrapped)", "bfloat16": "FSDP over 1 rank"}
+# What `parallelize` reports for one process: no FSDP in either dtype; in bfloat16 the model casts
+# its float32 weights itself (Transformer.set_compute_dtype).
+LAYOUT = {"float32": "none (one process: the model runs unwrapped)",
+          "bfloat16": "none (one process: the model runs unwrapped, computing in bfloat16)"}
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

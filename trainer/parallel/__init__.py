@@ -60,7 +60,9 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     stages = split_into_stages(model, plan, mesh["pp"].get_local_rank()) if plan else {0: model}
     reshard = p.fsdp_reshard_after_forward
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, device)
-    data_parallel = needs_fsdp(dims, param_dtype, config.training.enable_cpu_offload)
+    data_parallel = needs_fsdp(dims, config.training.enable_cpu_offload)
+    # Without FSDP, the model casts its weights to the compute dtype itself (when it differs).
+    compute_cast = param_dtype if not data_parallel and param_dtype != DTYPES[config.training.dtype] else None
     # Every gradient reduction runs in this dtype: FSDP's, TP's norm weights, CP's keys/values.
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     if config.compile.enable:
@@ -76,6 +78,8 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
         apply_ac(stage, ac.mode, ac.selective_ac_option)
         if config.compile.enable and "model" in config.compile.components:
             apply_compile(stage, config.compile.backend)
+        if compute_cast is not None:
+            stage.set_compute_dtype(compute_cast)
         if data_parallel:
             apply_fsdp(
                 stage,
@@ -87,17 +91,17 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
             )
     if p.enable_async_tensor_parallel:
         enable_async_tp(mesh["tp"], device)
-    logger.info("parallelisms: %s", describe(dims, config, plan, data_parallel))
+    logger.info("parallelisms: %s", describe(dims, config, plan, data_parallel, compute_cast))
     owned = list(stages.values())
     return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)
 
 
-def needs_fsdp(dims: ParallelDims, param_dtype, cpu_offload: bool) -> bool:
-    """FSDP over a world of one shards nothing and reduces nothing; it is only worth its copies
-    of the weights when it casts them to a lower compute dtype or offloads them."""
-    import torch
-
-    return dims.world_size > 1 or param_dtype != torch.float32 or cpu_offload
+def needs_fsdp(dims: ParallelDims, cpu_offload: bool) -> bool:
+    """FSDP over a world of one shards nothing and reduces nothing: it is only worth its copies
+    of the weights when it offloads them. A lower compute dtype is then the model's own cast
+    (Transformer.set_compute_dtype), which gives FSDP's numbers without its per-block copies and
+    hooks (on one H100 they left the GPU waiting on the host in every block's forward)."""
+    return dims.world_size > 1 or cpu_offload
 
 
 def sync_phrase(p) -> str:
@@ -108,7 +112,8 @@ def sync_phrase(p) -> str:
     return f", synchronized once per {p.tensor_parallel_sync_group} blocks"
 
 
-def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: bool = True) -> str:
+def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: bool = True,
+             compute_cast=None) -> str:
     """One line naming what `parallelize` applies, in the order it applies it."""
     p, ac = config.parallelism, config.activation_checkpoint
     parts = []
@@ -126,7 +131,8 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
     if config.compile.enable:
         parts.append(f"torch.compile per block ({config.compile.backend})")
     if not data_parallel:
-        parts.append("none (one process, float32: the model runs unwrapped)")
+        parts.append("none (one process: the model runs unwrapped" + (
+            f", computing in {str(compute_cast).removeprefix('torch.')})" if compute_cast is not None else ")"))
     elif dims.dp_replicate > 1:
         kind = "DDP" if dims.dp_shard_cp == 1 else "HSDP"
         parts.append(f"{kind} {dims.dp_replicate} replicas x {dims.dp_shard_cp} shards")

@@ -7,6 +7,10 @@ seed gives the same global weights whatever the sharding.
 Two hooks let the parallelisms change how a block computes without changing its parameters or
 their names: `Attention.core` (which query positions this rank holds and how it attends: context
 parallelism replaces it) and `TransformerBlock.recompute` (activation checkpointing).
+
+`Transformer.set_compute_dtype` makes every layer compute with its parameters cast to a lower
+dtype (bfloat16 over float32 weights) in one process, where FSDP would shard nothing: the numbers
+are those FSDP's parameter-dtype policy gives, without its per-block copies and hooks.
 """
 
 from __future__ import annotations
@@ -21,7 +25,36 @@ from torch import nn
 from trainer.models.llama3.args import LlamaModelArgs, RopeScaling
 
 
-class RMSNorm(nn.Module):
+class CastsWeights:
+    """A layer that can compute with its parameters cast to `compute_dtype` (None: as stored).
+
+    The cast happens where the weight is used, so autograd returns its gradient in the stored
+    dtype: a bfloat16 gradient cast to float32, which is what FSDP's gradient reduction gives in
+    one process. Compiled blocks fuse the casts into their graph."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def cast(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.compute_dtype is None else weight.to(self.compute_dtype)
+
+
+class Linear(CastsWeights, nn.Linear):
+    def forward(self, x: torch.Tensor, cast_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`cast_weight`: this layer's weight already cast (a tied weight is cast once)."""
+        bias = None if self.bias is None else self.cast(self.bias)
+        return F.linear(x, self.cast(self.weight) if cast_weight is None else cast_weight, bias)
+
+
+class Embedding(CastsWeights, nn.Embedding):
+    def forward(self, tokens: torch.Tensor, cast_weight: torch.Tensor | None = None) -> torch.Tensor:
+        # The whole table is cast before the lookup, as FSDP casts it: its gradient is then
+        # accumulated in the compute dtype, as under FSDP, and the numbers stay the same.
+        weight = self.cast(self.weight) if cast_weight is None else cast_weight
+        return F.embedding(tokens, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                           self.sparse)
+
+
+class RMSNorm(CastsWeights, nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -35,7 +68,7 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight if self.weight_hook is None else self.weight_hook(self.weight)
-        return normed.type_as(x) * weight
+        return normed.type_as(x) * self.cast(weight)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -133,10 +166,10 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,9 +191,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim, bias=False)
+        self.w3 = Linear(dim, hidden_dim, bias=False)
+        self.w2 = Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -206,10 +239,10 @@ class Transformer(nn.Module):
         super().__init__()
         args.validate()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.embeds_tokens = True  # False on pipeline stages that take the hidden state
@@ -220,11 +253,29 @@ class Transformer(nn.Module):
         hidden state (B, T, dim) instead, and one without the output returns it. documents
         (B, T, the whole sequence under context parallelism; see document_index): attention
         within documents only."""
-        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens
+        tied = self._tied_weight_cast()
+        h = self.tok_embeddings(tokens, tied) if self.embeds_tokens else tokens
         for block in self.layers.values():
             h = block(h, self.freqs_cis, documents)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h, tied) if self.output is not None else h
+
+    def _tied_weight_cast(self) -> torch.Tensor | None:
+        """A tied weight under set_compute_dtype, cast once for both of its uses: the gradients of
+        the embedding and the output layer then add up in the compute dtype before reaching the
+        stored weight, as they do on the one copy FSDP casts. None otherwise."""
+        embedding = self.tok_embeddings
+        if not (self.args.tie_embeddings and self.embeds_tokens and self.output is not None
+                and embedding is not None and embedding.compute_dtype is not None):
+            return None
+        return embedding.cast(embedding.weight)
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute every layer with its parameters cast to `dtype` (None: as stored); see the
+        module docstring."""
+        for module in self.modules():
+            if isinstance(module, CastsWeights):
+                module.compute_dtype = dtype
 
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """Materialize on `device`. Moving off the meta device gives each module a new parameter,

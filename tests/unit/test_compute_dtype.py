@@ -1,0 +1,71 @@
+"""One process computing in bfloat16 over float32 weights runs without FSDP: the model casts its
+weights itself (Transformer.set_compute_dtype). Its losses and float32 gradients must be exactly
+those of FSDP's parameter-dtype policy over a one-rank mesh, which it replaces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from trainer.loss import cross_entropy_sum
+from trainer.models.llama3 import Transformer, get_flavor
+from trainer.parallel.fsdp import apply_fsdp
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def two_microbatches(model: Transformer, tokens: torch.Tensor) -> list[float]:
+    """Gradients accumulated over two microbatches (the loss of invariant 2); their losses."""
+    losses = []
+    for rows in tokens.split(2):
+        loss = cross_entropy_sum(model(rows[:, :-1]), rows[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_model_cast_gives_fsdp_numbers_exactly(one_rank_mesh, tied):
+    args = get_flavor("tiny")
+    args.max_seq_len, args.tie_embeddings = 16, tied
+    base = Transformer(args)
+    base.init_weights(seed=0)
+    fsdp, cast = copy.deepcopy(base), copy.deepcopy(base)
+    apply_fsdp(fsdp, one_rank_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True)
+    cast.set_compute_dtype(torch.bfloat16)
+    tokens = torch.randint(0, args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+
+    assert two_microbatches(cast, tokens) == two_microbatches(fsdp, tokens)
+    cast_grads = dict((name, p.grad) for name, p in cast.named_parameters())
+    for name, p in fsdp.named_parameters():
+        assert cast_grads[name].dtype == torch.float32, name
+        assert torch.equal(cast_grads[name], full(p.grad)), name
+    # The stored weights stay float32; only what the layers compute with is bfloat16.
+    assert {p.dtype for p in cast.parameters()} == {torch.float32}
+    assert cast(tokens[:, :-1]).dtype == torch.bfloat16
+
+
+def test_without_a_compute_dtype_nothing_is_cast():
+    args = get_flavor("tiny")
+    args.max_seq_len = 16
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = model(tokens)
+    model.set_compute_dtype(torch.bfloat16)
+    model.set_compute_dtype(None)
+    assert before.dtype == torch.float32 and torch.equal(model(tokens), before)
