@@ -2,6 +2,7 @@
 
     python benchmarks/side_by_side.py --shape 1B --seq-len 2048 --local-batch 4 --modes compile eager \
         --ac none selective full [--systems trainer torchtitan plain] [--steps 30] [--warmup 10] [--out DIR]
+        [--trainer-args "--section.key value ..."]
     python benchmarks/side_by_side.py --dry-run        (CPU, a tiny shape: checks the script, measures nothing)
 
 For each case (sequence length x eager/compile x activation checkpointing) it trains the same
@@ -40,6 +41,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -129,7 +131,7 @@ def trainer_command(case: Case, opts, inputs, folder: Path) -> list[str]:
                "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", case.ac,
                "--activation_checkpoint.selective_ac_option", "2", "--metrics.log_freq", str(opts.log_freq),
                "--metrics.no_enable_tensorboard", "--job.dump_folder", str(folder)]
-    return command + (["--compile.enable"] if case.compile else [])
+    return command + (["--compile.enable"] if case.compile else []) + shlex.split(opts.trainer_args)
 
 
 def torchtitan_command(case: Case, opts, inputs, folder: Path) -> list[str]:
@@ -259,6 +261,8 @@ def main() -> None:
     parser.add_argument("--log-freq", type=int, default=5)
     parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds per run (default 240)")
     parser.add_argument("--out", default="outputs/side_by_side", help="results folder (default outputs/side_by_side)")
+    parser.add_argument("--trainer-args", default="", help="more overrides for the trainer's runs, one string "
+                        "(e.g. \"--profiling.enable_profiling\")")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, eager, 6 steps: checks the script")
     opts = parser.parse_args()
     if opts.dry_run:
