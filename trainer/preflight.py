@@ -46,6 +46,9 @@ def check_device_options(config: JobConfig, device_type: str) -> None:
         if config.compile.enable and config.compile.backend == "cudagraphs":
             raise ConfigError("compile.backend: 'cudagraphs' replays CUDA graphs, and this run is on the CPU; use "
                               "'inductor'")
+        if config.training.document_masking and config.training.document_masking_kernel == "flex":
+            raise ConfigError("training.document_masking_kernel: 'flex' (torch's flex attention) has no backward on "
+                              "the CPU, and this run is on the CPU; use 'mask'")
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot: records the CUDA caching allocator, so it needs CUDA "
                           f"devices, and this run is on the {device_type.upper()}; turn it off "

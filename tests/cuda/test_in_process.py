@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -133,3 +134,34 @@ def test_document_masking_keeps_each_document_to_itself_on_the_device(figure):
     figure(f"document masking, a document packed vs alone: max |logit diff| float32 {errors[torch.float32]:.1e}, "
            f"bfloat16 {errors[torch.bfloat16]:.1e} (unmasked, the earlier document moves them by "
            f"{seen[torch.float32]:.2f})")
+
+
+def test_flex_document_attention_equals_the_explicit_mask_on_the_device(figure):
+    """training.document_masking_kernel = "flex" against "mask", forward and the gradients of q, k
+    and v, on the device (the CPU has no flex backward: tests/unit/test_flex_document_attention.py
+    compares the forward there). Bounds: float32 1e-5; bfloat16 3e-2, a few ulps of values near 1
+    (the two kernels round differently)."""
+    from trainer.models.llama3.flex_attention import flex_document_attention
+    from trainer.models.llama3.model import document_causal_mask, grouped_query_attention
+
+    device = torch.device(DEVICE)
+    if device.type == "cpu":
+        pytest.skip("torch's flex attention has no backward on a CPU (the unit test compares the forward)")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (2, 1024), generator=g)
+    documents = document_index(tokens, 7).to(device)
+    positions = torch.arange(1024, device=device)
+    mask = document_causal_mask(documents, positions, positions)
+    errors = {}
+    for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q, k, v = (torch.randn(2, 1024, heads, 64, generator=g).to(device, dtype).requires_grad_()
+                   for heads in (8, 4, 4))
+        expected = grouped_query_attention(q, k, v, attn_mask=mask)
+        expected_grads = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
+        flex = flex_document_attention(q, k, v, documents)
+        flex_grads = torch.autograd.grad(flex.float().square().sum(), (q, k, v))
+        errors[dtype] = max([(flex - expected).abs().max().item()] +
+                            [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(flex_grads, expected_grads)])
+        assert errors[dtype] <= bound, (dtype, errors[dtype])
+    figure(f"flex vs explicit-mask document attention: max diff (output; gradients relative) float32 "
+           f"{errors[torch.float32]:.1e}, bfloat16 {errors[torch.bfloat16]:.1e}")

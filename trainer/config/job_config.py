@@ -181,6 +181,13 @@ class Training:
     packing, attention across the documents of a sequence and the EOS -> BOS transition trained.
     Needs a source made of documents (not 'synthetic'); not available with pipeline parallelism."""
 
+    document_masking_kernel: Literal["mask", "flex"] = "mask"
+    """How document-masked attention is computed: 'mask', SDPA with an explicit (T x T) mask,
+    which rules out flash kernels and computes every block; 'flex', torch's flex attention with a
+    document block mask, which skips the blocks no query of a document sees (CUDA only: torch's
+    flex attention has no backward on a CPU). Under context parallelism the ring attention skips
+    such blocks itself and this key does not apply."""
+
     shuffle: bool = True
     """Read every epoch in a new order, a seeded permutation of (data seed, epoch) that is the
     same in every parallel layout: the sequences of 'files' and 'shards'; the order of each

@@ -145,6 +145,7 @@ REFUSED: dict[str, str] = {
 OWN_KEYS: tuple[str, ...] = (
     "optimizer.weight_decay_exclude",
     "training.dataset_text_field", "training.dataset_end", "training.datasets", "training.document_masking",
+    "training.document_masking_kernel",
     "training.shuffle", "training.stream_lanes", "training.stream_workers", "training.stream_prefetch",
     "training.data_seed", "training.validation_fraction", "training.loss_scale_initial",
     "training.loss_scale_growth_interval", "training.loss_scale_min",

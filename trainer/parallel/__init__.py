@@ -69,6 +69,7 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
         isolate_compile_cache(mesh.world.get_rank(), dims.degrees())
         set_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     for stage in stages.values():
+        set_document_kernel(stage, config.training.document_masking_kernel)
         if dims.tp > 1:
             apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
                      sync=p.tensor_parallel_sync, sync_group=p.tensor_parallel_sync_group,
@@ -94,6 +95,13 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     logger.info("parallelisms: %s", describe(dims, config, plan, data_parallel, compute_cast))
     owned = list(stages.values())
     return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)
+
+
+def set_document_kernel(model, kernel: str) -> None:
+    """How each block's attention computes document masking (training.document_masking_kernel).
+    Set before context parallelism, which replaces the attention core by its ring."""
+    for block in model.layers.values():
+        block.attention.core.document_kernel = kernel
 
 
 def needs_fsdp(dims: ParallelDims, cpu_offload: bool) -> bool:

@@ -116,12 +116,20 @@ class CausalAttention:
         """Sequence positions of the local query rows (they index the RoPE table)."""
         return torch.arange(local_len, device=device)
 
+    # How document masking attends (training.document_masking_kernel): "mask", SDPA with an
+    # explicit mask; "flex", block-sparse flex attention (flex_attention.py; CUDA only).
+    document_kernel = "mask"
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, T, H_kv, D) -> (B, T, H, D). documents (B, T): each
         position's document index; given, a position sees only earlier ones of its document."""
         if documents is None:
             return grouped_query_attention(q, k, v, is_causal=True)
+        if self.document_kernel == "flex":
+            from trainer.models.llama3.flex_attention import flex_document_attention
+
+            return flex_document_attention(q, k, v, documents)
         positions = torch.arange(q.shape[1], device=q.device)
         return grouped_query_attention(q, k, v, attn_mask=document_causal_mask(documents, positions, positions))
 
