@@ -98,6 +98,24 @@ class StageShapes:
         return (tokens if stage == 0 else hidden), (logits if stage == num_stages - 1 else hidden)
 
 
+def without_self_warmup(stage: PipelineStage) -> PipelineStage:
+    """`stage`, leaving out the warm-up messages it would send to its own rank.
+
+    torch 2.11's multi-stage schedules first exchange a dummy tensor between every two
+    neighbouring stages to open their point-to-point links, also when both stages are on this
+    rank (the V-shaped schedules, ZBVZeroBubble and DualPipeV, put stages 1 and 2 on one rank):
+    gloo cannot send to its own rank ("Pair is not connected"). Such a message opens no link, so
+    it is dropped (its send and its receive both). torch 2.13 warms the links up another way and
+    never calls this method for these stages."""
+    make_ops = stage._get_init_p2p_neighbors_ops
+
+    def warmup_ops():
+        return [op for op in make_ops() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = warmup_ops
+    return stage
+
+
 class Pipeline:
     """The stages of this PP rank and the schedules that drive them.
 
@@ -123,8 +141,9 @@ class Pipeline:
         pipeline_stages = []
         for index, module in sorted(self.modules.items()):
             inputs, outputs = self.shapes.of_stage(index, plan.num_stages)
-            pipeline_stages.append(PipelineStage(module, index, plan.num_stages, self.device, input_args=inputs,
-                                                 output_args=outputs, group=self.group))
+            stage = PipelineStage(module, index, plan.num_stages, self.device, input_args=inputs,
+                                  output_args=outputs, group=self.group)
+            pipeline_stages.append(without_self_warmup(stage))
         schedule_class = get_schedule_class(plan.schedule)
         owned = pipeline_stages[0] if plan.schedule in SINGLE_STAGE_SCHEDULES else pipeline_stages
         schedule = schedule_class(owned, n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
