@@ -383,12 +383,12 @@ grep -q '^CUDA device:' "$WORK/probe.log" && CUDA_OK=1
 # required parts after it - the summary's): a later required part keeps its time even when an
 # earlier one runs long; an optional part runs on what is left (skipped under 20 s).
 declare -A LIMIT=(
-  [cuda_tests]=${GPU_SUITE_TESTS_S:-200}
-  [side_by_side_1b]=${GPU_SUITE_SIDE_BY_SIDE_1B_S:-240}
+  [cuda_tests]=${GPU_SUITE_TESTS_S:-260}
+  [side_by_side_1b]=${GPU_SUITE_SIDE_BY_SIDE_1B_S:-180}
   [side_by_side_8b]=${GPU_SUITE_SIDE_BY_SIDE_8B_S:-200}
   [document_masking]=${GPU_SUITE_MASKING_S:-150}
   [protocol_techniques]=${GPU_SUITE_PROTOCOL_S:-330}
-  [ring_kernels]=${GPU_SUITE_RING_S:-90}
+  [ring_kernels]=${GPU_SUITE_RING_S:-60}
   [estimate_1b]=${GPU_SUITE_ESTIMATE_S:-70}
   [bench_1b]=${GPU_SUITE_1B_S:-80}
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
