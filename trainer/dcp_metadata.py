@@ -46,7 +46,8 @@ def _admitted_globals() -> dict[tuple[str, str], Any]:
     metadata dataclasses, torch.Size (offsets and sizes), dtypes, the layout (pickled as a call
     of torch.serialization._get_layout with its name), the memory-format encoding, and the
     PosixPath the writer keeps as storage_meta.checkpoint_id. Each is harmless to call with any
-    arguments: it only builds a value."""
+    arguments: it only builds a value. (`builtins.getattr`, with which some Python releases
+    pickle enum members, is admitted separately and only for those: _enum_member_getter.)"""
     classes = [Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
                MetadataIndex, StorageMeta, _StorageInfo, _MEM_FORMAT_ENCODING, torch.Size, pathlib.PosixPath]
     admitted = {(c.__module__, c.__qualname__): c for c in classes}
@@ -57,6 +58,24 @@ def _admitted_globals() -> dict[tuple[str, str], Any]:
 
 
 _ADMITTED = _admitted_globals()
+# Enum classes whose members a metadata file may name. Some Python releases (3.11.2, for one)
+# pickle an enum member as the call getattr(EnumClass, "NAME") rather than by value.
+_ADMITTED_ENUMS = (_MEM_FORMAT_ENCODING,)
+
+
+def _enum_member_getter(file: str):
+    """What `builtins.getattr` may do in a metadata file: return a member, by name, of an
+    admitted enum class; any other use is refused (getattr could reach any attribute)."""
+
+    def member(owner, name):
+        if owner in _ADMITTED_ENUMS and isinstance(name, str) and name in owner.__members__:
+            return owner[name]
+        raise UnsafeCheckpointError(
+            f"{file}: refusing to load 'builtins.getattr' of {getattr(owner, '__qualname__', type(owner).__name__)}."
+            f"{name}: a DCP metadata file names only members of its own enums; this file was crafted or is not "
+            "a DCP checkpoint")
+
+    return member
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -69,6 +88,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.name = name
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member_getter(self.name)
         found = _ADMITTED.get((module, name))
         if found is None:
             raise UnsafeCheckpointError(

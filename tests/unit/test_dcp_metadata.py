@@ -4,7 +4,10 @@ as they did with torch's own reader."""
 
 from __future__ import annotations
 
+import enum
+import io
 import os
+import pathlib
 import pickle
 import re
 import warnings
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.fsdp import fully_shard
 
 from trainer.checkpoint import save_seed_checkpoint
@@ -66,6 +70,44 @@ def test_metadata_of_another_type_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: holds a dict, not DCP checkpoint metadata"):
         CheckedReader(tmp_path).read_metadata()
+
+
+class NamedMember:
+    """Unpickles as getattr(owner, name)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+class EnumsByName(pickle.Pickler):
+    """Pickles enum members as getattr(EnumClass, "NAME"), as Python 3.11.2 does."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_enum_members_pickled_by_name_load_and_other_getattrs_are_refused(tmp_path):
+    """Real metadata whose memory-format enum is pickled as Python 3.11.2 does reads back; a
+    getattr of anything else (here a method of an admitted class, which a later call in the
+    file could run to write a file) is refused."""
+    from trainer.dcp_metadata import load_metadata
+
+    properties = TensorProperties(dtype=torch.float32)
+    metadata = Metadata(state_dict_metadata={"x": TensorStorageMetadata(properties, torch.Size([2]), [])})
+    buffer = io.BytesIO()
+    EnumsByName(buffer).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    (tmp_path / ".metadata").write_bytes(buffer.getvalue())
+    loaded = load_metadata(tmp_path / ".metadata")
+    assert loaded.state_dict_metadata["x"].properties == properties
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(NamedMember(pathlib.PosixPath, "write_text")))
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load 'builtins.getattr' of PosixPath.write_text"):
+        load_metadata(tmp_path / ".metadata")
 
 
 @pytest.fixture(scope="module")
