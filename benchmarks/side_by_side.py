@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -270,6 +271,10 @@ def main() -> None:
         opts.steps, opts.warmup, opts.log_freq = 6, 2, 2
     if opts.steps < opts.warmup + opts.log_freq:
         parser.error(f"--steps must be at least --warmup + --log-freq ({opts.warmup + opts.log_freq})")
+    if "torchtitan" in opts.systems and importlib.util.find_spec("torchtitan") is None:
+        print("[side_by_side] torchtitan is not installed: leaving it out (docs/performance.md, 'On a GPU', lists "
+              "the wheels to install)", flush=True)
+        opts.systems = [system for system in opts.systems if system != "torchtitan"]
     import torch
 
     opts.device = "cuda" if torch.cuda.is_available() and not opts.dry_run else "cpu"
