@@ -440,12 +440,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   [ -z "${GPU_SUITE_BUDGET_S:-}" ] && BUDGET=$(( BUDGET * 3 ))
   SIDE_BY_SIDE_8B=(--dry-run --ac full)
   PROTOCOL=(plan)  # expands and checks the plan; runs nothing
-  # torchtitan is not among the project's dependencies: the dry run leaves it out where it is absent.
-  if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchtitan') is None)"; then
-    say "torchtitan is not installed: the side-by-side dry runs compare the trainer and the plain loop only"
-    SIDE_BY_SIDE_1B+=(--systems trainer plain)
-    SIDE_BY_SIDE_8B+=(--systems trainer plain)
-  fi
+  # torchtitan is not among the project's dependencies: side_by_side.py leaves it out where it is absent.
 fi
 
 after() {  # seconds the required parts selected after $1 keep, plus the summary's

@@ -59,17 +59,9 @@ class Now:
 
 
 def current() -> Now:
-    from trainer.version import code_version
+    from trainer.version import code_version, installed_torch_version
 
-    return Now(code=code_version(), torch=installed_torch())
-
-
-def installed_torch() -> str | None:
-    """torch.__version__ of the installed torch, without importing it (seconds saved per command).
-    Not the package's metadata: a PyPI CUDA wheel's says 2.11.0 where runs record 2.11.0+cu130."""
-    from trainer.version import installed_torch_version
-
-    return installed_torch_version()
+    return Now(code=code_version(), torch=installed_torch_version())
 
 
 def expected_config(launch: Launch) -> dict:
