@@ -165,3 +165,44 @@ def test_flex_document_attention_equals_the_explicit_mask_on_the_device(figure):
         assert errors[dtype] <= bound, (dtype, errors[dtype])
     figure(f"flex vs explicit-mask document attention: max diff (output; gradients relative) float32 "
            f"{errors[torch.float32]:.1e}, bfloat16 {errors[torch.bfloat16]:.1e}")
+
+
+AC_MODES = {"AC full": ("full", "2"), "AC selective op": ("selective", "op")}  # (mode, selective option)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile", *AC_MODES])
+def test_a_model_trains_the_same_with_the_flex_kernel(mode, figure):
+    """training.document_masking_kernel = "flex" inside the model, eager, compiled per block and
+    under activation checkpointing, against the same model with the explicit mask: logits and
+    every gradient in float32 within 1e-4 (relative to each tensor's largest value)."""
+    from trainer.parallel.checkpointing import apply_ac
+    from trainer.parallel.compile import apply_compile
+
+    device = torch.device(DEVICE)
+    if device.type == "cpu":
+        pytest.skip("torch's flex attention has no backward on a CPU (the unit test compares the forward)")
+    args = get_flavor("debugmodel")
+    args.max_seq_len = 512
+    tokens = torch.randint(3, args.vocab_size, (2, 512), generator=torch.Generator().manual_seed(0))
+    tokens[:, ::37] = 2
+    tokens = tokens.to(device)
+    documents = document_index(tokens, 2)
+    results = []
+    for kernel in ("mask", "flex"):
+        model = Transformer(args)
+        model.init_weights(seed=0)
+        model.to(device)
+        for block in model.layers.values():
+            block.attention.core.document_kernel = kernel
+        if mode in AC_MODES:
+            apply_ac(model, *AC_MODES[mode])
+        if mode == "compile":
+            apply_compile(model, "inductor")
+        logits = model(tokens, documents)
+        logits.float().logsumexp(-1).mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (mask_logits, mask_grads), (flex_logits, flex_grads) = results
+    worst = max([((flex_logits - mask_logits).abs().max() / mask_logits.abs().max()).item()] +
+                [((flex_grads[n] - g).abs().max() / g.abs().max()).item() for n, g in mask_grads.items()])
+    figure(f"flex vs mask document attention in the model, {mode}: largest relative difference {worst:.1e}")
+    assert worst <= 1e-4, (mode, worst)

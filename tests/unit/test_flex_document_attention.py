@@ -69,3 +69,13 @@ def test_the_flex_kernel_is_refused_on_the_cpu_before_training():
     with pytest.raises(ConfigError, match="training.document_masking_kernel: 'flex'.*use 'mask'"):
         check_device_options(config, "cpu")
     check_device_options(config, "cuda")
+
+
+def test_the_flex_kernel_is_refused_with_tensor_parallelism():
+    from trainer.preflight import plan_layout
+
+    flex = ["--training.dataset", "shards", "--training.document_masking", "--training.document_masking_kernel", "flex"]
+    with pytest.raises(ConfigError, match="training.document_masking_kernel: 'flex' is not available with tensor "
+                                          "parallelism"):
+        plan_layout(load_config([*flex, "--parallelism.tensor_parallel_degree", "2"]), 2)
+    assert plan_layout(load_config(flex), 2).dims.tp == 1

@@ -160,6 +160,11 @@ def layout_problems(config, dims: ParallelDims) -> list[str]:
     for key, seq_len in seq_lens.items():
         problems += sequence_problems(key, seq_len, dims)
     problems += sync_problems(config, dims, model.n_layers)
+    if c.training.document_masking and c.training.document_masking_kernel == "flex" and dims.tp > 1:
+        # Flex attention runs on CUDA only and this project's multi-rank tests on CPUs: the two have
+        # never been checked together, so the combination is refused rather than run unchecked.
+        problems.append(f"training.document_masking_kernel: 'flex' is not available with tensor parallelism "
+                        f"(tensor_parallel_degree={dims.tp}); use 'mask', or tensor_parallel_degree 1")
     if p.enable_async_tensor_parallel and (dims.tp == 1 or not c.compile.enable):
         problems.append("parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and "
                         "compile.enable (it is a compiler pass), on CUDA")
