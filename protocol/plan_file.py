@@ -102,7 +102,7 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
     control = read_spec(data.get("control", {}), "control", CONTROL_KEYS, seed_checkpoint, problems)
     sets, sweeps = read_sets(data.get("sets"), data.get("sweeps"), seed_checkpoint, problems)
     slurm = read_slurm(data.get("slurm", {}), problems)
-    criterion = read_criterion(data.get("criterion"), problems)
+    criterion = read_criterion(data.get("criterion"), problems, tolerance.mode)
     rules = read_early_stop(data.get("early_stop"), problems)
     for sweep in sweeps:
         if sweep.search and "criterion" not in data:

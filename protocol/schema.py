@@ -112,9 +112,13 @@ CRITERION_KEYS: dict[str, Key] = {
                      "validates)."),
     "window": Key(int, "metric = 'loss' only (required there): how many steps, ending at `step`, the training loss "
                        "is averaged over."),
-    "max": Key(float, "Absolute criterion: a set meets it when its metric <= max. Give max or max_vs_control."),
+    "max": Key(float, "Absolute criterion: a set meets it when its metric <= max. Give one of max, "
+                      "max_vs_control and max_sigmas_above_control."),
     "max_vs_control": Key(float, "Relative criterion: a set meets it when its metric <= the control's value of the "
                                  "same metric x max_vs_control (1.02: at most 2% above the control)."),
+    "max_sigmas_above_control": Key(float, "Criterion in noise units: a set meets it when its metric <= the "
+                                           "control's value + this many sigma, sigma the noise SD of the metric "
+                                           "for one more run of the control family (statistical mode only)."),
 }
 EARLY_STOP_KEYS: dict[str, Key] = {
     "step": Key(int, "The step at which the rule is checked (once the run has logged the metric there).",

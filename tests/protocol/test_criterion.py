@@ -77,7 +77,7 @@ def test_an_absolute_train_loss_criterion_and_early_stop_rules(tmp_path):
     ('[criterion]\nmetric = "validation_loss"\nmax = 3\n', VALIDATION,
      "criterion.metric: 'validation_loss' is not one of 'validation/loss', 'loss'; did you mean 'validation/loss'?"),
     ('[criterion]\nmetric = "loss"\nwindow = 5\nmax = 3\nmax_vs_control = 1.02\n', VALIDATION,
-     "criterion: give max (an absolute bound: metric <= max) or max_vs_control"),
+     "criterion: give one bound, not max and max_vs_control: max (an absolute bound: metric <= max), max_vs_control"),
     ('[criterion]\nmetric = "loss"\nwindow = 5\n', VALIDATION, "criterion.max: missing: give max = 3.35"),
     ('[criterion]\nmetric = "loss"\nwindow = 5\nmax_vs_control = 0\n', VALIDATION,
      "criterion.max_vs_control: a factor of the control's value, must be > 0, got 0.0"),

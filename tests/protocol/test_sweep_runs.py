@@ -147,16 +147,19 @@ def test_the_sweep_report_table_answer_and_figure(tmp_path, fake_launcher, monke
     assert table[10].startswith("search 'wd': answer wd weight_decay=0.02 (ran: wd weight_decay=0.02, wd "
                                 "weight_decay=0.03; not needed: wd weight_decay=0.0, wd weight_decay=0.01, wd "
                                 "weight_decay=0.04)")
+    # The report states the criterion with its margin (this plan runs no noise controls to measure it in)
+    stated = (f"{criterion} [margin +0.116 nats above the control; no noise measured: the plan has no noise "
+              "controls (exact mode); run them with [tolerance] mode = \"statistical\"]")
     data = json.loads((plan.output / "sweep_report.json").read_text())
-    assert data["criterion"] == criterion and data["sweeps"][0]["figure"] == "sweep-wd.png"
+    assert data["criterion"] == stated and data["sweeps"][0]["figure"] == "sweep-wd.png"
     rows = {row["name"]: row for row in data["sweeps"][0]["rows"]}
     assert rows["wd weight_decay=0.03"]["vs_control"] == pytest.approx(0.5 / 5.82)
     assert rows["wd weight_decay=0.03"]["meets"] == "no" and rows["wd weight_decay=0.02"]["step_time"] == 0.4
     assert (plan.output / "sweep-wd.png").read_bytes()[:4] == b"\x89PNG"
     markdown = (plan.output / "sweep_report.md").read_text()
-    assert f"**{criterion}**" in markdown and "| wd weight_decay=0.03 | 4 | 6.32 | +8.59% | no | 0.5000 |" in markdown
+    assert f"**{stated}**" in markdown and "| wd weight_decay=0.03 | 4 | 6.32 | +8.59% | no | 0.5000 |" in markdown
     report = (plan.output / "report.md").read_text()
-    assert f"Decision: {criterion} decides every set" in report
+    assert f"Decision: {stated} decides every set" in report
     assert "- **wd weight_decay=0.03**: validation/loss at step 6 = 6.32 > 5.9364: misses the criterion" in report
     assert "- **wd weight_decay=0.02**: validation/loss at step 6 = 5.82 <= 5.9364: meets the criterion" in report
     verdicts = json.loads((plan.output / "report.json").read_text())
@@ -167,7 +170,7 @@ def test_the_sweep_report_table_answer_and_figure(tmp_path, fake_launcher, monke
     from protocol.report_json import comparison_from_dict
 
     again = comparison_from_dict(verdicts)  # report.json reads back with the criterion's verdict
-    assert again.criterion == criterion and status_line(again) == out.splitlines()[-1]
+    assert again.criterion == stated and status_line(again) == out.splitlines()[-1]
     assert [r.outcome for r in again.results] == ["meets criterion", "misses criterion"]
 
 
