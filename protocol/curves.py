@@ -58,6 +58,9 @@ class Curve:
     extra: dict[str, list[float]] = field(default_factory=dict)
     """Other figures per step, NaN where a step lacks them: "lr", "step_time_s", "tokens_per_s",
     "peak_memory_gib" (whichever the source logged)."""
+    skipped: list[int] = field(default_factory=list)
+    """float16 steps the loss scaler skipped for an overflow (logged with a loss and no gradient
+    norm): their update never happened, so they are not compared."""
 
     def __post_init__(self) -> None:
         if len(self.loss) != len(self.steps):
@@ -129,9 +132,11 @@ def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str 
     loss: dict[int, float] = {}
     grad: dict[int, float] = {}
     extra: dict[str, dict[int, float]] = {}
+    skipped: dict[int, bool] = {}
     for lineno, record in selected:
         step = int(_field(record, "step", path, lineno))
         loss[step] = float(_field(record, loss_key, path, lineno))
+        skipped[step] = record.get("step_skipped") is True
         if grad_key in record and record[grad_key] is not None:
             grad[step] = float(record[grad_key])
         for key, value in _extra_figures(record).items():
@@ -140,7 +145,7 @@ def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str 
         raise CurveError(f"{path}: no training steps logged")
     if grad_norm_tag is not None and not grad:
         raise CurveError(f"{path}: no record has the key {grad_key!r}")
-    return _build(name, loss, grad, str(path), extra)
+    return _build(name, loss, grad, str(path), extra, sorted(s for s, was in skipped.items() if was))
 
 
 def _extra_figures(record: dict) -> dict[str, float]:
@@ -263,7 +268,7 @@ def _last_wins(events: list[tuple[float, int, float]]) -> dict[int, float]:
 
 # ---------------------------------------------------------------- common
 def _build(name: str, loss: dict[int, float], grad: dict[int, float], source: str,
-           extra: dict[str, dict[int, float]] | None = None) -> Curve:
+           extra: dict[str, dict[int, float]] | None = None, skipped: list[int] | None = None) -> Curve:
     """Sorted steps; grad norm None when absent, NaN at steps that lack it when partly present
     (a float16 step skipped for an overflow logs no norm)."""
     steps = sorted(loss)
@@ -273,4 +278,4 @@ def _build(name: str, loss: dict[int, float], grad: dict[int, float], source: st
         logger.info("%s: %d logged steps have no grad norm", source, missing)
     others = {key: [values.get(s, math.nan) for s in steps] for key, values in (extra or {}).items() if values}
     return Curve(name=name, steps=steps, loss=[loss[s] for s in steps], grad_norm=grad_norm, source=source,
-                 extra=others)
+                 extra=others, skipped=list(skipped or []))

@@ -15,7 +15,11 @@ replicates, so it holds however strongly each curve is autocorrelated, and whate
 noise persists through a whole window, which no single curve shows), and the members' own
 autocorrelation-aware standard errors pooled (protocol.statistics: many more effective points,
 so K + 1 runs whose window means happen to agree cannot shrink sigma). The t quantiles keep K
-degrees of freedom. The set's own standard error is reported beside it.
+degrees of freedom. A test set may add noise of its own at every step (a non-deterministic
+kernel only its layout uses): sigma is then scaled by how much noisier its step-to-step movement
+is than a family member's (noise_ratio: every step of the run counts, so the ratio is precise
+where a window's own standard error is not), so that a noisier but unbiased set is not failed by
+a sigma that understates it; a set much noisier than its controls is reported as such.
 
 1. Equivalence of the final-window mean (two one-sided tests, TOST), mu the expectation of D:
        H0: |mu| >= margin   (the set is off by at least the margin)
@@ -36,7 +40,9 @@ degrees of freedom. The set's own standard error is reported beside it.
    over the whole run cannot take the set out of equivalence, so it is reported, not judged.
 
 An observable passes when it is equivalent and does not drift; a set passes when every judged
-observable passes. Minimum detectable effect: the offset mu at which a set fails test 1 with
+observable passes. Over a whole plan the failures are then held to the plan's false-fail level
+by Holm's step-down (protocol.family_wise): an observable the rule fails still passes when its
+failure is not significant once every (set, observable) of the plan is counted. Minimum detectable effect: the offset mu at which a set fails test 1 with
 probability `power`, from the noise alone: margin - t sigma + t_power sigma (t_power the `power`
 quantile of Student's t with K degrees of freedom).
 
@@ -62,6 +68,11 @@ from protocol.tolerance import Tolerance
 ENVELOPE_SIGMAS = 4.0
 SMOOTHING = 5
 STAY_OUT = 5
+
+
+SAY_NOISIER = 1.5
+"""A set this many times noisier than a noise control has it said in its verdict's reason (a set
+only slightly noisier is still judged by its own noise; the fields always show the ratio)."""
 
 
 @dataclass
@@ -102,6 +113,24 @@ class ObservableVerdict:
     """First step where the difference leaves the noise envelope and stays out (a locator)."""
     passed: bool
     reason: str
+    family_noise_sd: float = math.nan
+    """The control family's sigma; noise_sd is it times noise_ratio when the set is noisier."""
+    noise_ratio: float = 1.0
+    """The set's step-to-step noise over a family member's (noise_ratio())."""
+    p_value: float = math.nan
+    """The chance a correct set fails this observable as clearly (protocol.family_wise)."""
+    holm_threshold: float = math.nan
+    """The level Holm's step-down compared p_value with (the plan's level / hypotheses left)."""
+    bound: float = math.nan
+    """The |D| from which this observable fails, as applied: the margin's floor (margin - t sigma)
+    or the plan-level bound, whichever is larger."""
+    chance_fail: float = math.nan
+    """At most the chance that a correct set's |D| reaches `bound`."""
+
+    @property
+    def noisier_than_family(self) -> bool:
+        """The set's own standard error, not the family's sigma, sets its noise."""
+        return self.noise_sd > self.family_noise_sd
 
 
 def own_errors(window_rows: np.ndarray) -> list[float]:
@@ -111,17 +140,35 @@ def own_errors(window_rows: np.ndarray) -> list[float]:
     return [mean_with_stderr(row - reference).stderr for row in window_rows]
 
 
-def noise_sd(window_rows: np.ndarray) -> float:
-    """sigma: standard deviation of a new member's window mean about the family's mean, from the
-    family's final windows (members x steps). A run's window-mean noise is estimated twice and the
-    larger estimate used: from the spread of the members' window means (K degrees of freedom; holds
-    noise that persists through a window), and from the members' own standard errors pooled (many
-    more effective points; a deviation from the family mean has 1 - 1/(K+1) of a run's variance)."""
+def noise_parts(window_rows: np.ndarray) -> tuple[float, float]:
+    """(between, within): a run's window-mean noise SD estimated from the spread of the members'
+    window means (K degrees of freedom; holds noise that persists through a window), and from the
+    members' own standard errors pooled (many more effective points; a deviation from the family
+    mean has 1 - 1/(K+1) of a run's variance)."""
     members = len(window_rows)
     between = float(np.std(window_rows.mean(axis=1), ddof=1))
     errors = [e for e in own_errors(window_rows) if math.isfinite(e)]
     within = math.sqrt(float(np.mean(np.square(errors))) / (1 - 1 / members)) if errors else 0.0
-    return max(between, within) * math.sqrt(1 + 1 / members)
+    return between, within
+
+
+def noise_sd(window_rows: np.ndarray) -> float:
+    """sigma: standard deviation of a new member's window mean about the family's mean, from the
+    family's final windows (members x steps): the larger of the two estimates of noise_parts."""
+    return max(noise_parts(window_rows)) * math.sqrt(1 + 1 / len(window_rows))
+
+
+def noise_ratio(family: np.ndarray, d: np.ndarray) -> float:
+    """How many times noisier the set's step-to-step movement is than a family member's: the RMS
+    of the first differences of d (the set minus the family mean) against those of the members'
+    deviations from that mean, each scaled to one run's noise (d carries the mean's 1/(K+1) of a
+    run's variance on top of its own, a deviation 1 - 1/(K+1) of it). First differences leave out
+    a slow offset, which is what the tests judge, and use every step of the run."""
+    members = len(family)
+    reference = family.mean(axis=0)
+    own = float(np.mean(np.square(np.diff(d)))) / (1 + 1 / members)
+    theirs = float(np.mean(np.square(np.diff(family - reference, axis=1)))) / (1 - 1 / members)
+    return math.sqrt(own / theirs) if theirs > 0 else 1.0
 
 
 def minimum_detectable_effect(margin: float, sigma: float, dof: int, tol: Tolerance) -> float:
@@ -167,8 +214,10 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     d = test - reference
     k = window_size(n, tol.final_window)
     window = slice(n - k, n)
-    sigma = noise_sd(family[:, window])
+    family_sigma = noise_sd(family[:, window])
     own = mean_with_stderr(d[window])
+    ratio = noise_ratio(family, d)
+    sigma = family_sigma * max(1.0, ratio)
     family_own = own_errors(family[:, window])
     margin, given = margin_for(observable, sigma, tol)
     t_crit = t_quantile(1 - tol.alpha, dof)
@@ -195,7 +244,7 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
         slope_se=slope_se, drift=trend.drift, drift_p=drift_p, drifting=drifting,
         mde=minimum_detectable_effect(margin, sigma, dof, tol),
         first_outside_noise=None if passed else first_outside_noise(steps, family, d),
-        passed=passed, reason="")
+        passed=passed, reason="", family_noise_sd=family_sigma, noise_ratio=ratio)
     verdict.reason = explain(verdict, t_crit)
     return verdict
 
@@ -235,10 +284,30 @@ def explain(v: ObservableVerdict, t_crit: float) -> str:
     if limit <= 0:
         return (f"{window}: the margin {v.margin:.2e} is not wider than t x noise SD = {t_crit * v.noise_sd:.2e}, so "
                 "no set can pass; give more noise controls or a wider margin")
+    noisier = (f"; its step-to-step noise is {v.noise_ratio:.2f}x a noise control's, so it is judged by its own "
+               f"noise SD {v.noise_sd:.2e}, not the family's {v.family_noise_sd:.2e}"
+               if v.noise_ratio >= SAY_NOISIER else "")
+    if math.isfinite(v.bound):
+        return explain_plan_level(v, window, noisier)
     if not v.equivalent:
         return (f"{window} is not shown within the margin +-{v.margin:.2e} (|diff| + t x noise SD = "
-                f"{abs(v.diff) + t_crit * v.noise_sd:.2e}; TOST p {v.tost_p:.2g})")
+                f"{abs(v.diff) + t_crit * v.noise_sd:.2e}; TOST p {v.tost_p:.2g}){noisier}")
     if v.drifting:
         return (f"the diff drifts: slope {v.slope:+.2e}/step (p {v.drift_p:.2g}) moves it {v.drift:.2e} over the run, "
                 f"more than the margin {v.margin:.2e}")
-    return f"{window} within +-{v.margin:.2e} (TOST p {v.tost_p:.2g}); no drift (p {v.drift_p:.2g})"
+    return f"{window} within +-{v.margin:.2e} (TOST p {v.tost_p:.2g}); no drift (p {v.drift_p:.2g}){noisier}"
+
+
+def explain_plan_level(v: ObservableVerdict, window: str, noisier: str) -> str:
+    """The sentence once the plan-level bound is known: |D| against the bound applied."""
+    sigmas = f"{abs(v.diff) / v.noise_sd:.1f}" if v.noise_sd > 0 else "inf"
+    against = (f"|diff| = {sigmas} noise SD against a bound of {v.bound:.2e} ({v.bound / v.noise_sd:.2f} noise SD; "
+               f"p {v.p_value:.2g}, plan-level threshold {v.holm_threshold:.2g})")
+    if not v.passed and v.drifting and v.equivalent:
+        return (f"the diff drifts: slope {v.slope:+.2e}/step (p {v.drift_p:.2g}) moves it {v.drift:.2e} over the run, "
+                f"more than the margin {v.margin:.2e}{noisier}")
+    if not v.passed:
+        return f"{window}: {against}{noisier}"
+    drift = f"; no drift (p {v.drift_p:.2g})" if not v.drifting else (
+        f"; a drift of {v.drift:.2e} (p {v.drift_p:.2g}) is not significant at the plan level")
+    return f"{window} within the bound: {against}{drift}{noisier}"

@@ -72,6 +72,11 @@ class Tolerance:
     power: float = 0.8
     """statistical: the probability of failing at which the report states the minimum detectable effect."""
 
+    plan_false_fail: float = 0.05
+    """statistical: the largest chance that a plan whose sets are all correct fails anywhere by
+    chance; Holm's step-down over every (set, observable) of the plan keeps it there
+    (protocol.family_wise)."""
+
     def margin(self, observable: str) -> float:
         """The explicit margin of an observable; 0 means derived from the noise controls."""
         return {"loss": self.loss_margin, "grad_norm": self.grad_norm_margin}.get(observable, 0.0)
@@ -91,7 +96,7 @@ class Tolerance:
         for key in ("final_window",):
             if not 0 < getattr(self, key) <= 1:
                 found.append(f"tolerance.{key}: a fraction in (0, 1], got {getattr(self, key)}")
-        for key in ("alpha", "power"):
+        for key in ("alpha", "power", "plan_false_fail"):
             if not 0 < getattr(self, key) < 1:
                 found.append(f"tolerance.{key}: a probability in (0, 1), got {getattr(self, key)}")
         if self.noise_controls < 2:

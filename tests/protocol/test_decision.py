@@ -55,7 +55,7 @@ def test_a_correct_set_passes_and_an_offset_fails_with_its_reason():
     assert abs(loss.diff) < loss.margin and loss.tost_p < 0.05
     assert not off.verdict and off.outcome == "FAIL"
     assert off.reason.startswith("loss: final-window (30 steps from 271) mean diff +1.0")
-    assert "is not shown within the margin" in off.reason
+    assert "noise SD against a bound of" in off.reason
     assert off.first_diverging_step == 1  # 0.01 is outside the noise from the first step
     assert comparison.status == "FAIL"
 
