@@ -71,6 +71,7 @@ CASES = [
     Case("CP2 K/V grad not reduced", "bug", 'kind = "parallelism"\ncp = 2', "cp_kv_grad_unreduced"),
     Case("TP2 norm counts replicas", "bug", 'kind = "parallelism"\ntp = 2', "norm_counts_replicas"),
     Case("CP2 RoPE unshifted", "bug", 'kind = "parallelism"\ncp = 2', "cp_rope_unshifted"),
+    Case("CP2 RoPE tail chunk misplaced", "bug", 'kind = "parallelism"\ncp = 2', "cp_rope_tail_misplaced"),
 ]
 QUICK_CASES = ("TP2", "TP2 norm grad not reduced")
 FULL = {"repeats": 5, "first_seed": 0, "steps": 300, "noise_controls": Tolerance().noise_controls, "dp": 2,
@@ -96,6 +97,7 @@ gpus_per_node = 8
 [plan.overrides]
 "model.flavor" = "tiny"
 "training.seq_len" = 64
+"training.dataset" = "{dataset}"
 "training.mixed_precision_param" = "bfloat16"
 "optimizer.lr" = {lr}
 "optimizer.weight_decay" = {wd}
@@ -111,7 +113,7 @@ noise_controls = {noise_controls}
 
 def plan_text(cases: list[Case], seed: int, output: Path, args) -> str:
     text = PLAN.format(seed=seed, output=output, steps=args.steps, warmup=max(1, args.steps // 15),
-                       local_batch=args.local_batch, dp=args.dp, lr=LR, wd=WEIGHT_DECAY,
+                       local_batch=args.local_batch, dp=args.dp, lr=LR, wd=WEIGHT_DECAY, dataset=args.dataset,
                        noise_controls=args.noise_controls)
     for case in cases:
         body = case.table.format(lr_105=LR * 1.05, wd_102=WEIGHT_DECAY * 1.02)
@@ -319,6 +321,9 @@ def main() -> None:
     parser.add_argument("--noise-controls", type=int, help=f"default {Tolerance().noise_controls}, the shipped one")
     parser.add_argument("--dp", type=int, help="data-parallel degree of every run (default 2)")
     parser.add_argument("--local-batch", type=int, help="default 4")
+    parser.add_argument("--dataset", default="synthetic_context", choices=("synthetic_context", "synthetic"),
+                        help="the built-in source every run trains on (default synthetic_context, on which "
+                             "attention and positions matter)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", default="outputs/protocol_power", help="folder of the runs (reused when current)")
     parser.add_argument("--json", help="write the figures as JSON here")

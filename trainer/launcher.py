@@ -133,11 +133,13 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
 
 def hub_datasets(config: JobConfig) -> list[str]:
     """Datasets the ranks will stream from the Hugging Face hub (not a local copy)."""
+    from trainer.data.build import SYNTHETIC
+
     names = []
     for section in (config.training, config.validation):
         if section is config.validation and not config.validation.enable:
             continue
-        if section.dataset not in ("", "synthetic", "files") and not section.dataset_path:
+        if section.dataset not in ("", *SYNTHETIC, "files") and not section.dataset_path:
             names.append(section.dataset)
     return names
 

@@ -75,7 +75,7 @@ def check_data(config: JobConfig) -> None:
 
 
 def _check_data(c: JobConfig) -> None:
-    from trainer.data.build import check_location, text_dataset
+    from trainer.data.build import SYNTHETIC, check_location, text_dataset
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
     from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
@@ -94,13 +94,13 @@ def _check_data(c: JobConfig) -> None:
     check_whole_split(c)
     tokenizer = configured_tokenizer(c.model, vocab_size, needed_by=text_dataset(c), say_unused=False)
     tokenizer_key = tokenizer_file(c.model)[1]
-    if c.training.document_masking and c.training.dataset == "synthetic" and not c.training.datasets:
-        raise ConfigError("training.document_masking: the synthetic source has no documents; use 'shards', 'files' or "
+    if c.training.document_masking and c.training.dataset in SYNTHETIC and not c.training.datasets:
+        raise ConfigError(f"training.document_masking: the {c.training.dataset} source has no documents; use 'shards', 'files' or "
                           "a Hugging Face dataset, or turn it off")
     for key, dataset, path in sections:
         path_key = f"{key}.path" if key.startswith("training.datasets") else f"{key}.dataset_path"
-        if dataset == "synthetic" and path:
-            raise ConfigError(f"{path_key}: {path!r} is set but {key}.dataset is 'synthetic', which reads no "
+        if dataset in SYNTHETIC and path:
+            raise ConfigError(f"{path_key}: {path!r} is set but {key}.dataset is {dataset!r}, which reads no "
                               f"files; set {key}.dataset to 'shards' or 'files', or leave dataset_path empty")
         if dataset in ("files", "shards") and not path:
             raise ConfigError(f"{path_key}: required for dataset {dataset!r} "
@@ -121,7 +121,7 @@ def check_whole_split(c: JobConfig) -> None:
     """validation.steps = -1 reads every sequence of the validation split once: only a finite
     split of known length has that."""
     from trainer.config.validation import WHOLE_SPLIT
-    from trainer.data.build import FINITE
+    from trainer.data.build import FINITE, SYNTHETIC
 
     if not c.validation.enable or c.validation.steps != WHOLE_SPLIT:
         return
@@ -133,7 +133,7 @@ def check_whole_split(c: JobConfig) -> None:
     dataset = c.validation.dataset or c.training.dataset
     if dataset in FINITE:
         return
-    why = ("an endless stream" if dataset == "synthetic" else
+    why = ("an endless stream" if dataset in SYNTHETIC else
            "streamed, so its length is known only once it has been read")
     raise ConfigError(f"validation.steps: -1 (the whole validation split) needs a split of known length ("
                       f"{', '.join(map(repr, FINITE))}), but the validation data {dataset!r} is {why}; {fix}")

@@ -8,6 +8,9 @@ leaves a run that trains and logs normally: only the convergence protocol can te
 * cp_rope_unshifted: under context parallelism each rank rotates its queries and keys as if its
   chunk started at position 0 (the ring's masks still use the true positions), so relative
   positions between chunks are wrong.
+* cp_rope_tail_misplaced: under load-balanced context parallelism rank r holds chunks r and
+  2cp-1-r of 2cp; this bug rotates the second (tail) chunk as if it were chunk cp+r, so the two
+  tail chunks of cp 2 swap their RoPE positions (the ring's masks still use the true positions).
 * cp_kv_grad_unreduced: under context parallelism every rank's keys and values travel the ring
   to the queries of the others; in backward their gradient shares must be summed on the way back
   to the rank that owns them. This bug drops the sum carried so far at each hop, so an owner
@@ -47,6 +50,20 @@ def cp_rope_unshifted() -> None:
     context.ContextParallelAttention.positions = positions
 
 
+def cp_rope_tail_misplaced() -> None:
+    import torch
+
+    from trainer.parallel import context
+
+    def positions(self, local_len, device):
+        chunk = local_len // 2
+        head = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=device)
+        tail = torch.arange((self.degree + self.rank) * chunk, (self.degree + self.rank + 1) * chunk, device=device)
+        return torch.cat([head, tail])
+
+    context.ContextParallelAttention.positions = positions
+
+
 def cp_kv_grad_unreduced() -> None:
     from trainer.parallel import ring_attention
 
@@ -68,8 +85,8 @@ def norm_counts_replicas() -> None:
     optim.local_squared_norm = local_squared_norm
 
 
-FAULTS = {f.__name__: f for f in (tp_norm_grad_unreduced, cp_rope_unshifted, cp_kv_grad_unreduced,
-                                   norm_counts_replicas)}
+FAULTS = {f.__name__: f for f in (tp_norm_grad_unreduced, cp_rope_unshifted, cp_rope_tail_misplaced,
+                                   cp_kv_grad_unreduced, norm_counts_replicas)}
 
 
 def inject(name: str) -> None:

@@ -91,7 +91,7 @@ DIFFERENT: dict[str, str] = {
     "lr_scheduler.decay_ratio": "the fraction of the steps after warmup (torchtitan: of all steps, warmup "
                                 "included); the decay reaches lr x min_lr_factor at the last step (torchtitan stops "
                                 "one step short of it)",
-    "training.dataset": "default synthetic; also shards, files, c4_test (read as files from dataset_path, which "
+    "training.dataset": "default synthetic; also synthetic_context, shards, files, c4_test (read as files from dataset_path, which "
                         "it needs) and Hugging Face datasets streamed by name (c4, c4_validation, fineweb, "
                         "fineweb-edu, org/name)",
     "training.dataset_path": "its meaning depends on training.dataset (a prepared shard folder, local files, a "

@@ -11,6 +11,7 @@ raises DataExhausted past the end of a finite source that does not wrap.
 
 | dataset        | class                                   | validation split                          |
 | synthetic      | synthetic.SyntheticMarkovSource         | other walks of the same chain             |
+| synthetic_context | synthetic_context.SyntheticContextSource | other rows of the same process        |
 | files, c4_test | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
 | hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split (one lane, in order) |
@@ -35,19 +36,21 @@ from trainer.data.finite_sources import ShardSource, TokenArraySource
 from trainer.data.hashing import document_unit
 from trainer.data.mixture import MixtureSource
 from trainer.data.synthetic import SyntheticMarkovSource
+from trainer.data.synthetic_context import SyntheticContextSource
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FRACTION = 0.05
 LOCAL_FILES = ("files", "c4_test")  # names read by files_source, from dataset_path
 FINITE = ("shards", *LOCAL_FILES)
+SYNTHETIC = ("synthetic", "synthetic_context")  # built in: no files, endless
 C4_TEST = ("a small sample of C4 read from local files: torchtitan keeps it in its repository as "
            "tests/assets/c4_test/data.json, one JSON object per line with the document in \"text\"")
 
 
 def is_streamed(dataset: str) -> bool:
     """A Hugging Face dataset by name or id, read as a stream."""
-    return dataset not in ("synthetic", "shards", *LOCAL_FILES)
+    return dataset not in (*SYNTHETIC, "shards", *LOCAL_FILES)
 
 
 def check_location(dataset: str, dataset_path: str, section: str) -> None:
@@ -94,14 +97,18 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
 
 def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,
                  text_field: str, wrap: bool, shuffle: bool = False, validation_fraction: float | None = None,
-                 key: str = "training", stream: dict | None = None):
+                 key: str = "training", stream: dict | None = None, seq_len: int | None = None):
     """The token source of one split of `dataset` (key: the config section, for messages; stream:
-    lanes, workers and prefetch of a streamed dataset, by default one lane read inline)."""
+    lanes, workers and prefetch of a streamed dataset, by default one lane read inline; seq_len:
+    the length synthetic_context states its best loss for)."""
     from trainer.data import text_sources as text
 
     shuffle_seed = seed if shuffle else None
     if dataset == "synthetic":
         return SyntheticMarkovSource(vocab_size=vocab_size, seed=seed, split=split)
+    if dataset == "synthetic_context":
+        length = {"row_length": seq_len + 1} if seq_len else {}
+        return SyntheticContextSource(vocab_size=vocab_size, seed=seed, split=split, **length)
     if dataset == "shards":
         if not dataset_path:
             raise DataError(f"{key}.dataset_path: required for dataset 'shards' (a folder written by "
@@ -154,7 +161,7 @@ def text_dataset(config) -> str:
     datasets = [entry.dataset for entry in t.datasets] or [t.dataset]
     if v.enable and v.dataset:
         datasets.append(v.dataset)
-    return next((d for d in datasets if d not in ("synthetic", "shards")), "")
+    return next((d for d in datasets if d not in (*SYNTHETIC, "shards")), "")
 
 
 def build_sources(config, vocab_size: int):
@@ -170,13 +177,15 @@ def build_sources(config, vocab_size: int):
     else:
         stream = dict(lanes=t.stream_lanes, workers=t.stream_workers, prefetch=t.stream_prefetch)
         train = build_source(t.dataset, t.dataset_path, split="train", wrap=t.dataset_end == "wrap",
-                             shuffle=t.shuffle, stream=stream, **common)
+                             shuffle=t.shuffle, stream=stream, seq_len=t.seq_len, **common)
     if not v.enable:
         return train, None
     if t.datasets and not v.dataset:
         validation = build_mixture(t.datasets, "validation", wrap=True, shuffle=False, **common)
     elif v.dataset:
-        validation = build_source(v.dataset, v.dataset_path, split="validation", wrap=True, key="validation", **common)
+        validation = build_source(v.dataset, v.dataset_path, split="validation", wrap=True, key="validation",
+                                  seq_len=v.seq_len or t.seq_len, **common)
     else:
-        validation = build_source(t.dataset, t.dataset_path, split="validation", wrap=True, **common)
+        validation = build_source(t.dataset, t.dataset_path, split="validation", wrap=True,
+                                  seq_len=v.seq_len or t.seq_len, **common)
     return train, validation
