@@ -4,16 +4,18 @@
                                         [--cases NAME,...] [--out DIR] [--json FILE] [--quick]
 
 Each repeat is one whole experiment with its own seed (its own data and seed checkpoint): the
-control, its noise controls, and one test set per case, all in bfloat16 on the tiny Llama, run
-by the protocol's own local runner and judged by the protocol's own comparison (the shipped
-statistical defaults). Cases:
+control, its noise controls, and one test set per case, all in bfloat16 on the tiny Llama on the
+synthetic_context source (--dataset), run by the protocol's own local runner and judged by the
+protocol's own comparison (the shipped statistical defaults), each case as the one set of a plan
+of its own. Cases:
 
   correct layouts      TP 2, PP 2 (Interleaved1F1B), CP 2, FSDP 2 x TP 2 x PP 2
   configuration faults optimizer.lr 5% high, optimizer.weight_decay 2% high
   parallelism bugs     injected by benchmarks/faults (the shipped trainer cannot enable them):
                        TP norm-weight gradients not all-reduced, CP key/value gradients not
                        reduce-scattered, the global grad norm counting TP replicas once per rank,
-                       CP RoPE applied at chunk-local positions
+                       CP RoPE applied at chunk-local positions, CP RoPE of the tail chunk at
+                       another chunk's positions
 
 It prints, per case, the verdicts over the repeats and the mean final-window difference of each
 observable in units of the noise (the spread a correct set has); then the false-fail rate (correct
@@ -147,8 +149,12 @@ def run_repeat(seed: int, cases: list[Case], args) -> dict:
 
 
 def judge(repeat: dict, tolerance: Tolerance, members: int | None = None):
+    """Every case judged as the one set of a plan of its own (the family and that set): the
+    plan-level rule (Holm's step-down over the plan's sets) then sees the plan a user would run
+    to test that layout, not one plan of every case at once."""
     family = repeat["family"][:members] if members else repeat["family"]
-    return compare(family, repeat["tests"], tolerance, expect=repeat["expect"])
+    alone = [compare(family, [test], tolerance, expect=repeat["expect"]) for test in repeat["tests"]]
+    return replace(alone[0], results=[c.results[0] for c in alone])
 
 
 def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> tuple[list[list], dict]:
@@ -269,6 +275,28 @@ def settings_rows(repeats: list[dict], cases: list[Case], base: Tolerance) -> li
     return rows
 
 
+PLAN_LEVEL = Tolerance().plan_false_fail
+
+
+def holm_fails(ratios, floor: float, dof: int) -> dict[int, "np.ndarray"]:
+    """Per plan size n: which simulated plans of n correct sets fail anywhere under the shipped
+    rule, Holm's step-down over their 2n observables at the plan level (protocol.family_wise;
+    the drift test left out: correct sets do not drift)."""
+    import numpy as np
+
+    from protocol.family_wise import OFFSET_WEIGHT, holm
+    from protocol.statistics import t_upper_tail
+
+    found = {}
+    for n in range(1, ratios.shape[1] + 1):
+        failed = []
+        for plan in ratios[:, :n].reshape(len(ratios), -1):
+            p_values = [min(1.0, 2 * t_upper_tail(r, dof) / OFFSET_WEIGHT) for r in plan]
+            failed.append(any(rejected and r > floor for r, (_, rejected) in zip(plan, holm(p_values, PLAN_LEVEL))))
+        found[n] = np.array(failed)
+    return found
+
+
 def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, window: int = 30,
                 rho: float = 0.9) -> list[list]:
     """The rule's error rates and detectable offset for other noise controls and margins, from its
@@ -276,11 +304,14 @@ def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, wi
     correlation rho, the family's noise SD is protocol.decision.noise_sd of their windows, and a
     correct set is one more such run. Per (K, margin): the chance that a correct set fails one
     observable, either of two, that a plan of `plan_sets` correct sets fails anywhere, and the
-    stated detectable offset in units of the true noise SD of a correct set's difference."""
+    stated detectable offset in units of the true noise SD of a correct set's difference; then the
+    same plans under the plan-level rule (Holm's step-down, protocol.family_wise) and its
+    detectable offset at the strictest threshold of a plan of max(plan_sets) sets."""
     import numpy as np
     from scipy import signal
 
     from protocol.decision import noise_sd
+    from protocol.family_wise import offset_bound_sigmas
     from protocol.statistics import t_quantile
 
     rng = np.random.default_rng(0)
@@ -307,9 +338,13 @@ def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, wi
         true_sd = run_sd * np.sqrt(1 + 1 / (members + 1))
         for margin in (4.0, 5.0, 6.0):
             fails = ratios > margin - t_crit
+            held = holm_fails(ratios, margin - t_crit, members)
             detectable = (margin - t_crit + t_power) * sigmas.mean() / true_sd
+            strictest = max(margin - t_crit, offset_bound_sigmas(PLAN_LEVEL / (2 * max(plan_sets)), members))
             rows.append([str(members), f"{margin:g}", f"{fails[:, 0, 0].mean():.1%}", f"{fails[:, 0].any(1).mean():.1%}",
-                         *[f"{fails[:, :n].any((1, 2)).mean():.1%}" for n in plan_sets], f"{detectable:.2f}"])
+                         *[f"{fails[:, :n].any((1, 2)).mean():.1%}" for n in plan_sets],
+                         *[f"{held[n].mean():.1%}" for n in plan_sets], f"{detectable:.2f}",
+                         f"{(strictest + t_power) * sigmas.mean() / true_sd:.2f}"])
     return rows
 
 
@@ -337,7 +372,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.design_table:
         print(table(["noise controls", "margin_sigmas", "one observable", "a set (2 observables)",
-                     "a plan of 3 sets", "a plan of 4 sets", "detectable offset / noise SD"], design_rows()))
+                     "a plan of 3 sets, per set", "a plan of 4 sets, per set", "a plan of 3 sets, plan-level",
+                     "a plan of 4 sets, plan-level", "detectable offset / noise SD, per set",
+                     "detectable offset / noise SD, plan of 4 sets"], design_rows()))
         return
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():

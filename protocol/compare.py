@@ -73,16 +73,16 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
     return comparison
 
 
-NOISIER = 2.0  # a set this many times noisier than a noise control is worth its own finding
+NOISIER = 2.0  # a set whose own noise raised its sigma this many times is worth its own finding
 
 
 def noisier_sets(results: list[SetResult]) -> list[str]:
-    """A correct set that moves far more from step to step than any noise control has noise of its
-    own (a non-deterministic kernel, another reduction order): it is judged by that larger noise,
-    which also makes it less able to show a small offset; say so."""
-    return [f"{result.name}: its {o.observable} is {o.noise_ratio:.1f}x as noisy from step to step as a noise "
-            f"control, so it was judged by its own noise SD ({o.noise_sd:.2e}, the family's {o.family_noise_sd:.2e}); "
-            "an offset smaller than its larger detectable offset would go unseen"
+    """A correct set whose curve is far noisier than any noise control's has noise of its own (a
+    non-deterministic kernel, another reduction order): it is judged by that larger noise, which
+    also makes it less able to show a small offset; say so."""
+    return [f"{result.name}: its {o.observable} is noisier than its controls (its own noise raised sigma "
+            f"{o.noise_ratio:.1f}x, to {o.noise_sd:.2e} from the family's {o.family_noise_sd:.2e}); an offset "
+            "smaller than its larger detectable offset would go unseen"
             for result in results if result.expect == "pass" for o in result.observables
             if o.noise_ratio > NOISIER]
 

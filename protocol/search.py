@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from protocol.judging import Judgement, control_value, judge_run, threshold
+from protocol.judging import Judgement, control_value, family_noise, judge_run, threshold
 from protocol.launch import Progress, RunResult
 from protocol.plan import Launch, Plan
 from protocol.sweeps import Sweep
@@ -106,13 +106,14 @@ def run_searches(plan: Plan, selected: Sequence[Launch], run_point: RunPoint, re
 def run_search(plan: Plan, sweep: Sweep, points: list[Launch], run_point: RunPoint,
                report: Progress) -> dict[str, RunResult]:
     control = control_value(plan)
-    bound = threshold(plan, control)
+    noise = family_noise(plan) if plan.criterion.in_sigmas else None
+    bound = threshold(plan, control, noise)
     if bound.value is None:
         why = f"the search of sweep {sweep.name!r} cannot judge a point: {bound.missing}"
         report(why)
         return {launch.name: RunResult(launch.name, "skipped", message=why) for launch in points}
     report(f"search {sweep.name!r}: bisecting {len(points)} points for the last one meeting the criterion: "
-           f"{plan.criterion.describe(control.value)}")
+           f"{plan.criterion.describe(control.value, noise.sigma if noise else None)}")
     results: dict[str, RunResult] = {}
 
     def meets(i: int) -> bool | None:

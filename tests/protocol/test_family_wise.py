@@ -67,8 +67,8 @@ def test_positive_controls_still_fail_in_a_plan_of_several_sets():
 
 def test_a_noisier_but_unbiased_set_fails_no_more_often_than_the_stated_level():
     """A correct set with 3x the family's rounding noise: judged by the family's sigma it would fail
-    in most experiments; judged by its own standard error it fails in at most plan_false_fail of
-    200, and each verdict says which noise judged it."""
+    in a fifth of the experiments or more; with its own excess noise added it fails in at most
+    plan_false_fail of 200 plans, and a far noisier set's verdict says which noise judged it."""
     rng = np.random.default_rng(12)
     assert plans_failed(rng, 1, 200, noise_factor=3.0) <= TOL.plan_false_fail
     by_family = []
@@ -77,9 +77,9 @@ def test_a_noisier_but_unbiased_set_fails_no_more_often_than_the_stated_level():
         assert loss.noise_sd >= loss.family_noise_sd
         by_family.append(abs(loss.diff) / loss.family_noise_sd > 2.87)
     assert np.mean(by_family) > 0.2  # what the family's sigma alone would have failed
-    loss = compare(family(rng), [noisy_run(rng, "noisy", 3.0)], TOL).results[0].observables[0]
-    assert loss.noisier_than_family and loss.noise_ratio == pytest.approx(3.0, rel=0.2)
-    assert "so it is judged by its own noise SD" in loss.reason
+    loss = compare(family(rng), [noisy_run(rng, "noisy", 6.0)], TOL).results[0].observables[0]
+    assert loss.noisier_than_family and loss.noise_ratio > 1.5
+    assert "its own curve is noisier than a noise control's" in loss.reason
 
 
 def skipping(curve: Curve, skipped: list[int]) -> Curve:

@@ -19,7 +19,7 @@ Each row is one document that starts at position 0 (no end-of-document tokens). 
 source, row r is a pure function of (seed, split, r, length), so every layout and every resumed
 run reads the same tokens. The best achievable loss (the entropy of the true next-token
 distribution, averaged over a row's predicted positions) depends on the row length; it is
-estimated by Monte Carlo from `FLOOR_ROWS` rows of the true conditional probabilities
+estimated by Monte Carlo from about FLOOR_TOKENS tokens of the true conditional probabilities
 (entropy_floor_for), with its standard error.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 from trainer.data.hashing import GOLDEN, splitmix64, to_unit
 from trainer.data.synthetic import SPLIT_IDS
 
-FLOOR_ROWS = 2048
+FLOOR_TOKENS = 1 << 20  # the floor's Monte Carlo sample: ~1M tokens (2048 rows of 512), at most 2048 rows
 DEFAULT_ROW_LENGTH = 129  # seq_len 128 + 1, the debug model's
 _SLOT_STREAM = np.uint64(0xA5A5_5A5A_C3C3_3C3C)  # a second, independent uniform per position
 _FLOOR_SPLIT = "floor"  # rows the floor is estimated from: neither split's
@@ -147,7 +147,7 @@ class SyntheticContextSource:
 
     def entropy_floor_for(self, row_length: int) -> tuple[float, float]:
         """(best achievable mean loss in nats over the predicted positions of rows of `row_length`,
-        its Monte Carlo standard error), from FLOOR_ROWS rows drawn apart from both splits."""
+        its Monte Carlo standard error), from about FLOOR_TOKENS tokens in rows drawn apart from both splits."""
         return _floor(self, row_length)
 
     @property
@@ -187,6 +187,7 @@ def _split_id(split: str) -> int:
 
 @lru_cache(maxsize=16)
 def _floor(source: SyntheticContextSource, row_length: int) -> tuple[float, float]:
-    tokens = source._generate(_FLOOR_SPLIT, 0, FLOOR_ROWS, row_length)
+    rows = max(64, min(2048, FLOOR_TOKENS // row_length))
+    tokens = source._generate(_FLOOR_SPLIT, 0, rows, row_length)
     per_row = -source.true_log_probs(tokens).mean(axis=1)
     return float(per_row.mean()), float(per_row.std(ddof=1) / math.sqrt(len(per_row)))
