@@ -5,9 +5,11 @@ attempts stay readable. A failed run is reported with the launcher's error block
 lines of its log) and the others still run, except those that need a seed checkpoint that
 failed.
 
-While a test set runs, the plan's early-stop rules are checked at every progress poll: a run
-that breaks one is ended as an interrupt would end it (protocol.early_stop marks its folder) and
-the others go on. The points of searched sweeps run last, as the search needs them
+Every progress line of a running run says about how long it and the plan have left: the run's
+from its steps done and the time they took, the plan's from the launches this invocation ran
+(TimeLeft). While a test set runs, the plan's early-stop rules are checked at every progress
+poll: a run that breaks one is ended as an interrupt would end it (protocol.early_stop marks its
+folder) and the others go on. The points of searched sweeps run last, as the search needs them
 (protocol.search).
 """
 
@@ -19,14 +21,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from protocol.early_stop import Breach, applies, breach, clear_stopped, mark_stopped
 from protocol.failures import exit_problem, indent, summary
 from protocol.folders import claim_folder, now
 from protocol.launch import LaunchError, Progress, RunResult, prepare, resume_note, select, summarize
 from protocol.plan import REPO_ROOT, Launch, Plan
-from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
+from protocol.reuse import REUSE, RUN, STOPPED, Decision, completion_problem, resume_step
 from protocol.search import run_searches
 
 logger = logging.getLogger(__name__)
@@ -59,10 +61,13 @@ def run_local(plan: Plan, launches: Sequence[Launch], only: Sequence[str] | None
     first = [launch for launch in selected if not (searching and launch.search)]
     results: dict[str, RunResult] = {}
     failed: set[str] = set()
+    # Seed jobs are short and unlike a training run: the plan's estimate counts training runs.
+    timer = TimeLeft([launch.name for launch in first
+                      if launch.role != "seed" and decisions[launch.name].action == RUN])
 
     def run(launch: Launch, head: str) -> RunResult:
         result = results[launch.name] = run_one(plan, decisions[launch.name], command, head, failed, report,
-                                                progress_interval)
+                                                progress_interval, timer)
         if result.failed:
             failed.add(launch.name)
         return result
@@ -77,8 +82,10 @@ def run_local(plan: Plan, launches: Sequence[Launch], only: Sequence[str] | None
 
 
 def run_one(plan: Plan, decision: Decision, command: list[str], head: str, failed: set[str], report: Progress,
-            progress_interval: float) -> RunResult:
+            progress_interval: float, timer: TimeLeft | None = None) -> RunResult:
     launch = decision.launch
+    timer = timer or TimeLeft([])
+    timer.reached(launch.name)
     blocked = [name for name in launch.depends_on if name in failed]
     if blocked:
         report(f"{head}: skipped, it needs {', '.join(blocked)}, which did not complete")
@@ -95,7 +102,10 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
     again += resume_note(plan, launch)
     report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... "
            f"(log: {launch.output / LOG_NAME})")
-    returncode, seconds, start, broke = execute(plan, launch, command, head, report, progress_interval)
+    timer.start(resume_step(plan, launch) or 0)
+    returncode, seconds, start, broke = execute(plan, launch, command, head, report, progress_interval, timer)
+    if launch.role != "seed" and broke is None and not returncode:
+        timer.took.append(seconds)  # a whole run: what each of the plan's next ones will take
     log = launch.output / LOG_NAME
     if broke is not None:
         report(f"{head}: STOPPED after {seconds:.1f} s by {broke.describe()}")
@@ -110,7 +120,7 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
 
 
 def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: Progress,
-            progress_interval: float) -> tuple[int, float, int, Breach | None]:
+            progress_interval: float, timer: TimeLeft) -> tuple[int, float, int, Breach | None]:
     """Start the launcher, wait, report the step reached now and then; (exit code, seconds, offset
     of this attempt's output in the log, the early-stop rule it broke if it was stopped)."""
     env = dict(os.environ)
@@ -128,7 +138,7 @@ def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: P
         proc = subprocess.Popen([*command, *launch.args], cwd=REPO_ROOT, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
-            returncode, broke = wait(proc, plan, launch, head, report, progress_interval)
+            returncode, broke = wait(proc, plan, launch, head, report, progress_interval, timer)
         except BaseException:
             stop(proc)
             raise
@@ -136,7 +146,7 @@ def execute(plan: Plan, launch: Launch, command: list[str], head: str, report: P
 
 
 def wait(proc: subprocess.Popen, plan: Plan, launch: Launch, head: str, report: Progress,
-         interval: float) -> tuple[int, Breach | None]:
+         interval: float, timer: TimeLeft) -> tuple[int, Breach | None]:
     """(exit code, None) once the run ends, or (exit code, the rule it broke) once it was stopped."""
     reported = 0
     rules = plan.early_stop if applies(launch) else ()
@@ -146,7 +156,7 @@ def wait(proc: subprocess.Popen, plan: Plan, launch: Launch, head: str, report: 
         except subprocess.TimeoutExpired:
             step = last_step(launch) if launch.role != "seed" else 0
             if step > reported:
-                report(f"{head}: step {step}/{plan.steps}")
+                report(f"{head}: step {step}/{plan.steps}{timer.left(step, plan.steps)}")
                 reported = step
             broke = breach(rules, launch.output)
             if broke is not None:
@@ -154,6 +164,61 @@ def wait(proc: subprocess.Popen, plan: Plan, launch: Launch, head: str, report: 
                 mark_stopped(launch.output, broke)
                 stop(proc)
                 return proc.returncode, broke
+
+
+class TimeLeft:
+    """The time-left estimates of the progress lines.
+
+    The running launch: its steps still to run at the pace it has shown, measured from its
+    first progress line once there are two (its start-up then stays out of a per-step pace), from
+    its start before that. The plan: that, plus each training launch still to run at the mean of
+    those run to the end now (the running one's expected whole while none has); reused runs take
+    nothing, and a searched sweep's points, which the search picks later, are not counted."""
+
+    def __init__(self, to_run: Sequence[str], clock: Callable[[], float] = time.monotonic):
+        self.to_run = list(to_run)
+        """Training launches still to run after the running one, in order."""
+        self.took: list[float] = []
+        """Seconds of each training launch run to its end by this invocation."""
+        self.clock = clock
+        self.began = clock()
+        self.from_step = 0
+        self.first: tuple[float, int] | None = None
+
+    def reached(self, name: str) -> None:
+        """The launch `name` runs now or is passed over: it is no longer still to run."""
+        if name in self.to_run:
+            self.to_run.remove(name)
+
+    def start(self, from_step: int = 0) -> None:
+        """A launch starts now, at from_step (a resumed run's checkpoint, else 0)."""
+        self.began, self.from_step, self.first = self.clock(), from_step, None
+
+    def left(self, step: int, steps: int) -> str:
+        """', about 2 min left in this run, about 14 min in the plan' ('' before a pace is known)."""
+        now = self.clock()
+        if self.first is None or step <= self.first[1]:
+            seconds, done = now - self.began, step - self.from_step
+            self.first = self.first or (now, step)
+        else:
+            seconds, done = now - self.first[0], step - self.first[1]
+        if done <= 0:
+            return ""
+        run_left = max(0, steps - step) * seconds / done
+        text = f", about {duration(run_left)} left in this run"
+        if self.to_run:
+            each = sum(self.took) / len(self.took) if self.took else now - self.began + run_left
+            text += f", about {duration(run_left + each * len(self.to_run))} in the plan"
+        return text
+
+
+def duration(seconds: float) -> str:
+    """'40 s', '14 min', '2.5 h': rounded as an estimate should be."""
+    if seconds < 90:
+        return f"{max(1, round(seconds / 10) * 10) if seconds >= 10 else max(1, round(seconds))} s"
+    if seconds < 90 * 60:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def last_step(launch: Launch) -> int:

@@ -2,19 +2,20 @@
 
 report.md, from top to bottom: the verdict and why; the control family, the code, the
 environment and the seed checkpoint every run started from (from each run's own record); the
-decision rule and what this plan could detect; one row per set (layout, expectation, each
-judged observable); the details of both tests per observable; each failure's reason; per run
-step time, tokens/s and peak memory (evidence that a technique was really on); every option in
-which a set's configuration differs from the control's; every run's command, software and
-device. report.json holds the same numbers (protocol.report_json); the PNGs are
-protocol.plots's.
+decision rule and what this plan could detect, with its false-fail bounds; one row per set
+(layout, expectation, each judged observable); statistical mode: why each set passed or failed
+(the bound applied to it, its p-value against its Holm threshold) and the findings that fail
+nothing (protocol.report_statistical, protocol.report_findings); the details of both tests per
+observable; each failure's reason; per run step time, tokens/s and peak memory (evidence that a
+technique was really on; a caveat when identical runs differ); every option in which a set's
+configuration differs from the control's; every run's command, software and device. report.json
+holds the same numbers (protocol.report_json); the PNGs are protocol.plots's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,37 +26,16 @@ from protocol.curves import Curve
 from protocol.decision import ObservableVerdict
 from protocol.plots import write_plots
 from protocol.records import RunInfo, code_summary
-from protocol.report_json import comparison_to_dict, encode
+from protocol.report_findings import findings as find, markdown as findings_markdown, timing_caveat
+from protocol.report_format import fmt_diff, fmt_loss, markdown_table as _markdown_table
+from protocol.report_json import comparison_to_dict, encode, report_extras
+from protocol.report_statistical import bound_or_margin, details_section, detectable_section, why_section
 
 logger = logging.getLogger(__name__)
 
 EXACT_COLUMNS = ("set", "layout", "initial", "final", "max abs diff", "mean abs diff", "final diff", "verdict")
-STATISTICAL_COLUMNS = ("set", "layout", "expect", "loss: window diff (margin)", "grad norm: window diff (margin)",
+STATISTICAL_COLUMNS = ("set", "layout", "expect", "loss: window diff (bound)", "grad norm: window diff (bound)",
                        "verdict")
-UNITS = {"loss": "nats", "grad_norm": "log ratio (about relative)"}
-
-
-# ---------------------------------------------------------------- number formats
-def fmt_loss(value: float | None) -> str:
-    """A loss value: 6 significant digits."""
-    if value is None:
-        return "-"
-    return f"{value:.6g}"
-
-
-def fmt_diff(value: float | None, signed: bool = False) -> str:
-    """A difference: scientific notation so that 2.4e-07 and 3.1e-02 stay comparable at a glance."""
-    if value is None:
-        return "-"
-    if value == 0:
-        return "0"
-    if not math.isfinite(value):
-        return str(value)
-    return f"{value:+.2e}" if signed else f"{value:.2e}"
-
-
-def fmt_p(value: float) -> str:
-    return "-" if value is None or math.isnan(value) else f"{value:.2g}"
 
 
 # ---------------------------------------------------------------- the verdict line
@@ -87,7 +67,7 @@ def _observable_cell(result: SetResult, name: str) -> str:
     if verdict is None:
         return "-"
     mark = "" if verdict.passed else (" drifts" if verdict.equivalent else " fails")
-    return f"{fmt_diff(verdict.diff, signed=True)} ({fmt_diff(verdict.margin)}){mark}"
+    return f"{fmt_diff(verdict.diff, signed=True)} ({fmt_diff(bound_or_margin(verdict))}){mark}"
 
 
 def _rows(comparison: Comparison, layouts: dict[str, str] | None) -> list[list[str]]:
@@ -117,13 +97,6 @@ def format_table(comparison: Comparison, layouts: dict[str, str] | None = None) 
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def _markdown_table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
-    escape = lambda cell: cell.replace("|", "\\|")  # noqa: E731 - a set name may contain a pipe
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 # ---------------------------------------------------------------- sections
@@ -194,65 +167,24 @@ def _rule_line(comparison: Comparison) -> str:
             f"difference tested against the noise controls' slopes, alpha {tol.alpha:g}, judged only when it moves "
             "the difference by more than the margin over the run). The noise SD comes from the spread of the "
             "control family's own final-window means (its runs are the replicates, so it holds whatever the "
-            "autocorrelation of the curves). Rule and hypotheses: protocol/decision.py.")
-
-
-def _detectable(comparison: Comparison) -> list[str]:
-    if not comparison.noise:
-        return []
-    tol = comparison.tolerance
-    lines = ["## What this plan can detect", "",
-             f"From the control family ({len(comparison.controls)} runs): the standard deviation of a correct set's "
-             f"final-window difference (noise SD), the margin, the smallest final-window offset a set fails with "
-             f"probability {tol.power:g} (detectable offset; in brackets, the same if the true noise SD were at the "
-             "upper 95% bound of this estimate from few runs), and at most how often a correct set fails by noise alone. "
-             "The step columns are the root mean square of the noise controls' paired difference from the control "
-             "around that step: how far rounding alone moves runs apart.", ""]
-    growth_steps = [step for step, _ in comparison.noise[0].growth]
-    header = ["observable", "unit", "noise SD", "margin", "detectable offset", "false-fail chance",
-              *[f"step {s}" for s in growth_steps]]
-    rows = [[n.observable, UNITS.get(n.observable, ""), fmt_diff(n.noise_sd), fmt_diff(n.margin),
-             f"{fmt_diff(n.mde)} ({fmt_diff(n.mde_if_noisier)})", f"<= {n.false_fail:.1%}",
-             *[fmt_diff(value) for _, value in n.growth]] for n in comparison.noise]
-    lines += _markdown_table(header, rows)
-    return lines + [""]
+            "autocorrelation of the curves). Over the plan, an observable fails only when its failure is also "
+            "significant once every judged (set, observable) is counted: Holm's step-down at the plan's false-fail "
+            f"level {tol.plan_false_fail:g}, so each set is held to a bound of its own (below). Rule and hypotheses: "
+            "protocol/decision.py, protocol/family_wise.py.")
 
 
 def _details(comparison: Comparison) -> list[str]:
     if not comparison.results:
         return []
-    lines = ["## Details", ""]
     if comparison.mode == "exact":
+        lines = ["## Details", ""]
         rows = [[r.name, str(r.steps_compared), _missing(r), str(r.first_diverging_step or "-"),
                  fmt_diff(r.final_window_diff, signed=True), fmt_diff(r.grad_norm_max_rel_diff),
                  fmt_diff(r.grad_norm_first_rel_diff), fmt_diff(r.lr_max_rel_diff)] for r in comparison.results]
         return lines + _markdown_table(["set", "steps", "missing steps", "first diverging step", "final-window diff",
                                         "grad norm max rel diff", "grad norm step-1 rel diff", "lr max rel diff"],
                                        rows) + [""]
-    rows = []
-    for r in comparison.results:
-        for o in r.observables:
-            rows.append([r.name, o.observable, fmt_diff(o.diff, signed=True), fmt_diff(o.noise_sd),
-                         f"{fmt_diff(o.within_se)} ({fmt_diff(o.family_within_se)})", f"{o.effective_n:.0f}",
-                         fmt_diff(o.margin) + (" (given)" if o.margin_given else ""),
-                         fmt_p(o.tost_p), fmt_diff(o.slope, signed=True), fmt_diff(o.drift), fmt_p(o.drift_p),
-                         str(o.first_outside_noise or "-"), "pass" if o.passed else "fail"])
-    lines += _markdown_table(["set", "observable", "window diff", "noise SD", "own SE (family's)", "ESS", "margin",
-                              "TOST p",
-                              "slope/step", "drift over run", "drift p", "first step outside noise", "verdict"], rows)
-    lines += ["", "window diff: the set's mean paired difference over the final window; noise SD: its standard "
-                  "deviation for a correct set (control family); own SE: its autocorrelation-aware standard error from "
-                  "the set's own series, in brackets the largest of the family members' own (reported, not used: a set "
-                  "far noisier than them gets a warning), ESS the independent points the set's series is worth; TOST "
-                  "p < alpha shows equivalence (with a margin derived from the noise, it is the same test as |diff| "
-                  "< (margin_sigmas - t) noise SDs); drift "
-                  "p < alpha with a drift over the run above the margin fails the set. Learning-rate differences "
-                  f"(largest relative): {_lr_differences(comparison)}.", ""]
-    return lines
-
-
-def _lr_differences(comparison: Comparison) -> str:
-    return ", ".join(f"{r.name} {fmt_diff(r.lr_max_rel_diff)}" for r in comparison.results)
+    return details_section(comparison)
 
 
 def _missing(r: SetResult) -> str:
@@ -297,11 +229,14 @@ def performance(curves: Sequence[Curve]) -> dict[str, dict[str, float | None]]:
                      "peak_memory_gib": stat(c, "peak_memory_gib", np.max)} for c in curves}
 
 
-def _performance(figures: dict[str, dict[str, float | None]]) -> list[str]:
+def _performance(figures: dict[str, dict[str, float | None]], controls: Sequence[str] = ()) -> list[str]:
     if not any(v is not None for run in figures.values() for v in run.values()):
         return []
     lines = ["## Performance (what each run measured)", "",
              "A technique that changes no number can still change these: they show it was applied.", ""]
+    caveat = timing_caveat(figures, list(controls))
+    if caveat:
+        lines += [f"Caveat: {caveat}", ""]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     rows = [[name, fmt(f["step_time_s"], ".4f"), fmt(f["tokens_per_s"], ".0f"), fmt(f["peak_memory_gib"], ".3f")]
             for name, f in figures.items()]
@@ -341,10 +276,14 @@ def markdown(comparison: Comparison, layouts: dict[str, str] | None = None, runs
     from the runs' own records, `figures` from their metrics (performance)."""
     runs = runs or []
     lines = _head(comparison, runs)
-    lines += _detectable(comparison)
+    lines += detectable_section(comparison)
     lines += _criterion(comparison)
     lines += ["## Verdicts", ""] + _markdown_table(columns(comparison), _rows(comparison, layouts)) + [""]
-    lines += _details(comparison) + _failures(comparison) + _performance(figures or {})
+    if comparison.mode == "statistical":
+        # Under a [criterion] the tolerance's bounds are reported, not judged: no "why" table.
+        lines += [] if comparison.criterion else why_section(comparison)
+        lines += findings_markdown(find(comparison, figures))
+    lines += _details(comparison) + _failures(comparison) + _performance(figures or {}, comparison.controls)
     if runs:
         lines += _runs_section(runs, notes or {})
     expected = sum(1 for r in comparison.results if r.failed == (r.expect == "fail"))
@@ -373,6 +312,8 @@ def write_report(comparison: Comparison, family: Curve | list[Curve], tests: lis
     data["runs"] = {run.name: {**run.to_dict(), "differs_from_plan": (notes or {}).get(run.name, [])}
                     for run in runs or []}
     data["performance"] = figures
+    if comparison.mode == "statistical":
+        report_extras(data, comparison, find(comparison, figures).to_dict())
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(encode(data), f, indent=1, allow_nan=False)
         f.write("\n")

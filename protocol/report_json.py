@@ -3,7 +3,14 @@ included) as strict JSON, and back.
 
 Non-finite numbers are written as the strings "nan", "inf", "-inf" so that strict JSON readers
 accept the file; `comparison_from_dict` turns them back into floats. The report's own additions
-(`layouts`, `runs`, `performance`) are left out of the round trip.
+(`layouts`, `runs`, `performance`, and in statistical mode `findings`, each set's
+`set_false_fail` and each observable's `noise_ratio`, `bound_sigmas` and `diff_sigmas`) are left
+out of the round trip: they follow from the fields (protocol.report_findings, protocol.family_wise).
+
+The statistical verdict's numbers are fields, so they are written as they are: per observable
+`bound` (the |D| it fails from, as applied), `p_value`, `holm_threshold`, `family_noise_sd`,
+`chance_fail` (and `noise_ratio`, a property, added by report_extras); per set `skipped_steps`;
+the comparison's `plan_false_fail` and `family_skips`; per noise summary `plan_mde`.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from typing import Any
 
 from protocol.compare import Comparison, NoiseSummary, NotCompared, SetResult
 from protocol.decision import ObservableVerdict
+from protocol.family_wise import set_false_fail
 from protocol.tolerance import Tolerance
 
-REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line")
+REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line", "findings")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -39,6 +47,20 @@ def comparison_to_dict(comparison: Comparison) -> dict:
     for result, item in zip(comparison.results, data["results"]):
         item["outcome"] = result.outcome
     return data
+
+
+def report_extras(data: dict, comparison: Comparison, findings: dict) -> None:
+    """Statistical mode's derived numbers, added to `data` (comparison_to_dict's) in place: each
+    set's false-fail bound, each observable's noise ratio and its bound and |D| in noise SDs, the
+    findings."""
+    for result, item in zip(comparison.results, data["results"]):
+        item["set_false_fail"] = set_false_fail(result.observables)
+        for verdict, observable in zip(result.observables, item["observables"]):
+            sd = verdict.noise_sd
+            observable["bound_sigmas"] = encode(verdict.bound / sd if sd > 0 else math.nan)
+            observable["diff_sigmas"] = encode(abs(verdict.diff) / sd if sd > 0 else math.nan)
+            observable["noise_ratio"] = verdict.noise_ratio
+    data["findings"] = encode(findings)
 
 
 def _floats(value: Any) -> Any:

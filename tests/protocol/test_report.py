@@ -142,11 +142,18 @@ def test_statistical_report(tmp_path):
     assert [(row[0], row[2], row[-1]) for row in rows] == [
         ("tp2", "pass", "PASS"), ("norm bug", "pass", "FAIL"), ("lr x1.05", "fail", "FAIL (expected)")]
     assert rows[1][4].endswith("fails") and not rows[1][3].endswith("fails")  # the norm, not the loss
-    # what the plan can detect, each observable with its noise, margin and detectable offset
+    # what the plan can detect, each observable with its noise, margin and detectable offset (alone and once
+    # every set of the plan is counted)
     detect = text[text.index("## What this plan can detect"):text.index("## Verdicts")]
     noise = {n.observable: n for n in comparison.noise}
     assert f"| loss | nats | {fmt_diff(noise['loss'].noise_sd)} | {fmt_diff(noise['loss'].margin)} | " \
-           f"{fmt_diff(noise['loss'].mde)} ({fmt_diff(noise['loss'].mde_if_noisier)}) | <= 4.6% |" in detect
+           f"{fmt_diff(noise['loss'].mde)} ({fmt_diff(noise['loss'].mde_if_noisier)}) | " \
+           f"{fmt_diff(noise['loss'].plan_mde)} | <= 4.6% |" in detect
+    assert noise["loss"].plan_mde > noise["loss"].mde
+    assert "False fails: were every set correct, this plan would fail by chance with probability at most" in detect
+    # the verdict table brackets the bound applied to each set, not the margin
+    norm = comparison.results[1].observables[1]
+    assert rows[1][4] == f"{fmt_diff(norm.diff, signed=True)} ({fmt_diff(norm.bound)}) fails"
     # with 4 noise controls the noise SD may be up to 2.37 times its estimate (95%)
     assert noise["loss"].mde_if_noisier > noise["loss"].mde
     assert "TOST p" in text and "## Performance" in text and "| tp2 | 0.0500 | 4000 | 0.500 |" in text
