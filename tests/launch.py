@@ -27,6 +27,22 @@ def launch(nproc: int, args: list[str], *, cwd: Path | None = None, timeout: int
                           timeout=timeout)
 
 
+def run_many(nproc: int, base: list[str], runs: dict[str, list[str]], folder: Path, *, env: dict | None = None,
+             timeout: int = 1200) -> tuple[dict, subprocess.CompletedProcess]:
+    """Several training runs one after the other in one process group of `nproc` processes
+    (tests/workers/run_many.py): name -> its results (metrics, rank 0's log, ...), and the
+    process group's output. The start of torch is paid once, not once per run."""
+    spec = {"base": base, "runs": [{"name": name, "overrides": overrides} for name, overrides in runs.items()]}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "-m", "tests.workers.run_many", str(folder / "spec.json"), str(folder / "results.json")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    assert result.returncode == 0, describe(result)
+    return json.loads((folder / "results.json").read_text()), result
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     with open(dump_folder / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]

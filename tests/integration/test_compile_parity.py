@@ -7,13 +7,26 @@ within 1e-6 (loss, absolute) and 1e-6 (gradient norm, relative) at every step: w
 of a fused kernel moves, and 1,000 times less than the bugs below. The eager layouts themselves are
 compared with the 1D FSDP control by tests/integration/test_parallel_parity.py.
 
-The matrix: {FSDP, TP, TP with loss parallelism off, PP, CP, reduced-sync TP} x activation
-checkpointing {none, selective op, selective layer, full} on 2 processes, and FSDP x TP x PP x the
-same on 8; and tied embeddings (TP, PP), document masking (FSDP, TP, CP), validation (TP, its
-losses compared too), gradient accumulation, DDP, a warm compile cache, float16 (loss scaling) and
-full bfloat16 (training.dtype), the last two compared to their formats' precision. The 2-process
-runs share one process group and the 8-process runs another (tests/workers/run_many.py), so the
-matrix pays the start of torch twice.
+The matrix: {FSDP, TP, PP, CP, reduced-sync TP} x activation checkpointing {none, selective op,
+selective layer, full} (and inductor's memory budget under FSDP and TP) on 2 processes, with TP
+with loss parallelism off under AC none, and FSDP x TP x PP under AC none and full on 8; and tied
+embeddings (TP, PP), document masking (FSDP, TP, CP), validation (TP, its losses compared too),
+gradient accumulation, DDP, a warm compile cache, float16 (loss scaling) and full bfloat16
+(training.dtype), the last two compared to their formats' precision. The 2-process runs share one
+process group and the 8-process runs another (tests/workers/run_many.py), so the matrix pays the
+start of torch twice.
+
+Two layouts run fewer modes, as the others would compile no graph the matrix does not already:
+- TP with loss parallelism off: AC none. The option changes the output projection and the loss
+  (all-gathered logits, an AsyncCollectiveTensor resolved before the compiled loss), outside the
+  blocks the AC modes recompute; its blocks are TP's, compiled under every mode in the TP row.
+  Under the memory budget its compiled loss takes plain tensors, as FSDP's does (FSDP, memory
+  budget).
+- FSDP x TP x PP: AC none and full. What only this layout has, FSDP sharding over 2 ranks beside
+  TP inside pipeline stages, stays outside the compiled graphs (FSDP gathers around each block).
+  Selective layer is full recomputation on some blocks and none on the others; the op-level
+  policy inside compiled TP blocks and inside pipeline stages is checked by the TP, reduced-sync
+  TP and PP rows.
 
 Backends: inductor (the default, generated kernels) where the layout changes what the graph
 computes: FSDP, TP with and without loss parallelism (also with the memory budget, inductor's
@@ -35,14 +48,11 @@ What it catches (each found on torch 2.13, fixed in trainer/parallel/compile.py)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
-from tests.launch import REPO
+from tests.launch import run_many
 from tests.unit.test_tokenizer import sentences
 from trainer.data.tokenizer import train_tokenizer
 from trainer.models.llama3.args import get_flavor
@@ -67,30 +77,34 @@ MEMORY_BUDGET = {"AC memory_budget 0.5": ["--activation_checkpoint.mode", "memor
                                          "--activation_checkpoint.memory_budget", "0.5"]}
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
-# name -> (overrides, backend). inductor where its generated code meets what the layout changes
-# in the graph (sharded matmuls, the vocabulary-parallel loss, the gathered logits); aot_eager,
-# which traces and partitions as inductor does but runs torch's kernels, where the layout changes
-# how graphs are cut and composed (pipeline stages, CP's ring attention op, the
-# reduced-sync residual stream).
+# name -> (overrides, backend, recomputation modes). inductor where its generated code meets what
+# the layout changes in the graph (sharded matmuls, the vocabulary-parallel loss, the gathered
+# logits); aot_eager, which traces and partitions as inductor does but runs torch's kernels, where
+# the layout changes how graphs are cut and composed (pipeline stages, CP's ring attention op, the
+# reduced-sync residual stream). The memory budget is inductor's partitioner only.
+EVERY_AC, AC_AND_BUDGET = tuple(AC), (*AC, *MEMORY_BUDGET)
 LAYOUTS_2 = {
-    "FSDP": ([], "inductor"),
-    "TP": (TP2, "inductor"),
-    "TP, loss parallel off": ([*TP2, "--parallelism.disable_loss_parallel"], "inductor"),
-    "PP": (PP2, "aot_eager"),
-    "CP": (["--parallelism.context_parallel_degree", "2"], "aot_eager"),
-    "TP reduced-sync": ([*TP2, "--parallelism.tensor_parallel_sync", "per_block"], "aot_eager"),
+    "FSDP": ([], "inductor", AC_AND_BUDGET),
+    "TP": (TP2, "inductor", AC_AND_BUDGET),
+    # Its blocks are TP's (see the module docstring): the option's own graphs under AC none.
+    "TP, loss parallel off": ([*TP2, "--parallelism.disable_loss_parallel"], "inductor", ("AC none",)),
+    "PP": (PP2, "aot_eager", EVERY_AC),
+    "CP": (["--parallelism.context_parallel_degree", "2"], "aot_eager", EVERY_AC),
+    "TP reduced-sync": ([*TP2, "--parallelism.tensor_parallel_sync", "per_block"], "aot_eager", EVERY_AC),
 }
-LAYOUTS_8 = {"FSDP x TP x PP": ([*TP2, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"], "aot_eager")}
+# Without recomputation and with full recomputation (see the module docstring).
+LAYOUTS_8 = {"FSDP x TP x PP": ([*TP2, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"], "aot_eager",
+                                ("AC none", "AC full"))}
 
 
-def matrix(layouts: dict[str, tuple[list[str], str]]) -> dict[str, tuple[str, list[str]]]:
+def matrix(layouts: dict[str, tuple[list[str], str, tuple[str, ...]]]) -> dict[str, tuple[str, list[str]]]:
     """compiled run name -> (its eager reference's name, its overrides), and the references."""
     runs = {}
-    for layout, (overrides, backend) in layouts.items():
+    for layout, (overrides, backend, modes) in layouts.items():
         runs[f"{layout} eager"] = ("", [*overrides, *AC["AC none"]])
-        for mode, ac in {**AC, **(MEMORY_BUDGET if backend == "inductor" else {})}.items():
-            runs[f"{layout} compiled, {mode}"] = (f"{layout} eager", [*overrides, *ac, "--compile.enable",
-                                                                      "--compile.backend", backend])
+        for mode in modes:
+            runs[f"{layout} compiled, {mode}"] = (f"{layout} eager", [*overrides, *{**AC, **MEMORY_BUDGET}[mode],
+                                                                      "--compile.enable", "--compile.backend", backend])
     return runs
 
 
@@ -126,19 +140,12 @@ def extras(tied: str, corpus: tuple[str, str, str]) -> dict[str, tuple[str, list
 
 
 def run_matrix(nproc: int, runs: dict[str, tuple[str, list[str]]], folder) -> dict:
-    spec = {"base": BASE, "runs": [{"name": name, "overrides": overrides} for name, (_, overrides) in runs.items()]}
-    (folder / "spec.json").write_text(json.dumps(spec))
     # A fresh compile cache: the first compile of each graph is cold, a repeated one warm.
     # One compile thread per rank: a pool of compile processes per rank costs more than it saves
     # on the tiny graphs of 2 or 8 ranks sharing a few cores.
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
-               TORCHINDUCTOR_CACHE_DIR=str(folder / "compile_cache"), TORCHINDUCTOR_COMPILE_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-         "-m", "tests.workers.run_many", str(folder / "spec.json"), str(folder / "results.json")],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return json.loads((folder / "results.json").read_text())
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(folder / "compile_cache"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    found, _ = run_many(nproc, BASE, {name: overrides for name, (_, overrides) in runs.items()}, folder, env=env)
+    return found
 
 
 @pytest.fixture(scope="module")

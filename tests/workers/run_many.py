@@ -4,16 +4,20 @@
 
 SPEC: {"base": [overrides of every run], "runs": [{"name": ..., "overrides": [...]}, ...]}.
 Each run is the trainer's own (`Trainer`, its `train` loop, metrics.jsonl in
-`<dump root>/<name>`), so the long tail of a combination matrix pays the process start, the
-import of torch and the creation of the process group once. Between runs the compiled code is
-dropped (`torch._dynamo.reset`), so no run reuses another's graphs or hits the recompile limit.
+`<dump root>/<name>`, or in the --job.dump_folder its overrides name), so the long tail of a
+combination matrix pays the process start, the import of torch and the creation of the process
+group once. Between runs the compiled code is dropped (`torch._dynamo.reset`), so no run reuses
+another's graphs or hits the recompile limit.
 Rank 0 writes RESULTS: name -> {"metrics": [per-step records], "graphs": graphs compiled,
-"graph_breaks": graph breaks, "seconds": wall time}.
+"graph_breaks": graph breaks, "seconds": wall time, "log": what rank 0 logged during the run
+(what the launcher shows of a run, LOG_RANK=0), "dump": its dump folder}.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import sys
 import time
@@ -32,20 +36,33 @@ from trainer.train import Trainer, configure_logging
 def run_one(base: list[str], run: dict, dump_root: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    dump = dump_root / run["name"].replace(" ", "_").replace("+", "_")
-    config = load_config(with_default_config([*base, *run["overrides"], "--job.dump_folder", str(dump)]))
-    start = time.perf_counter()
-    trainer = Trainer(config, plan_run(config, int(os.environ["WORLD_SIZE"])))
+    overrides = run["overrides"]
+    if "--job.dump_folder" in overrides:  # a folder of the run's own (it may hold a checkpoint to resume)
+        dump = Path(overrides[overrides.index("--job.dump_folder") + 1])
+    else:
+        dump = dump_root / run["name"].replace(" ", "_").replace("+", "_")
+        overrides = [*overrides, "--job.dump_folder", str(dump)]
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
     try:
-        trainer.train()
+        config = load_config(with_default_config([*base, *overrides]))
+        start = time.perf_counter()
+        trainer = Trainer(config, plan_run(config, int(os.environ["WORLD_SIZE"])))
+        try:
+            trainer.train()
+        finally:
+            trainer.close(end_process_group=False)
     finally:
-        trainer.close(end_process_group=False)
+        logging.getLogger().removeHandler(handler)
     metrics = []
     if trainer.rank == 0:
         with open(dump / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f]
     return {"metrics": metrics, "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()), "seconds": time.perf_counter() - start}
+            "graph_breaks": sum(counters["graph_break"].values()), "seconds": time.perf_counter() - start,
+            "log": log.getvalue() if trainer.rank == 0 else "", "dump": str(dump)}
 
 
 def main() -> None:
