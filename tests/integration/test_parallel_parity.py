@@ -10,16 +10,22 @@ The layouts of the convergence protocol's cpu_smoke plan (FSDP+TP+PP, FSDP+TP+CP
 AC; 8, 16, 4 and 2 processes) are checked against the same targets over the same 20 steps by
 tests/protocol/test_end_to_end.py, so the suite runs each layout once; the others are here.
 torch.compile is checked against eager in every layout by tests/integration/test_compile_parity.py.
+
+The runs of each process count share one process group (tests/workers/run_many.py, the trainer's
+own `Trainer` run by run): the 2-process layouts one, the 4-process layouts and the 3-step runs of
+the other pipeline schedules another, so the matrix starts torch in 6 processes rather than 46.
+Each run's rank-0 log is checked as the launcher shows it; the launch path itself (launcher,
+preflight, one process group per run) is what the cpu_smoke plan's layouts take
+(tests/protocol/test_end_to_end.py), as every other launching test does.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
 
-from tests.launch import describe, launch, read_metrics
+from tests.launch import describe, launch, run_many
 
 STEPS = 20
 JOB = [
@@ -73,28 +79,40 @@ class Run:
     wall_s: float
 
 
+# The other pipeline schedules: 3 steps each (see test_other_pipeline_schedules_match_the_control).
+SCHEDULES = [("GPipe", 2), ("LoopedBFS", 4), ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)]
+
+
 @pytest.fixture(scope="module")
 def runs(seed, tmp_path_factory):
-    """name -> Run, each layout launched once, when first needed."""
+    """name -> Run: every layout and schedule run, the first time one is needed, in one process
+    group per process count; each checked as a launched run would be."""
     done: dict[str, Run] = {}
 
     def get(name: str) -> Run:
-        if name not in done:
-            layout = LAYOUTS[name]
-            dump = tmp_path_factory.mktemp(name.replace(" ", "_").replace("+", "_"))
-            start = time.perf_counter()
-            result = launch(layout.nproc, [*JOB, *layout.overrides, "--checkpoint.initial_load_path", str(seed),
-                                           "--checkpoint.load_only", "--job.dump_folder", str(dump)], timeout=600)
-            assert result.returncode == 0, describe(result)
-            assert f"loaded model from {seed}" in result.stdout
-            assert layout.expect_log in result.stdout, describe(result)
-            # The gradient norm is one float64 all-reduce over every rank, not one per mesh dimension.
-            assert "sequential all_reduce" not in result.stdout + result.stderr
-            records = read_metrics(dump)
-            assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-            # The launcher shows rank 0 (the first pipeline stage under PP): it logs the global loss.
-            assert f"step {STEPS}" in result.stdout and f"loss {records[-1]['loss']:.4f}" in result.stdout
-            done[name] = Run(records, time.perf_counter() - start)
+        if not done:
+            load = ["--checkpoint.initial_load_path", str(seed), "--checkpoint.load_only"]
+            groups = {nproc: {n: [*layout.overrides, *load] for n, layout in LAYOUTS.items() if layout.nproc == nproc}
+                      for nproc in sorted({layout.nproc for layout in LAYOUTS.values()})}
+            expect_log = {name: layout.expect_log for name, layout in LAYOUTS.items()}
+            for schedule, stages in SCHEDULES:
+                groups[4][f"schedule {schedule}"] = ["--training.steps", "3", *PP2,
+                                                     "--parallelism.pipeline_parallel_schedule", schedule, *load]
+                expect_log[f"schedule {schedule}"] = f"PP 2 ({schedule}, {stages} stages)"
+            for nproc, group in groups.items():
+                found, output = run_many(nproc, JOB, group, tmp_path_factory.mktemp(f"parity-{nproc}"), timeout=1800)
+                # The gradient norm is one float64 all-reduce over every rank, not one per mesh dimension.
+                assert "sequential all_reduce" not in output.stdout + output.stderr
+                for run, result in found.items():
+                    log = result["log"]
+                    assert f"loaded model from {seed}" in log, (run, log[-2000:])
+                    assert expect_log[run] in log, (run, log[-2000:])  # the layout was really applied
+                    steps = 3 if run.startswith("schedule ") else STEPS
+                    records = result["metrics"]
+                    assert [r["step"] for r in records] == list(range(1, steps + 1)), run
+                    # Rank 0 (the first pipeline stage under PP) logs the global loss.
+                    assert f"step {steps}" in log and f"loss {records[-1]['loss']:.4f}" in log, (run, log[-2000:])
+                    done[run] = Run(records, result["seconds"])
         return done[name]
 
     return get
@@ -123,17 +141,11 @@ def test_fsdp_controls_of_both_dp_degrees_agree(runs, measured):
     assert max(diffs) <= 1e-4
 
 
-@pytest.mark.parametrize("schedule, stages", [
-    ("GPipe", 2), ("LoopedBFS", 4), ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)])
-def test_other_pipeline_schedules_match_the_control(schedule, stages, seed, runs, tmp_path, measured):
+@pytest.mark.parametrize("schedule, stages", SCHEDULES)
+def test_other_pipeline_schedules_match_the_control(schedule, stages, runs, measured):
     """3 steps: with 2 warmup steps, the losses of steps 1-3 do not depend on the total step count,
     so they must equal the first 3 of the 20-step control."""
-    result = launch(4, [*JOB, "--training.steps", "3", *PP2, "--parallelism.pipeline_parallel_schedule", schedule,
-                        "--checkpoint.initial_load_path", str(seed), "--checkpoint.load_only",
-                        "--job.dump_folder", str(tmp_path)])
-    assert result.returncode == 0, describe(result)
-    assert f"PP 2 ({schedule}, {stages} stages)" in result.stdout
-    control, test = runs("FSDP dp2").records[:3], read_metrics(tmp_path)
+    control, test = runs("FSDP dp2").records[:3], runs(f"schedule {schedule}").records
     diffs = [abs(c["loss"] - t["loss"]) for c, t in zip(control, test)]
     norm_diff = abs(control[0]["grad_norm"] - test[0]["grad_norm"]) / control[0]["grad_norm"]
     measured(f"parity FSDP+PP2 {schedule:22s} 4 procs: max |dloss| over 3 steps {max(diffs):.1e}, "
