@@ -1,7 +1,9 @@
-"""The power study in small (benchmarks/protocol_power.py --quick): real bfloat16 runs judged by
-the shipped statistical rule. A correct layout (TP 2) passes and a real parallelism bug injected
-into the same layout (TP norm-weight gradients not all-reduced) fails, on its gradient norm and
-its loss. The full study, and the rates it measured, are in docs/converging.md."""
+"""The power study in small (benchmarks/protocol_power.py --quick): real bfloat16 runs on the
+synthetic_context source judged by the shipped statistical rule. A correct layout (TP 2) passes;
+a real parallelism bug injected into the same layout (TP norm-weight gradients not all-reduced)
+fails on its gradient norm, and a position bug (each CP rank rotating its chunk from position 0),
+which the Markov source could not show, fails on its loss. The full study, and the rates it
+measured, are in docs/converging.md."""
 
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ def test_a_correct_layout_passes_and_an_injected_bug_fails(tmp_path, measured):
     outcomes = {r["name"]: r for r in experiment["results"]}
     assert outcomes["TP2"]["outcome"] == "PASS", outcomes["TP2"]["reason"]
     bug = outcomes["TP2 norm grad not reduced"]
-    assert bug["outcome"] == "FAIL (expected)"
-    assert "loss: final-window" in bug["reason"] and "grad_norm: final-window" in bug["reason"]
-    assert figures["false_fail"] == [0, 1] and figures["false_pass"] == [0, 1]
+    assert bug["outcome"] == "FAIL (expected)" and "grad_norm: final-window" in bug["reason"]
+    rope = outcomes["CP2 RoPE unshifted"]
+    assert rope["outcome"] == "FAIL (expected)" and "loss: final-window" in rope["reason"]
+    assert figures["false_fail"] == [0, 1] and figures["false_pass"] == [0, 2]
     assert "| TP2 norm grad not reduced | bug" in result.stdout  # the printed table
-    measured(f"protocol power (quick): TP2 {outcomes['TP2']['outcome']}, the TP norm-gradient bug {bug['outcome']}; "
-             f"TP2 {outcomes['TP2']['reason'].split(' (TOST')[0]}")
+    measured(f"protocol power (quick): TP2 {outcomes['TP2']['outcome']}, the TP norm-gradient bug {bug['outcome']}, "
+             f"the CP RoPE bug {rope['outcome']}; TP2 {outcomes['TP2']['reason'].split(' (TOST')[0]}")
