@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import describe, launch, read_metrics
+from tests.launch import describe, launch, read_metrics, run_many
 from tests.unit.test_tokenizer import sentences
 from tests.unit.test_tokenizers import write_tiktoken_ranks
 from trainer.data.hashing import document_unit
@@ -80,15 +80,22 @@ def shard_folder(text_corpus):
     return folder / "shards"
 
 
-@pytest.mark.parametrize("source", ["files", "shards", "hub folder"])
-def test_text_training_on_local_data(tmp_path, text_corpus, shard_folder, source):
+@pytest.fixture(scope="module")
+def text_runs(text_corpus, shard_folder, tmp_path_factory) -> dict[str, dict]:
+    """source -> its run's results: the three runs one after the other in one 2-process group
+    (tests/workers/run_many.py)."""
     folder, tokenizer = text_corpus
     data = {"files": ["--training.dataset", "files", "--training.dataset_path", str(folder / "docs.jsonl")],
             "shards": ["--training.dataset", "shards", "--training.dataset_path", str(shard_folder)],
-            "hub folder": ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")]}[source]
-    result = launch(2, [*TEXT_JOB, *VALIDATION, *data, "--model.tokenizer_path", str(tokenizer), "--job.dump_folder", str(tmp_path)])
-    assert result.returncode == 0, describe(result)
-    records = read_metrics(tmp_path)
+            "hub folder": ["--training.dataset", "c4", "--training.dataset_path", str(folder / "hub")]}
+    found, _ = run_many(2, [*TEXT_JOB, *VALIDATION, "--model.tokenizer_path", str(tokenizer)], data,
+                        tmp_path_factory.mktemp("text-runs"))
+    return found
+
+
+@pytest.mark.parametrize("source", ["files", "shards", "hub folder"])
+def test_text_training_on_local_data(text_runs, source):
+    records = text_runs[source]["metrics"]
     train = [r for r in records if "kind" not in r]
     validation = [r for r in records if r.get("kind") == "validation"]
     print(f"{source}: loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}, validation {validation[-1]['validation/loss']:.3f}")
@@ -168,20 +175,20 @@ name = "small"
 
 def test_document_masking_trains_the_same_in_every_layout(tmp_path, shard_folder):
     """FSDP 2, TP 2 and CP 2 with attention kept within documents: the same losses (fp32), and
-    other losses than plain packing."""
+    other losses than plain packing. The four runs share one 2-process group
+    (tests/workers/run_many.py); the refusals below go through the launcher."""
     job = [*TEXT_JOB, "--training.steps", "6", "--metrics.log_freq", "1", "--training.dataset", "shards",
            "--training.dataset_path", str(shard_folder), "--training.global_batch_size", "4",
            "--debug.deterministic"]
-    layouts = {"FSDP 2": ["--training.local_batch_size", "2"],
-               "TP 2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
-               "CP 2": ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+    masking = ["--training.document_masking"]
+    layouts = {"FSDP 2": ["--training.local_batch_size", "2", *masking],
+               "TP 2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4", *masking],
+               "CP 2": ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4", *masking],
                "FSDP 2, plain packing": ["--training.local_batch_size", "2"]}
-    losses = {}
-    for name, layout in layouts.items():
-        masking = [] if "plain" in name else ["--training.document_masking"]
-        result = launch(2, [*job, *layout, *masking, "--job.dump_folder", str(tmp_path / name.replace(" ", "_"))])
-        assert result.returncode == 0, describe(result)
-        losses[name] = [r["loss"] for r in read_metrics(tmp_path / name.replace(" ", "_")) if "kind" not in r]
+    found, _ = run_many(2, job, layouts, tmp_path)
+    losses = {name: [r["loss"] for r in found[name]["metrics"] if "kind" not in r] for name in layouts}
+    assert "CP 2 (load-balanced ring attention)" in found["CP 2"]["log"]  # the layouts were really applied
+    assert "TP 2 with sequence parallelism" in found["TP 2"]["log"]
     reference = losses["FSDP 2"]
     for name in ("TP 2", "CP 2"):
         diff = max(abs(a - b) for a, b in zip(losses[name], reference))
