@@ -11,11 +11,12 @@ differs by 1.4e-2, so the parity targets below catch it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import describe, launch, read_metrics
+from tests.launch import describe, launch, read_metrics, run_many
 from trainer.dcp_files import read_model_state, saved_keys
 from trainer.models.llama3 import get_flavor
 from trainer.models.llama3.hf_config import hf_config
@@ -48,17 +49,26 @@ def job(assets) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
+    """The seed, and each layout's dump folder. The layouts of 4 processes run one after the other
+    in one process group (tests/workers/run_many.py); the others through the launcher."""
     seed_dump = tmp_path_factory.mktemp("tied-seed")
     result = launch(1, [*job(assets), "--job.dump_folder", str(seed_dump), "--checkpoint.create_seed_checkpoint"])
     assert result.returncode == 0, describe(result)
     seed = seed_dump / "checkpoint" / "step-0"
+    load = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed)]
     dumps = {}
     for name, (nproc, overrides) in LAYOUTS.items():
-        dump = tmp_path_factory.mktemp("tied-run")
-        result = launch(nproc, [*job(assets), *overrides, "--checkpoint.enable", "--checkpoint.initial_load_path",
-                                str(seed), "--job.dump_folder", str(dump)])
-        assert result.returncode == 0, describe(result)
-        dumps[name] = dump
+        if nproc != 4:
+            dump = tmp_path_factory.mktemp("tied-run")
+            result = launch(nproc, [*job(assets), *overrides, *load, "--job.dump_folder", str(dump)])
+            assert result.returncode == 0, describe(result)
+            dumps[name] = dump
+    shared = {name: [*overrides, *load] for name, (nproc, overrides) in LAYOUTS.items() if nproc == 4}
+    folder = tmp_path_factory.mktemp("tied-runs")
+    found, _ = run_many(4, job(assets), shared, folder)
+    for name in shared:
+        assert f"loaded model from {seed}" in found[name]["log"], found[name]["log"][-2000:]
+        dumps[name] = Path(found[name]["dump"])
     return seed, dumps
 
 
