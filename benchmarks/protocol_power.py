@@ -360,6 +360,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="synthetic_context", choices=("synthetic_context", "synthetic"),
                         help="the built-in source every run trains on (default synthetic_context, on which "
                              "attention and positions matter)")
+    parser.add_argument("--final-window", type=float, default=Tolerance().final_window,
+                        help="fraction of the steps whose mean is judged (default: the shipped tolerance's)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", default="outputs/protocol_power", help="folder of the runs (reused when current)")
     parser.add_argument("--json", help="write the figures as JSON here")
@@ -386,7 +388,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(c.name for c in CASES)}")
     cases = [c for c in CASES if not chosen or c.name in chosen]
-    tolerance = replace(Tolerance(mode="statistical"), noise_controls=args.noise_controls)
+    tolerance = replace(Tolerance(mode="statistical"), noise_controls=args.noise_controls,
+                        final_window=args.final_window)
 
     seeds = range(args.first_seed, args.first_seed + args.repeats)
     repeats = [run_repeat(seed, cases, args) for seed in seeds]

@@ -144,7 +144,8 @@ def test_cpu_statistical_plan_is_bf16_with_noise_controls_and_a_positive_control
         *[(f"1D FSDP-noise{k}", "noise", 2, "pass") for k in range(1, 5)],
         ("2D FSDP+TP2", "test", 4, "pass"), ("2D FSDP+PP2", "test", 4, "pass"), ("lr x1.05", "test", 2, "fail"),
         ("lr x1.02", "test", 2, "fail")]
-    assert plan.tolerance.mode == "statistical" and plan.tolerance == Tolerance(mode="statistical")  # the defaults
+    # the defaults but for a longer final window (the plan says why)
+    assert plan.tolerance == Tolerance(mode="statistical", final_window=0.2)
     for launch in launches[1:]:
         assert arg(launch, "--training.mixed_precision_param") == "bfloat16"
         assert (arg(launch, "--training.steps"), arg(launch, "--debug.seed")) == ("300", "0")  # same data everywhere
