@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -114,23 +116,32 @@ def test_mismatched_or_incomplete_folders(tmp_path):
         read_hf_folder(tmp_path, args)
 
 
+def converter(*args: str) -> tuple[int, str]:
+    """`python -m trainer.hf ARGS`, run as its main in this process (torch is imported already):
+    its exit status and what it wrote to stderr. test_export_with_flavor_hf_needs_the_folder_of_shapes
+    runs the module itself."""
+    from trainer.hf.__main__ import main
+
+    with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+        status = main(list(args))
+    return status, err.getvalue()
+
+
 def test_converter_command_round_trip(tmp_path):
     args = tiny_args()
     args.max_seq_len = 2048  # what get_flavor gives the command line
     state = our_model(args, seed=9).state_dict()
     write_hf_folder(tmp_path / "hf", state, args)
-    command = [sys.executable, "-m", "trainer.hf"]
-    imported = subprocess.run([*command, "import", "--hf", str(tmp_path / "hf"), "--flavor", "tiny", "--out",
-                               str(tmp_path / "dcp")], capture_output=True, text=True, cwd=REPO)
-    assert imported.returncode == 0, imported.stderr
-    exported = subprocess.run([*command, "export", "--dcp", str(tmp_path / "dcp"), "--flavor", "tiny", "--out",
-                               str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
-    assert exported.returncode == 0, exported.stderr
+    status, err = converter("import", "--hf", str(tmp_path / "hf"), "--flavor", "tiny", "--out", str(tmp_path / "dcp"))
+    assert status == 0, err
+    status, err = converter("export", "--dcp", str(tmp_path / "dcp"), "--flavor", "tiny", "--out",
+                            str(tmp_path / "hf2"))
+    assert status == 0, err
     back = read_hf_folder(tmp_path / "hf2", args)
     assert all(torch.equal(back[k], state[k]) for k in back)
-    again = subprocess.run([*command, "export", "--dcp", str(tmp_path / "dcp"), "--flavor", "tiny", "--out",
-                            str(tmp_path / "hf2")], capture_output=True, text=True, cwd=REPO)
-    assert again.returncode == 2 and "exists; choose a new folder" in again.stderr
+    status, err = converter("export", "--dcp", str(tmp_path / "dcp"), "--flavor", "tiny", "--out",
+                            str(tmp_path / "hf2"))
+    assert status == 2 and "exists; choose a new folder" in err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,14 +264,11 @@ def test_the_hf_flavor_in_a_job_config(tmp_path):
 
 def test_converter_command_with_shapes_from_the_folder(tmp_path):
     tied_transformers_model(tmp_path / "hf")
-    command = [sys.executable, "-m", "trainer.hf"]
-    imported = subprocess.run([*command, "import", "--hf", str(tmp_path / "hf"), "--flavor", "hf", "--out",
-                               str(tmp_path / "dcp")], capture_output=True, text=True, cwd=REPO)
-    assert imported.returncode == 0, imported.stderr
-    exported = subprocess.run([*command, "export", "--dcp", str(tmp_path / "dcp"), "--flavor", "hf", "--hf-assets",
-                               str(tmp_path / "hf"), "--out", str(tmp_path / "hf2")], capture_output=True, text=True,
-                              cwd=REPO)
-    assert exported.returncode == 0, exported.stderr
+    status, err = converter("import", "--hf", str(tmp_path / "hf"), "--flavor", "hf", "--out", str(tmp_path / "dcp"))
+    assert status == 0, err
+    status, err = converter("export", "--dcp", str(tmp_path / "dcp"), "--flavor", "hf", "--hf-assets",
+                            str(tmp_path / "hf"), "--out", str(tmp_path / "hf2"))
+    assert status == 0, err
     from safetensors.torch import load_file
 
     back, original = (load_file(str(tmp_path / f / "model.safetensors")) for f in ("hf2", "hf"))
