@@ -1,8 +1,10 @@
 """Initialization keeps each rank's shard as a slice of the full tensor (model.local_slices); the
 slice must be exactly what DTensor's distribute_tensor keeps, for every placement the layouts
 produce: FSDP (uneven and empty shards at 64 ranks), HSDP, FSDP over TP (a strided shard), CP and
-PP. Each case is one rank of a fake world (torch's fake process group) in its own process: the
-mesh and the parallelized model are real, the full tensors random, no collective runs."""
+PP. Each case is one rank of a fake world (torch's fake process group): the mesh and the
+parallelized model are real, the full tensors random, no collective runs. The fake world is the
+process's own process group, so the cases run in a process of their own, one after the other
+(each world ended before the next begins): torch is started once, not once per case."""
 
 from __future__ import annotations
 
@@ -25,18 +27,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_init_keeps_the_shard_distribute_tensor_keeps(case):
-    world, rank, args = CASES[case]
-    result = subprocess.run([sys.executable, "-m", "tests.unit.test_init_slices", str(world), str(rank), *args],
-                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                            timeout=120)
+@pytest.fixture(scope="module")
+def checked() -> dict[str, int]:
+    """case -> parameters checked, every case run by this module in one process."""
+    result = subprocess.run([sys.executable, "-m", "tests.unit.test_init_slices", *CASES], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    checked = int(result.stdout.split("checked ")[1].split()[0])
-    assert checked > 20  # every parameter of the stages this rank holds
+    lines = [line.split(": checked ") for line in result.stdout.splitlines() if ": checked " in line]
+    return {case: int(count.split()[0]) for case, count in lines}
 
 
-def check(world: int, rank: int, args: list[str]) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_init_keeps_the_shard_distribute_tensor_keeps(case, checked):
+    assert checked[case] > 20  # every parameter of the stages this rank holds
+
+
+def check(world: int, rank: int, args: list[str]) -> int:
     import torch
     from torch.distributed.tensor import distribute_tensor
 
@@ -62,8 +68,9 @@ def check(world: int, rank: int, args: list[str]) -> None:
                     copy_global_into(param, full)
                 assert torch.equal(param.to_local(), expected), (name, param.placements)
                 checked += 1
-    print(f"checked {checked} parameters")
+    return checked
 
 
 if __name__ == "__main__":
-    check(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    for name in sys.argv[1:]:  # case names; a failed check ends the process with its traceback
+        print(f"{name}: checked {check(*CASES[name])} parameters", flush=True)
