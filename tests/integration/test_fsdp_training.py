@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.launch import TINY_JOB, describe, launch, read_metrics
+from tests.launch import TINY_JOB, describe, launch, read_metrics, run_many
 
 
 def run_tiny(tmp_path, name, nproc, *extra):
@@ -34,17 +34,22 @@ def one_process_run(tmp_path_factory):
     return run_tiny(tmp_path_factory.mktemp("parity"), "fsdp1", 1, "--training.local_batch_size", "8")[1]
 
 
-@pytest.mark.parametrize(
-    "layout, nproc, extra",
-    [
-        ("2 ranks x batch 4", 2, ["--training.local_batch_size", "4"]),
-        ("2 ranks x batch 2 x 2 accumulation steps", 2,
-         ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]),
-    ],
-)
-def test_same_global_batch_gives_same_losses(tmp_path, one_process_run, layout, nproc, extra):
+SPLITS = {"2 ranks x batch 4": ["--training.local_batch_size", "4"],
+          "2 ranks x batch 2 x 2 accumulation steps": ["--training.local_batch_size", "2",
+                                                       "--training.global_batch_size", "8"]}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict[str, dict]:
+    """The splits over 2 ranks, one after the other in one process group (tests/workers/run_many.py)."""
+    found, _ = run_many(2, TINY_JOB, SPLITS, tmp_path_factory.mktemp("splits"))
+    return found
+
+
+@pytest.mark.parametrize("layout", list(SPLITS))
+def test_same_global_batch_gives_same_losses(one_process_run, two_process_runs, layout):
     """1 process x batch 8 vs other splits of the same global batch, same seed-determined weights."""
-    _, records = run_tiny(tmp_path, "test", nproc, *extra)
+    records = two_process_runs[layout]["metrics"]
     assert len(records) == len(one_process_run) == 10
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one_process_run, records)]
     norm_rel = abs(one_process_run[0]["grad_norm"] - records[0]["grad_norm"]) / one_process_run[0]["grad_norm"]

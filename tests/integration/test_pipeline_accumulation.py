@@ -14,10 +14,11 @@ layouts start from the same weights without a seed checkpoint.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from tests.launch import TINY_JOB, describe, launch, read_metrics
+from tests.launch import TINY_JOB, describe, launch, read_metrics, run_many
 
 STEPS = 3
 JOB = [*TINY_JOB, "--training.steps", str(STEPS), "--training.global_batch_size", "16", "--metrics.count_collectives",
@@ -34,12 +35,20 @@ PP_HSDP = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_pa
 RANK0_UNITS = 3
 
 
+def batch(local: int) -> list[str]:
+    return ["--training.local_batch_size", str(local), "--validation.local_batch_size", str(local)]
+
+
 def run(tmp_path, nproc: int, local: int, *args: str) -> tuple[list[float], dict[str, int]]:
     """The losses of the run (training steps, then the validation losses) and the calls of step 1
     on rank 0, by (mesh dimension, op)."""
-    batch = ["--training.local_batch_size", str(local), "--validation.local_batch_size", str(local)]
-    result = launch(nproc, [*JOB, *batch, *args, "--job.dump_folder", str(tmp_path)], timeout=400)
+    result = launch(nproc, [*JOB, *batch(local), *args, "--job.dump_folder", str(tmp_path)], timeout=400)
     assert result.returncode == 0, describe(result)
+    return figures(tmp_path)
+
+
+def figures(tmp_path) -> tuple[list[float], dict[str, int]]:
+    """What `run` returns, from the run's dump folder."""
     records = read_metrics(tmp_path)
     losses = [r["loss"] for r in records if "kind" not in r]
     assert len(losses) == STEPS
@@ -56,9 +65,18 @@ def run(tmp_path, nproc: int, local: int, *args: str) -> tuple[list[float], dict
 
 
 @pytest.fixture(scope="module")
-def without_accumulation(tmp_path_factory):
-    """PP 2 x DDP 2 (1F1B), local batch 8: one local batch, 8 pipeline microbatches per step."""
-    return run(tmp_path_factory.mktemp("pp-no-accumulation"), 4, 8, *PP_DDP)
+def four_processes(tmp_path_factory) -> dict[str, tuple[list[float], dict[str, int]]]:
+    """The 4-process runs, one after the other in one process group (tests/workers/run_many.py):
+    PP 2 x DDP 2 (1F1B) without accumulation, local batch 8 (one local batch, 8 pipeline
+    microbatches per step), and with it, local batch 4."""
+    found, _ = run_many(4, JOB, {"without accumulation": [*batch(8), *PP_DDP], "PP2 x DDP2 1F1B": [*batch(4), *PP_DDP]},
+                        tmp_path_factory.mktemp("pp-4-processes"))
+    return {name: figures(Path(result["dump"])) for name, result in found.items()}
+
+
+@pytest.fixture(scope="module")
+def without_accumulation(four_processes):
+    return four_processes["without accumulation"]
 
 
 @pytest.mark.parametrize("nproc, layout, local, reduce_scatters", [
@@ -66,9 +84,9 @@ def without_accumulation(tmp_path_factory):
     (8, PP_HSDP, 2, RANK0_UNITS),  # 2 accumulation steps of 2 sequences (DP 4), two stages per rank
 ], ids=["PP2 x DDP2 1F1B", "PP2 x HSDP2x2 Interleaved1F1B"])
 def test_accumulation_runs_one_schedule_step(nproc, layout, local, reduce_scatters, without_accumulation, tmp_path,
-                                             measured):
+                                             measured, four_processes):
     reference, reference_calls = without_accumulation
-    losses, calls = run(tmp_path, nproc, local, *layout)
+    losses, calls = four_processes["PP2 x DDP2 1F1B"] if nproc == 4 else run(tmp_path, nproc, local, *layout)
     diffs = [abs(a - b) for a, b in zip(losses, reference)]
     all_reduces = calls["dp_replicate allreduce_"]
     measured(f"PP accumulation {nproc} procs: max |loss diff| vs no accumulation over {STEPS} steps and validation "

@@ -8,10 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
 
 BLOCKS = 4  # the tiny flavor's
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -41,19 +42,26 @@ def test_each_variant_computes_its_definition(tmp_path):
     assert distances[0] > 1e-2 and distances == sorted(distances), distances  # fewer syncs, further away
 
 
-@pytest.mark.parametrize("variant, args, syncs", [
-    ("per_block", PER_BLOCK, BLOCKS),
-    ("grouped 2", GROUPED_2, BLOCKS // 2),
-    ("grouped 3", ["--parallelism.tensor_parallel_sync", "grouped", "--parallelism.tensor_parallel_sync_group", "3"], 2),
-])
-def test_syncs_are_counted_per_variant(tmp_path, variant, args, syncs):
+GROUPED_3 = ["--parallelism.tensor_parallel_sync", "grouped", "--parallelism.tensor_parallel_sync_group", "3"]
+VARIANTS = {"per_block": PER_BLOCK, "grouped 2": GROUPED_2, "grouped 3": GROUPED_3}
+
+
+@pytest.fixture(scope="module")
+def counted_variants(tmp_path_factory) -> dict[str, dict]:
+    """variant -> its run's results: the three runs one after the other in one 2-process group
+    (tests/workers/run_many.py)."""
+    found, _ = run_many(2, [*TINY_JOB, "--training.steps", "2", "--metrics.count_collectives", *TP2], VARIANTS,
+                        tmp_path_factory.mktemp("sync-variants"))
+    return found
+
+
+@pytest.mark.parametrize("variant, syncs", [("per_block", BLOCKS), ("grouped 2", BLOCKS // 2), ("grouped 3", 2)])
+def test_syncs_are_counted_per_variant(counted_variants, variant, syncs):
     """Per group: one all-gather and one reduce-scatter forward, their mirror images backward, plus
     the embedding's reduce-scatter and the final norm's all-gather; every norm weight's gradient is
     still all-reduced (2 per block and the final norm)."""
-    result = launch(2, [*TINY_JOB, "--training.steps", "2", "--metrics.count_collectives", *TP2, *args,
-                        "--job.dump_folder", str(tmp_path)])
-    assert result.returncode == 0, describe(result)
-    summary = json.loads((tmp_path / "run_meta.json").read_text())["collectives"]
+    result = counted_variants[variant]
+    summary = json.loads((Path(result["dump"]) / "run_meta.json").read_text())["collectives"]
     tp = summary["by_dimension"]["tp"]
     per_forward = syncs + 1
     assert tp["forward"] == {"all_gather_into_tensor": per_forward, "reduce_scatter_tensor": per_forward}
@@ -61,7 +69,7 @@ def test_syncs_are_counted_per_variant(tmp_path, variant, args, syncs):
                               "all_reduce": 2 * BLOCKS + 1}
     assert summary["tp_syncs_per_forward"] == per_forward
     label = "once per block" if variant == "per_block" else f"once per {variant.split()[1]} blocks"
-    assert f"TP 2 with sequence parallelism and loss parallelism, synchronized {label}" in result.stdout
+    assert f"TP 2 with sequence parallelism and loss parallelism, synchronized {label}" in result["log"]
 
 
 def test_fsdp_tp_with_checkpointed_activations_resumes_exactly(tmp_path):
@@ -85,13 +93,13 @@ def test_pipeline_stages_train_the_same_model(tmp_path):
     AC under PP: the same model, so the losses agree as layouts do (1e-6 in fp32), while exact
     TP trains a different model, many times further away."""
     job = [*TINY_JOB, "--training.steps", "6", "--training.local_batch_size", "4", *TP2]
-    for name, nproc, args in (("exact", 2, []), ("grouped", 2, GROUPED_2),
-                              ("grouped_pp", 4, [*GROUPED_2, "--parallelism.pipeline_parallel_degree", "2",
-                                                 "--activation_checkpoint.mode", "full"])):
-        result = launch(nproc, [*job, *args, "--job.dump_folder", str(tmp_path / name)])
-        assert result.returncode == 0, describe(result)
+    found, _ = run_many(2, job, {"exact": [], "grouped": GROUPED_2}, tmp_path)  # in one 2-process group
+    result = launch(4, [*job, *GROUPED_2, "--parallelism.pipeline_parallel_degree", "2", "--activation_checkpoint.mode",
+                        "full", "--job.dump_folder", str(tmp_path / "grouped_pp")])
+    assert result.returncode == 0, describe(result)
     assert "PP 2 (1F1B, 2 stages)" in result.stdout
-    exact, grouped, grouped_pp = (losses(tmp_path / name) for name in ("exact", "grouped", "grouped_pp"))
+    exact, grouped = (losses(Path(found[name]["dump"])) for name in ("exact", "grouped"))
+    grouped_pp = losses(tmp_path / "grouped_pp")
     pipeline_diff = max(abs(grouped[s] - grouped_pp[s]) for s in range(1, 7))
     model_diff = max(abs(grouped[s] - exact[s]) for s in range(1, 7))
     assert pipeline_diff <= 1e-6 and model_diff > 10 * max(pipeline_diff, 1e-6), (pipeline_diff, model_diff)
