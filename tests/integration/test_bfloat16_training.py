@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from tests.collectives import CountCollectives
-from tests.launch import TINY_JOB, describe, launch, read_metrics
+from tests.launch import TINY_JOB, run_many
 from trainer.config.saved_config import HEADER
 from trainer.process_exit import exit_without_teardown
 
@@ -23,14 +24,12 @@ STEPS = ["--training.steps", "3"]
 
 
 def test_bfloat16_training_tracks_float32_with_bfloat16_state(tmp_path):
-    runs = {}
-    for dtype in ("float32", "bfloat16"):
-        dump = tmp_path / dtype
-        result = launch(WORLD, [*TINY_JOB, *STEPS, "--training.dtype", dtype, "--job.dump_folder", str(dump),
-                                "--checkpoint.enable", "--checkpoint.no_last_save_model_only",
-                                "--job.save_config_file", "config.toml"])
-        assert result.returncode == 0, describe(result)
-        runs[dtype] = [r["loss"] for r in read_metrics(dump)]
+    # The two runs one after the other in one process group (tests/workers/run_many.py).
+    found, _ = run_many(WORLD, [*TINY_JOB, *STEPS, "--checkpoint.enable", "--checkpoint.no_last_save_model_only",
+                                "--job.save_config_file", "config.toml"],
+                        {dtype: ["--training.dtype", dtype] for dtype in ("float32", "bfloat16")}, tmp_path)
+    runs = {dtype: [r["loss"] for r in result["metrics"]] for dtype, result in found.items()}
+    dump = Path(found["bfloat16"]["dump"])
     full, half = runs["float32"], runs["bfloat16"]
     print(f"losses of 3 steps: float32 {full}, bfloat16 {half}")
     assert len(half) == 3 and all(math.isfinite(loss) for loss in half)
@@ -39,7 +38,7 @@ def test_bfloat16_training_tracks_float32_with_bfloat16_state(tmp_path):
     assert max(abs(a - b) for a, b in zip(full, half)) < 5e-3
 
     # The last checkpoint holds what the run trained: weights and both Adam moments in bfloat16.
-    metadata = dcp.FileSystemReader(str(tmp_path / "bfloat16" / "checkpoint" / "step-3")).read_metadata()
+    metadata = dcp.FileSystemReader(str(dump / "checkpoint" / "step-3")).read_metadata()
     dtypes = Counter()
     for key, item in metadata.state_dict_metadata.items():
         kind = "model" if key.startswith("model.") else key.rsplit(".", 1)[-1]
@@ -50,7 +49,7 @@ def test_bfloat16_training_tracks_float32_with_bfloat16_state(tmp_path):
                       ("exp_avg_sq", torch.bfloat16): parameters}
 
     # job.save_config_file: rank 0 wrote the resolved configuration of the run.
-    saved = (tmp_path / "bfloat16" / "config.toml").read_text()
+    saved = (dump / "config.toml").read_text()
     assert saved.startswith(HEADER + "\n[job]\n")
     assert 'dtype = "bfloat16"' in saved and 'mixed_precision_param = "bfloat16"' in saved
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
+from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
 
 JOB = [*TINY_JOB, "--training.steps", "20", "--lr_scheduler.warmup_steps", "4"]
 
@@ -316,15 +317,40 @@ INTERLEAVED_PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism
                    "Interleaved1F1B")
 
 
-@pytest.mark.parametrize("name, nproc, local, layout", [
-    ("1 process", 1, 8, ()), ("FSDP 4", 4, 2, ()), ("FSDP 2 x PP 2 Interleaved1F1B", 4, 4, INTERLEAVED_PP2)])
-def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, name, nproc, local, layout, measured):
-    shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+# name -> (processes, local batch, layout)
+OTHER_LAYOUTS = {"1 process": (1, 8, ()), "FSDP 4": (4, 2, ()),
+                 "FSDP 2 x PP 2 Interleaved1F1B": (4, 4, INTERLEAVED_PP2)}
+
+
+@pytest.fixture(scope="module")
+def resumed_in_four_processes(killed_at_10, tmp_path_factory) -> dict[str, str]:
+    """The 4-process layouts resumed from the step-10 checkpoint, one after the other in one
+    process group (tests/workers/run_many.py): layout -> its dump folder."""
+    runs = {}
+    for name, (nproc, local, layout) in OTHER_LAYOUTS.items():
+        if nproc == 4:
+            dump = tmp_path_factory.mktemp("resumed-4")
+            shutil.copytree(killed_at_10 / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+            runs[name] = ["--training.local_batch_size", str(local), *layout, "--job.dump_folder", str(dump)]
+    found, _ = run_many(4, [*JOB, "--training.global_batch_size", "8", "--checkpoint.enable"], runs,
+                        tmp_path_factory.mktemp("resumed-4-group"))
+    for name, result in found.items():
+        assert "loaded model, optimizer, lr_scheduler, dataloader, train_state" in result["log"], result["log"][-2000:]
+    return {name: result["dump"] for name, result in found.items()}
+
+
+@pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
+def test_resume_under_another_layout(tmp_path, killed_at_10, uninterrupted, name, measured, request):
     # Steps 11-20 depend only on the step-10 state (weights, optimizer, schedule, data position).
-    result = launch(nproc, [*JOB, "--training.global_batch_size", "8",
-                            "--training.local_batch_size", str(local), *layout,
-                            "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
-    assert result.returncode == 0, describe(result)
+    nproc, local, layout = OTHER_LAYOUTS[name]
+    if nproc == 4:
+        tmp_path = Path(request.getfixturevalue("resumed_in_four_processes")[name])
+    else:
+        shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+        result = launch(nproc, [*JOB, "--training.global_batch_size", "8",
+                                "--training.local_batch_size", str(local), *layout,
+                                "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
+        assert result.returncode == 0, describe(result)
     losses = losses_by_step(tmp_path)
     diff = max(abs(losses[s] - uninterrupted[s]) for s in range(11, 21))
     measured(f"saved at FSDP 2, resumed at {name}: steps 11-20 max |loss diff| {diff:.2e}")
