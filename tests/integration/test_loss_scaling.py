@@ -8,33 +8,41 @@ rounding. Overflows skip the step on every rank, halve the scale, and the scale 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
 
 BATCH = ["--training.seq_len", "256", "--training.local_batch_size", "32"]  # 8,192 tokens
 
 
-def gradients(tmp_path, name: str, args: list[str]) -> torch.Tensor:
-    out = tmp_path / f"{name}.pt"
+def gradients(tmp_path, runs: dict[str, tuple[list[str], bool]]) -> dict[str, torch.Tensor]:
+    """name -> one step's gradients of a run of these overrides (and unscaled or not), the runs one
+    after the other in one process (tests/workers/fp16_gradients.py)."""
+    spec = [{"out": str(tmp_path / f"{name}.pt"), "unscaled": unscaled,
+             "overrides": [*TINY_JOB, *BATCH, "--job.dump_folder", str(tmp_path / name), *args]}
+            for name, (args, unscaled) in runs.items()]
+    (tmp_path / "runs.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-m", "tests.workers.fp16_gradients", str(out), *TINY_JOB, *BATCH,
-                             "--job.dump_folder", str(tmp_path / name), *args],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    result = subprocess.run([sys.executable, "-m", "tests.workers.fp16_gradients", "--runs",
+                             str(tmp_path / "runs.json")], capture_output=True, text=True, env=env, cwd=REPO,
+                            timeout=240)
     assert result.returncode == 0, describe(result)
-    return torch.load(out)
+    return {name: torch.load(tmp_path / f"{name}.pt") for name in runs}
 
 
 def test_float16_gradients_do_not_flush_to_zero(tmp_path):
-    reference = gradients(tmp_path, "fp32", ["--training.mixed_precision_param", "float32"])
     fp16 = ["--training.mixed_precision_param", "float16"]
-    scaled = gradients(tmp_path, "fp16", fp16)
-    unscaled = gradients(tmp_path, "fp16_unscaled", [*fp16, "--unscaled"])
+    found = gradients(tmp_path, {"fp32": (["--training.mixed_precision_param", "float32"], False),
+                                 "fp16": (fp16, False), "fp16_unscaled": (fp16, True)})
+    reference, scaled, unscaled = found["fp32"], found["fp16"], found["fp16_unscaled"]
 
     def error(g):
         return ((g - reference).norm() / reference.norm()).item(), (g == 0).float().mean().item()
@@ -58,19 +66,30 @@ SAVING = ["--checkpoint.enable", "--checkpoint.interval", "4"]
 COMPARED = ("loss", "grad_norm", "loss_scale", "skipped_steps", "step_skipped")
 
 
+TP_FLOAT16 = [*TINY_JOB, "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size", "8",
+              "--training.mixed_precision_param", "float16", "--training.loss_scale_initial", str(2 ** 24),
+              "--training.loss_scale_growth_interval", "2", "--parallelism.tensor_parallel_degree", "2"]
+
+
 def training_records(dump) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(dump) if "kind" not in r}
 
 
-def test_overflows_skip_steps_and_the_scale_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict[str, Path]:
+    """The 2-process runs from scratch, one after the other in one process group
+    (tests/workers/run_many.py): name -> its dump folder."""
+    found, _ = run_many(2, [], {"plain": OVERFLOWING, "saving": [*OVERFLOWING, *SAVING], "TP2": TP_FLOAT16},
+                        tmp_path_factory.mktemp("float16-runs"))
+    return {name: Path(result["dump"]) for name, result in found.items()}
+
+
+def test_overflows_skip_steps_and_the_scale_resumes(tmp_path, two_process_runs):
     """PP2 in float16 from a scale of 2^26: steps 1-5 overflow on both stages (the norm is
     global), so the step-4 checkpoint is saved before the optimizer ever stepped. Neither saving
     it nor resuming from it changes a step: the run without checkpoints, the run that saves and
     the resumed run log the same steps 5-8, scale included."""
-    plain = tmp_path / "plain"
-    result = launch(2, [*OVERFLOWING, "--job.dump_folder", str(plain)])
-    assert result.returncode == 0, describe(result)
-    records = training_records(plain)
+    records = training_records(two_process_runs["plain"])
     scales = [records[s]["loss_scale"] for s in range(1, 9)]
     skipped = [s for s in range(1, 9) if records[s]["step_skipped"]]
     print(f"loss scale after steps 1-8: {scales}; skipped steps {skipped}")
@@ -80,9 +99,7 @@ def test_overflows_skip_steps_and_the_scale_resumes(tmp_path):
     assert 2 ** 22 in scales[5:]  # doubled after 2 steps without one
     assert len(skipped) < 8 and all(records[s]["grad_norm"] > 0 for s in range(1, 9) if s not in skipped)
 
-    saving = tmp_path / "saving"
-    result = launch(2, [*OVERFLOWING, *SAVING, "--job.dump_folder", str(saving)])
-    assert result.returncode == 0, describe(result)
+    saving = two_process_runs["saving"]
     resumed = tmp_path / "resumed"
     shutil.copytree(saving / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     result = launch(2, [*OVERFLOWING, *SAVING, "--job.dump_folder", str(resumed)])
@@ -93,14 +110,9 @@ def test_overflows_skip_steps_and_the_scale_resumes(tmp_path):
             assert {k: again[step][k] for k in COMPARED} == {k: records[step][k] for k in COMPARED}, (run.name, step)
 
 
-def test_tensor_parallel_float16_trains_through_overflows(tmp_path):
+def test_tensor_parallel_float16_trains_through_overflows(two_process_runs):
     """TP2 with loss parallelism in float16: the vocabulary-sharded loss is scaled like any other."""
-    result = launch(2, [*TINY_JOB, "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size",
-                        "8", "--training.mixed_precision_param", "float16", "--training.loss_scale_initial",
-                        str(2 ** 24), "--training.loss_scale_growth_interval", "2",
-                        "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])
-    assert result.returncode == 0, describe(result)
-    records = training_records(tmp_path)
+    records = training_records(two_process_runs["TP2"])
     skipped = [s for s in range(1, 9) if records[s]["step_skipped"]]
     print(f"TP2 float16: skipped steps {skipped}, loss scale at step 8 {records[8]['loss_scale']:g}")
     assert skipped[:2] == [1, 2] and len(skipped) < 8
