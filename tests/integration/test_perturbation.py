@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import REPO, TINY_JOB, describe, read_metrics, run_many
 from trainer.models.llama3 import Transformer, get_flavor
 
 PERTURBED = ["--debug.init_perturbation", "8", "--debug.init_perturbation_seed", "3"]
@@ -53,12 +53,14 @@ def test_perturbed_weights_are_the_same_in_every_layout(tmp_path):
 
 def test_a_resumed_run_is_not_perturbed_again(tmp_path):
     """The perturbation applies to the weights a run starts from; a resume continues trained
-    weights: steps 6-10 trained again from the step-5 checkpoint are the steps trained the first time."""
+    weights: steps 6-10 trained again from the step-5 checkpoint are the steps trained the first time.
+    The two runs one after the other in one process group (tests/workers/run_many.py)."""
     job = [*TINY_JOB, *PERTURBED, "--checkpoint.enable", "--checkpoint.interval", "5",
            "--job.dump_folder", str(tmp_path / "run")]
-    first = launch(2, job)
-    assert first.returncode == 0 and "perturbed by up to" in first.stdout, describe(first)
-    trained = [r["loss"] for r in read_metrics(tmp_path / "run")]
-    again = launch(2, [*job, "--checkpoint.load_step", "5", "--checkpoint.overwrite"])
-    assert again.returncode == 0 and "perturbed by up to" not in again.stdout, describe(again)
-    assert "loaded" in again.stdout and [r["loss"] for r in read_metrics(tmp_path / "run")] == trained
+    found, _ = run_many(2, job, {"first": [], "again": ["--checkpoint.load_step", "5", "--checkpoint.overwrite"]},
+                        tmp_path)
+    first, again = found["first"], found["again"]
+    assert "perturbed by up to" in first["log"], first["log"][-2000:]
+    trained = [r["loss"] for r in first["metrics"]]
+    assert "perturbed by up to" not in again["log"], again["log"][-2000:]
+    assert "loaded" in again["log"] and [r["loss"] for r in read_metrics(tmp_path / "run")] == trained

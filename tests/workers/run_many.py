@@ -4,7 +4,7 @@
 
 SPEC: {"base": [overrides of every run], "runs": [{"name": ..., "overrides": [...]}, ...]}.
 Each run is the trainer's own (`Trainer`, its `train` loop, metrics.jsonl in
-`<dump root>/<name>`, or in the --job.dump_folder its overrides name), so the long tail of a
+`<dump root>/<name>`, or in the --job.dump_folder the spec names), so the long tail of a
 combination matrix pays the process start, the import of torch and the creation of the process
 group once. Between runs the compiled code is dropped (`torch._dynamo.reset`), so no run reuses
 another's graphs or hits the recompile limit.
@@ -36,18 +36,18 @@ from trainer.train import Trainer, configure_logging
 def run_one(base: list[str], run: dict, dump_root: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    overrides = run["overrides"]
-    if "--job.dump_folder" in overrides:  # a folder of the run's own (it may hold a checkpoint to resume)
-        dump = Path(overrides[overrides.index("--job.dump_folder") + 1])
+    args = [*base, *run["overrides"]]
+    if "--job.dump_folder" in args:  # a folder named by the spec (it may hold a checkpoint to resume)
+        dump = Path(args[max(i for i, arg in enumerate(args) if arg == "--job.dump_folder") + 1])  # the last wins
     else:
         dump = dump_root / run["name"].replace(" ", "_").replace("+", "_")
-        overrides = [*overrides, "--job.dump_folder", str(dump)]
+        args.extend(["--job.dump_folder", str(dump)])
     log = io.StringIO()
     handler = logging.StreamHandler(log)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
     try:
-        config = load_config(with_default_config([*base, *overrides]))
+        config = load_config(with_default_config(args))
         start = time.perf_counter()
         trainer = Trainer(config, plan_run(config, int(os.environ["WORLD_SIZE"])))
         try:
