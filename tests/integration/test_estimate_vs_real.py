@@ -3,18 +3,73 @@ CPU once for real under torchrun (gloo) and once on fake tensors in a fake world
 kind holds (parameters, gradients, optimizer state) must be equal to the byte in every layout the
 benchmark covers (1 process, FSDP, FSDP x TP, PP Interleaved1F1B, CP, FSDP x TP x PP with full and
 selective AC); the step peaks of the tracker over real and fake tensors must agree within 5%
-(docs/performance.md gives the figures for larger models)."""
+(docs/performance.md gives the figures for larger models).
+
+The script runs end to end on its one-process layout. The other layouts are compared by the
+script's own functions in this process (`compare`: the estimator's processes, the rows), their
+real steps measured by the script's own worker, the layouts of one process count one after the
+other in one process group (tests/workers/estimate_layouts.py): 3 starts of torchrun and 14 of
+the trainer rather than 6 and 26."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from tests.integration.test_benchmarks import run_script
+from tests.launch import REPO, describe
+
+FLAVOR, SEQ_LEN = "tiny", 32
+ONE_PROCESS = "1 process"
 
 
-def test_estimated_state_bytes_equal_the_real_runs(tmp_path, measured):
-    run_script("estimate_accuracy.py", "--flavor", "tiny", "--seq-len", "32", "--json", str(tmp_path / "rows.json"))
+def benchmark():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import estimate_accuracy
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return estimate_accuracy
+
+
+def real_steps(layouts: dict[str, tuple[int, list[str]]], folder: Path) -> dict[str, dict[int, dict]]:
+    """layout -> rank -> its figures, from one torchrun per process count."""
+    folders = {name: folder / str(index) for index, name in enumerate(layouts)}
+    for nproc in sorted({nproc for nproc, _ in layouts.values()}):
+        spec = [{"out": str(folders[name] / "figures"), "overrides": [*overrides, "--job.dump_folder",
+                                                                       str(folders[name] / "run")]}
+                for name, (n, overrides) in layouts.items() if n == nproc]
+        for layout in spec:
+            Path(layout["out"]).mkdir(parents=True)
+        (folder / f"spec{nproc}.json").write_text(json.dumps(spec))
+        env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               str(nproc), "-m", "tests.workers.estimate_layouts", str(folder / f"spec{nproc}.json")],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        assert done.returncode == 0, describe(done)
+    return {name: {int(f.stem.removeprefix("rank")): json.loads(f.read_text())
+                   for f in (folders[name] / "figures").glob("rank*.json")} for name in layouts}
+
+
+def test_estimated_state_bytes_equal_the_real_runs(tmp_path, measured, monkeypatch):
+    run_script("estimate_accuracy.py", "--flavor", FLAVOR, "--seq-len", str(SEQ_LEN), "--layouts", ONE_PROCESS,
+               "--json", str(tmp_path / "rows.json"))
     rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {row["layout"] for row in rows} == {ONE_PROCESS}
+
+    bench = benchmark()
+    # The script's job (its main): the tiny model in float32, local batch 4.
+    job = ["--model.flavor", FLAVOR, "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "4",
+           "--metrics.no_enable_tensorboard", "--training.mixed_precision_param", "float32"]
+    others = {name: (nproc, [*job, *args]) for name, (nproc, args) in bench.LAYOUTS.items() if name != ONE_PROCESS}
+    real = real_steps(others, tmp_path / "real")
+    for name, (nproc, overrides) in others.items():
+        monkeypatch.setattr(bench, "real_run", lambda nproc, overrides, folder, name=name: real[name])
+        rows += bench.compare(name, nproc, overrides, tmp_path / "compare")
+
     assert len({row["layout"] for row in rows}) == 7
     assert {row["kind"] for row in rows} == {"every rank", "first pipeline rank (0)", "last pipeline rank (1)"}
     for row in rows:
