@@ -148,7 +148,7 @@ class Training:
 
     dataset: str = "synthetic"
     """Data source: 'synthetic' (built in: a random Markov chain with a known best loss),
-    'synthetic_context' (built in: markers at fixed positions and copies at fixed distances between
+    'synthetic_context' (built in: markers at fixed positions and copies at a fixed distance between
     steps of a Markov chain, so that attention and positions matter; known best loss), 'shards'
     (a folder of token shards written by `python -m trainer.data.prepare`, read from disk as needed: the
     format for real corpora), 'files' (local .jsonl/.json/.parquet/.txt at dataset_path,
