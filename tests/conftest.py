@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+# Every process of the suite computes with one thread, this one and those the tests start (they
+# inherit the variable): what the launcher gives each of several processes. The tests' models are
+# small, and where other work shares the 2 cores a lone process's two threads wait on each other:
+# a one-process run of the tiny model took 4 times the time and 3 times the CPU with two threads,
+# computing the same numbers (bitwise). Set OMP_NUM_THREADS to run them with more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file: the variable came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # tests/cuda trains on one accelerator (tests/cuda/conftest.py): collected only when
 # TRAINER_TEST_DEVICE names the device (cuda, or cpu to check the tests' logic), so the default

@@ -20,11 +20,8 @@ from trainer.models.llama3.args import get_flavor
 from trainer.models.llama3.hf_config import hf_config
 
 
-def test_synthetic_loss_approaches_the_entropy_floor(tmp_path, monkeypatch):
-    # One process trains alone: one thread, as the launcher gives each of several processes. The tiny
-    # model's operations are too small to gain from a second; they computed the same numbers with
-    # one (steps 1-40, bitwise) for a quarter of the CPU time while other work shared the cores.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def test_synthetic_loss_approaches_the_entropy_floor(tmp_path):
+    # One process, one thread (tests/conftest.py): the same numbers as with two, in far less CPU time.
     result = launch(1, [
         "--model.flavor", "tiny", "--training.seq_len", "64", "--training.local_batch_size", "16",
         "--training.steps", "200", "--optimizer.lr", "1e-2", "--optimizer.weight_decay", "0",
