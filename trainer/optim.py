@@ -210,30 +210,33 @@ class NormReduction:
     duplicates: tuple = ()
 
 
-def local_squared_norm(grads, ranks_per_stage: int) -> torch.Tensor:
-    """This rank's part of the global sum of squared gradients, in float64.
+def counted_part(tensor, ranks_per_stage: int) -> torch.Tensor | None:
+    """This rank's part of `tensor` (a parameter or its gradient) in a sum over every rank that
+    counts each element once, or None when another rank counts it.
 
     A DTensor's local shard counts on the rank at coordinate 0 of each mesh dimension it is
-    replicated over (e.g. a norm weight across TP ranks), so that the sum over all ranks counts
-    every element once. Plain tensors are whole parameters: they only occur without any mesh.
+    replicated over (e.g. a norm weight across TP ranks). Plain tensors are whole parameters: they
+    only occur without any mesh.
     """
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        if mesh.size() != ranks_per_stage:
+            raise RuntimeError(f"a tensor on a mesh of {mesh.size()} ranks, expected {ranks_per_stage}: a global "
+                               "norm would count its copies wrongly")
+        coordinate = mesh.get_coordinate()
+        if any(p.is_replicate() and c != 0 for p, c in zip(tensor.placements, coordinate)):
+            return None
+        return tensor.to_local()
+    if ranks_per_stage == 1:
+        return tensor
+    raise RuntimeError("a plain tensor in a data- or tensor-parallel run: a global norm cannot tell how many "
+                       "ranks hold it")
+
+
+def local_squared_norm(grads, ranks_per_stage: int) -> torch.Tensor:
+    """This rank's part of the global sum of squared gradients, in float64 (see counted_part)."""
     device = grads[0].device if grads else torch.device("cpu")
-    counted = []
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            mesh = grad.device_mesh
-            if mesh.size() != ranks_per_stage:
-                raise RuntimeError(f"gradient on a mesh of {mesh.size()} ranks, expected {ranks_per_stage}: the "
-                                   "global norm would count its copies wrongly")
-            coordinate = mesh.get_coordinate()
-            if any(p.is_replicate() and c != 0 for p, c in zip(grad.placements, coordinate)):
-                continue
-            counted.append(grad.to_local())
-        elif ranks_per_stage == 1:
-            counted.append(grad)
-        else:
-            raise RuntimeError("a plain-tensor gradient in a data- or tensor-parallel run: the global norm "
-                               "cannot tell how many ranks hold it")
+    counted = [part for part in (counted_part(grad, ranks_per_stage) for grad in grads) if part is not None]
     if not counted:
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm(counted, 2, dtype=torch.float64)

@@ -7,8 +7,9 @@ A *run* is the training history of one dump folder: its first start and every re
   under `history` the records of the earlier starts of the same run (oldest first).
 - `metrics.jsonl` holds each step once. A resume from step S moves the records of steps after S
   (from an attempt that was cut off, or steps that are trained again) out of it.
-- A new run in a folder that holds another run's record moves that record (run_meta.json and
-  metrics.jsonl together) to `previous/<time>/`; nothing is deleted.
+- A new run in a folder that holds another run's record moves that record (run_meta.json,
+  metrics.jsonl and fingerprints.jsonl together) to `previous/<time>/`; nothing is deleted.
+- `fingerprints.jsonl` (metrics.fingerprints) follows metrics.jsonl: one line per recorded step.
 
 Record fields (format 2), written by the rank that logs:
 
@@ -47,6 +48,8 @@ from pathlib import Path
 
 RECORD_FILE = "run_meta.json"
 METRICS_FILE = "metrics.jsonl"
+FINGERPRINTS_FILE = "fingerprints.jsonl"  # trainer/fingerprints.py: kept with metrics.jsonl
+STEP_FILES = (METRICS_FILE, FINGERPRINTS_FILE)  # one line per step
 PREVIOUS_DIR = "previous"
 FORMAT = 2
 FINAL_STATUSES = ("completed", "data ended", "failed")
@@ -126,9 +129,9 @@ def complete_after_final_save(folder: Path, last_step: int) -> bool:
 
 
 def archive(folder: Path) -> Path | None:
-    """Move a previous run's run_meta.json and metrics.jsonl together to previous/<time>/."""
+    """Move a previous run's run_meta.json and step files together to previous/<time>/."""
     folder = Path(folder)
-    present = [folder / name for name in (RECORD_FILE, METRICS_FILE) if (folder / name).is_file()]
+    present = [folder / name for name in (RECORD_FILE, *STEP_FILES) if (folder / name).is_file()]
     if not present:
         return None
     stamp = datetime.fromtimestamp(max(p.stat().st_mtime for p in present)).strftime("%Y%m%d-%H%M%S")
@@ -140,23 +143,26 @@ def archive(folder: Path) -> Path | None:
 
 
 def drop_metrics_after(folder: Path, step: int) -> Path | None:
-    """Keep the metrics.jsonl records of steps <= step; move the others to
-    previous/<time>-after-step-<step>/metrics.jsonl. Returns where they went, if anywhere."""
-    path = Path(folder) / METRICS_FILE
-    if not path.is_file():
-        return None
-    kept, dropped = [], []
-    for line in path.read_text().splitlines(keepends=True):
-        (dropped if line_step(line) > step else kept).append(line if line.endswith("\n") else line + "\n")
-    if not dropped:
-        return None
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    target = free_path(Path(folder) / PREVIOUS_DIR / f"{stamp}-after-step-{step}")
-    target.mkdir(parents=True)
-    (target / METRICS_FILE).write_text("".join(dropped))
-    temporary = path.with_name(f".{METRICS_FILE}.tmp")
-    temporary.write_text("".join(kept))
-    os.replace(temporary, path)
+    """Keep the metrics.jsonl (and fingerprints.jsonl) records of steps <= step; move the others
+    to previous/<time>-after-step-<step>/. Returns where they went, if anywhere."""
+    target = None
+    for name in STEP_FILES:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        kept, dropped = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            (dropped if line_step(line) > step else kept).append(line if line.endswith("\n") else line + "\n")
+        if not dropped:
+            continue
+        if target is None:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            target = free_path(Path(folder) / PREVIOUS_DIR / f"{stamp}-after-step-{step}")
+            target.mkdir(parents=True)
+        (target / name).write_text("".join(dropped))
+        temporary = path.with_name(f".{name}.tmp")
+        temporary.write_text("".join(kept))
+        os.replace(temporary, path)
     return target
 
 

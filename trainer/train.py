@@ -46,6 +46,7 @@ from trainer.hf.model_io import HFWeights
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
+from trainer.fingerprints import FingerprintRecorder, parameter_names
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parent_watch import watch_launcher
 from trainer.model_build import build_on_meta, materialize, training_model_args
@@ -121,11 +122,19 @@ class Trainer:
             purge_step=self.state.step + 1 if self.state.step else None,
         )
         self.metrics_num_params = count_params_on_meta(model_args)
+        self.fingerprints = self._fingerprint_recorder(model_args, parallel) if config.metrics.fingerprints else None
 
     def _build_model(self, model_args) -> ParallelModel:
         parallel = build_on_meta(self.config, self.plan.dims, self.mesh, self.device, model_args)
         materialize(parallel, self.config.debug.seed, self.device)
         return parallel
+
+    def _fingerprint_recorder(self, model_args, parallel: ParallelModel) -> FingerprintRecorder:
+        m = self.config.metrics
+        return FingerprintRecorder(
+            self.model, parallel.stages.values(), self.runner.norm_reduction(), parameter_names(model_args),
+            model_args.n_layers, m.fingerprint_first, m.fingerprint_every,
+            Path(self.config.job.dump_folder) if self.rank == 0 else None, self.device)
 
     def _build_loaders(self, vocab_size: int) -> tuple[BatchLoader, BatchLoader | None]:
         config, dims = self.config, self.plan.dims
@@ -190,7 +199,13 @@ class Trainer:
         batch = self.loader.next_batch()
         if counter is not None:
             counter.phase = "forward"  # the counter tells the backward pass apart itself
-        loss_share = self.runner.forward_backward(batch, scaler.scale if scaler else None)
+        loss_scale = scaler.scale if scaler else None
+        recorder = self.fingerprints if self.fingerprints and self.fingerprints.records(self.state.step) else None
+        if recorder is not None:
+            recorder.start()
+        loss_share = self.runner.forward_backward(batch, loss_scale)
+        if recorder is not None:
+            recorder.gradients(loss_scale)
         if counter is not None:
             counter.phase = "update"
         if scaler is None:
@@ -273,6 +288,8 @@ class Trainer:
             try:
                 result = self._counted_step(step) if step == first_step and cfg.metrics.count_collectives \
                     else self.train_step()
+                if self.fingerprints is not None and self.fingerprints.records(step):  # its all-reduce uncounted
+                    self.fingerprints.finish(step, result.skipped)
             except DataExhausted as e:
                 logger.info("%s; stopping after %d steps", e, step - 1)
                 self.state.step -= 1

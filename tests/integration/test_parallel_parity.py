@@ -4,7 +4,11 @@ All runs start from one seed checkpoint and train the tiny Llama (4 layers) for 
 with deterministic algorithms, at data-parallel degree 2 and local batch 4 (global batch 8). The
 HSDP set is compared with FSDP over 4 ranks at local batch 2 (the same global batch).
 Targets (ARCHITECTURE.md): step-1 |loss diff| <= 1e-5, max |loss diff| over the 20 steps
-<= 1e-4, step-1 grad-norm relative diff <= 1e-5.
+<= 1e-4, step-1 grad-norm relative diff <= 1e-5. Every run records per-module fingerprints
+(metrics.fingerprints, steps 1-4): each parameter's gradient, update and value norm and each
+block's output and gradient RMS must agree with the control's to 1e-4 relative (the worst measured
+is about 1e-5, an update norm of a norm weight), and the gradient norms must add up to the
+logged global norm.
 
 The layouts of the convergence protocol's cpu_smoke plan (FSDP+TP+PP, FSDP+TP+CP+PP, FSDP+CP, full
 AC; 8, 16, 4 and 2 processes) are checked against the same targets over the same 20 steps by
@@ -21,7 +25,10 @@ preflight, one process group per run) is what the cpu_smoke plan's layouts take
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +39,7 @@ JOB = [
     "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),
     "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--optimizer.weight_decay", "0",
     "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.no_enable_tensorboard",
-    "--debug.deterministic",
+    "--debug.deterministic", "--metrics.fingerprints",
 ]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
@@ -77,6 +84,7 @@ def seed(tmp_path_factory):
 class Run:
     records: list[dict]
     wall_s: float
+    fingerprints: list[dict]
 
 
 # The other pipeline schedules: 3 steps each (see test_other_pipeline_schedules_match_the_control).
@@ -112,7 +120,8 @@ def runs(seed, tmp_path_factory):
                     assert [r["step"] for r in records] == list(range(1, steps + 1)), run
                     # Rank 0 (the first pipeline stage under PP) logs the global loss.
                     assert f"step {steps}" in log and f"loss {records[-1]['loss']:.4f}" in log, (run, log[-2000:])
-                    done[run] = Run(records, result["seconds"])
+                    prints = [json.loads(line) for line in (Path(result["dump"]) / "fingerprints.jsonl").open()]
+                    done[run] = Run(records, result["seconds"], prints)
         return done[name]
 
     return get
@@ -151,3 +160,36 @@ def test_other_pipeline_schedules_match_the_control(schedule, stages, runs, meas
     measured(f"parity FSDP+PP2 {schedule:22s} 4 procs: max |dloss| over 3 steps {max(diffs):.1e}, "
              f"step-1 grad-norm rel diff {norm_diff:.1e}")
     assert len(test) == 3 and max(diffs) <= 1e-5 and norm_diff <= 1e-5
+
+
+FINGERPRINT_TOLERANCE = 1e-4  # relative; correct layouts measure about 1e-5 at worst
+
+
+def worst_fingerprint_difference(control: list[dict], test: list[dict]) -> tuple[float, str]:
+    """The largest relative difference between two runs' fingerprints, and where it is."""
+    worst, where = 0.0, ""
+    for a, b in zip(control, test):
+        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms"):
+            assert a[quantity].keys() == b[quantity].keys(), quantity
+            for entry, x in a[quantity].items():
+                difference = abs(b[quantity][entry] - x) / abs(x)
+                if difference > worst:
+                    worst, where = difference, f"step {a['step']} {quantity} {entry}"
+    return worst, where
+
+
+@pytest.mark.parametrize("name", [*TEST_SETS, *(f"schedule {schedule}" for schedule, _ in SCHEDULES)])
+def test_fingerprints_agree_with_the_control(name, runs, measured):
+    test = runs(name)
+    control = runs(LAYOUTS[name].control if name in LAYOUTS else "FSDP dp2")
+    steps = [p["step"] for p in test.fingerprints]
+    assert steps == ([1, 2, 3] if name.startswith("schedule ") else [1, 2, 3, 4])  # fingerprint_first = 4
+    # A 3-step schedule run decays its learning rate from step 3 on: its updates from then on differ.
+    compared = 2 if name.startswith("schedule ") else 4
+    worst, where = worst_fingerprint_difference(control.fingerprints[:compared], test.fingerprints[:compared])
+    measured(f"fingerprints {name:26s}: worst relative difference {worst:.1e} ({where})")
+    assert worst <= FINGERPRINT_TOLERANCE, where
+    for prints, records in ((test.fingerprints, test.records), (control.fingerprints, control.records)):
+        for p in prints:  # each parameter once, every shard counted: they add up to the global norm
+            total = math.sqrt(sum(norm ** 2 for norm in p["grad_norm"].values()))
+            assert total == pytest.approx(records[p["step"] - 1]["grad_norm"], rel=1e-9)

@@ -72,6 +72,9 @@ def validate(config: JobConfig) -> None:
          f"compute dtype (1 is the protocol's noise controls; 0 is off), got {c.debug.init_perturbation}")
     need(c.metrics.log_freq >= 1, f"metrics.log_freq: must be >= 1, got {c.metrics.log_freq}")
     need(c.metrics.peak_flops >= 0, f"metrics.peak_flops: must be >= 0, got {c.metrics.peak_flops}")
+    need(c.metrics.fingerprint_first >= 0, f"metrics.fingerprint_first: must be >= 0, got {c.metrics.fingerprint_first}")
+    need(c.metrics.fingerprint_every >= 0,
+         f"metrics.fingerprint_every: must be >= 0 (0: only the first steps), got {c.metrics.fingerprint_every}")
     prof = c.profiling  # checked also when off: a typo shows at once, not when profiling is turned on
     need(prof.profile_freq >= 1, f"profiling.profile_freq: must be >= 1, got {prof.profile_freq}")
     need(prof.profiler_warmup >= 0, f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")

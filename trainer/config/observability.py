@@ -44,6 +44,20 @@ class Metrics:
     metrics.jsonl (kind "collectives") and run_meta.json. The step runs under a dispatch mode that
     sees every operation, so it is slower; later steps are unaffected. Not with compile.enable."""
 
+    fingerprints: bool = False
+    """Record per-module fingerprints of chosen steps to job.dump_folder/fingerprints.jsonl: for
+    every parameter (under its unsharded name) the norms of its gradient, its update and its
+    value, and for every transformer block the RMS of its output and of the gradient flowing into
+    it, each a global figure that means the same in every parallel layout (trainer/fingerprints.py).
+    The convergence protocol compares them to say where two layouts part. Which steps:
+    fingerprint_first and fingerprint_every."""
+
+    fingerprint_first: int = 4
+    """With fingerprints: record every step from 1 to this one (>= 0)."""
+
+    fingerprint_every: int = 50
+    """With fingerprints: after the first ones, record every this many steps (0: no more)."""
+
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU. 0: look the GPU up in the built-in table; on CPU MFU is omitted."""
 

@@ -152,6 +152,7 @@ OWN_KEYS: tuple[str, ...] = (
     "parallelism.tensor_parallel_sync", "parallelism.tensor_parallel_sync_group",
     "checkpoint.accept_data_change", "checkpoint.accept_model_change", "checkpoint.overwrite",
     "metrics.count_collectives", "metrics.peak_flops",
+    "metrics.fingerprints", "metrics.fingerprint_first", "metrics.fingerprint_every",
     "debug.init_perturbation", "debug.init_perturbation_seed",
     "validation.global_batch_size",
 )

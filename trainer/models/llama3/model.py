@@ -254,6 +254,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.embeds_tokens = True  # False on pipeline stages that take the hidden state
+        # Called with each block's name and output (metrics.fingerprints, trainer/fingerprints.py);
+        # it runs here, outside the blocks, which may be compiled or recompute their forward.
+        self.block_probe = None
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,8 +266,10 @@ class Transformer(nn.Module):
         within documents only."""
         tied = self._tied_weight_cast()
         h = self.tok_embeddings(tokens, tied) if self.embeds_tokens else tokens
-        for block in self.layers.values():
+        for name, block in self.layers.items():
             h = block(h, self.freqs_cis, documents)
+            if self.block_probe is not None:
+                self.block_probe(name, h)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h, tied) if self.output is not None else h
 
