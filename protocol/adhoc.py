@@ -16,8 +16,9 @@ from pathlib import Path
 
 from protocol.compare import Comparison, compare
 from protocol.curves import Curve
-from protocol.records import RunInfo, first_start, read_record, run_info
-from protocol.tolerance import Tolerance
+from protocol.plan.records import read_record
+from protocol.plan.tolerance import Tolerance
+from protocol.run_info import RunInfo, first_start, run_info
 
 Reader = Callable[[Path, str | None], Curve]
 

@@ -8,9 +8,9 @@ import math
 import numpy as np
 
 from protocol.curves import Curve
+from protocol.plan.tolerance import Tolerance
 from protocol.results import SetResult
 from protocol.statistics import window_size
-from protocol.tolerance import Tolerance
 
 
 def common_steps(curves: list[Curve]) -> list[int]:

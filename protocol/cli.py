@@ -22,7 +22,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from protocol.tolerance import MODES, Tolerance, tolerance_keys
+from protocol.plan.tolerance import MODES, Tolerance, tolerance_keys
 
 log = logging.getLogger("protocol")
 
@@ -121,7 +121,7 @@ def names(text: str) -> list[str] | None:
 
 
 def load(path: Path):
-    from protocol.plan_file import load_plan
+    from protocol.plan.load import load_plan
 
     if not path.is_file():
         raise UsageError(f"{path}: no such plan file")
@@ -160,7 +160,7 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     from protocol.local import run_local
-    from protocol.plan import SLURM_DIR
+    from protocol.plan.model import SLURM_DIR
     from protocol.slurm import run_slurm
 
     if args.launcher == "slurm" and shutil.which("sbatch") is None:

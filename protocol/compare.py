@@ -28,7 +28,7 @@ from protocol.results import (DESIGNS, FAIL, INCONCLUSIVE, PASS, Comparison, Noi
                               NotCompared, SetResult)
 from protocol.family_wise import apply_plan_level, set_false_fail
 from protocol.statistical_mode import family_mean, judge_statistical, noise_summaries, settle  # noqa: F401
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 
 
 # ---------------------------------------------------------------- entry point

@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass
 
 from protocol.compare import FAIL, INCONCLUSIVE, PASS, Comparison
-from protocol.judging import Noise, family_noise, judge_plan, threshold
-from protocol.measure import Value
-from protocol.plan import Plan
-from protocol.search import replay
+from protocol.plan.judging import Noise, family_noise, judge_plan, threshold
+from protocol.plan.measure import Value
+from protocol.plan.model import Plan
+from protocol.plan.search import replay
 from protocol.sweep_report import SweepReport, sweep_table
 
 

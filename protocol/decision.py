@@ -58,10 +58,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocol.plan.tolerance import Tolerance
 from protocol.statistics import (ar1_variance_factor, bartlett_bandwidth, chi2_quantile, long_run_variance,
                                  mean_with_stderr, normal_quantile, ols_slope, t_quantile, t_upper_tail,
                                  trend_with_stderr, window_size)
-from protocol.tolerance import Tolerance
 
 # The locator of the first diverging step: the difference must leave the family's per-step noise
 # envelope (ENVELOPE_SIGMAS x its spread, smoothed over +-SMOOTHING steps) and stay out for

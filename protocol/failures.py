@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from protocol.plan import Launch
+from protocol.plan.model import Launch
 
 TAIL_LINES = 15
 MAX_BLOCK_LINES = 40

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 
 from protocol.decision import ObservableVerdict, explain
+from protocol.plan.tolerance import Tolerance
 from protocol.statistics import t_quantile, t_upper_tail
-from protocol.tolerance import Tolerance
 
 OFFSET_WEIGHT = 0.8
 """Share of an observable's level given to its offset test; the rest goes to its drift test."""

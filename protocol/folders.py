@@ -1,14 +1,15 @@
-"""Run folders: which ones the protocol owns, and moving a stale run aside.
+"""Run folders: which ones the protocol owns, the stop marker it writes, and moving a stale run aside.
 
 Every run folder the protocol starts a run in holds `.protocol-run`, one JSON line naming the plan
 and the run ({"plan", "run", "command", "created"}), written before the run starts, by
 `protocol run` and by the generated shell and sbatch scripts alike. A folder at a run's path
 without it, and not empty, belongs to someone else: the protocol never writes there. Whether a
-run finished, and what it ran, comes from the run's own record (protocol.reuse), never from the
-marker.
+run finished, and what it ran, comes from the run's own record (protocol.run.reuse), never from the
+marker. A run an early-stop rule ended gets `.protocol-stopped` (protocol.plan.early_stop reads
+it back); a run started again loses it.
 
 A stale run is moved, never deleted, to `<plan.output>/superseded/<slug>-<time>/` (no run can be
-named so: protocol.plan.RESERVED_SLUGS).
+named so: protocol.plan.model.RESERVED_SLUGS).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
-from protocol.plan import SUPERSEDED_DIR, Launch, Plan
-
-RUN_MARKER = ".protocol-run"
+from protocol.plan.early_stop import STOP_MARKER, Breach, marker_text as stop_text
+from protocol.plan.model import RUN_MARKER, SUPERSEDED_DIR, Launch, Plan
 
 
 def now() -> str:
@@ -64,6 +64,15 @@ def claim_folder(plan: Plan, launch: Launch) -> None:
     """Create the run's folder and write its marker (the latest command that started it)."""
     launch.output.mkdir(parents=True, exist_ok=True)
     (launch.output / RUN_MARKER).write_text(marker_text(plan, launch, now()))
+
+
+def mark_stopped(folder: Path, found: Breach) -> None:
+    (Path(folder) / STOP_MARKER).write_text(stop_text(found, now()))
+
+
+def clear_stopped(folder: Path) -> None:
+    """A run started again is no longer stopped."""
+    (Path(folder) / STOP_MARKER).unlink(missing_ok=True)
 
 
 def supersede(plan: Plan, launch: Launch) -> Path:

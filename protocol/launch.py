@@ -21,18 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.folders import foreign_folder, supersede
-from protocol.plan import SUPERSEDED_DIR, Launch, Plan
+from protocol.plan.model import SUPERSEDED_DIR, Launch, Plan
+from protocol.plan.select import LaunchError
 from protocol.reuse import RUN, STALE, Decision, assess, resume_step
 
 logger = logging.getLogger(__name__)
 
 RERUN_FLAG = "--rerun-stale"
 Progress = Callable[[str], None]
-
-
-class LaunchError(ValueError):
-    """A request that cannot be carried out as asked (unknown run name, a foreign folder in the
-    way, stale runs without --rerun-stale)."""
 
 
 @dataclass(frozen=True)
@@ -65,24 +61,6 @@ class RunResult:
         """It failed, or was skipped because a run it needed did; a stopped run and a search point
         that was not needed are neither: the plan decided not to finish or run them."""
         return self.status in ("failed", "skipped")
-
-
-def select(launches: Sequence[Launch], only: Sequence[str] | None) -> list[Launch]:
-    """The launches named in `only` (names or their slugs) plus what they depend on, in plan order."""
-    if not only:
-        return list(launches)
-    by_key = {}
-    for launch in launches:
-        by_key[launch.name] = by_key[launch.slug] = launch
-    unknown = [name for name in only if name not in by_key]
-    if unknown:
-        valid = ", ".join(repr(launch.name) for launch in launches)
-        raise LaunchError(f"unknown run name(s) {', '.join(map(repr, unknown))}; the plan's runs are: {valid}")
-    chosen = {by_key[name].name for name in only}
-    for launch in launches:
-        if launch.name in chosen:
-            chosen.update(launch.depends_on)  # a needed seed run is reused anyway when current
-    return [launch for launch in launches if launch.name in chosen]
 
 
 def prepare(plan: Plan, selected: Sequence[Launch], rerun_stale: bool, report: Progress) -> dict[str, Decision]:

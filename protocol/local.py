@@ -23,13 +23,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from protocol.early_stop import Breach, applies, breach, clear_stopped, mark_stopped
 from protocol.failures import exit_problem, indent, summary
-from protocol.folders import claim_folder, now
-from protocol.launch import LaunchError, Progress, RunResult, prepare, resume_note, select, summarize
-from protocol.plan import REPO_ROOT, Launch, Plan
+from protocol.folders import claim_folder, clear_stopped, mark_stopped, now
+from protocol.launch import Progress, RunResult, prepare, resume_note, summarize
+from protocol.plan.early_stop import Breach, applies, breach
+from protocol.plan.model import REPO_ROOT, Launch, Plan
+from protocol.plan.select import LaunchError, select
 from protocol.reuse import REUSE, RUN, STOPPED, Decision, completion_problem, resume_step
-from protocol.search import run_searches
+from protocol.searches import run_searches
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.compare import NotCompared
-from protocol.criteria import StopRule
 from protocol.curves import Curve
-from protocol.early_stop import applies, stopped
-from protocol.launch import RunResult, select
-from protocol.plan import Launch, Plan
-from protocol.records import RunInfo, read_record, run_info
+from protocol.launch import RunResult
+from protocol.plan.criteria import StopRule
+from protocol.plan.early_stop import applies, stopped
+from protocol.plan.model import Launch, Plan
+from protocol.plan.records import read_record
+from protocol.plan.select import select
 from protocol.reuse import STALE, assess
+from protocol.run_info import RunInfo, run_info
 
 METRICS_FILE = "metrics.jsonl"
 FAMILY_ROLES = ("control", "noise")

@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Sequence
 
 from protocol.folders import CLAIM_FUNCTION, claim_command
-from protocol.plan import REPO_ROOT, Launch, Plan, describe_degrees
+from protocol.plan.model import REPO_ROOT, Launch, Plan, describe_degrees
 
 FORMATS = ("table", "json", "shell")
 

@@ -25,11 +25,11 @@ from protocol.compare import FAIL, INCONCLUSIVE, Comparison, SetResult
 from protocol.curves import Curve
 from protocol.decision import ObservableVerdict
 from protocol.plots import write_plots
-from protocol.records import RunInfo, code_summary
 from protocol.report_findings import findings as find, markdown as findings_markdown, timing_caveat
 from protocol.report_format import fmt_diff, fmt_loss, markdown_table as _markdown_table
 from protocol.report_json import comparison_to_dict, encode, report_extras
 from protocol.report_statistical import bound_or_margin, details_section, detectable_section, why_section
+from protocol.run_info import RunInfo, code_summary
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 from protocol.compare import Comparison, NoiseSummary, NotCompared, SetResult
 from protocol.decision import ObservableVerdict
 from protocol.family_wise import set_false_fail
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 
 REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line", "findings")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.decision import ObservableVerdict
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 DESIGNS = ("exact", "paired", "unpaired")

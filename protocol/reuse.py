@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from protocol.early_stop import applies, stopped
-from protocol.plan import REPO_ROOT, Launch, Plan, seed_launch
-from protocol.records import config_changes, describe_changes, normalized, read_record
+from protocol.plan.early_stop import applies, stopped
+from protocol.plan.model import REPO_ROOT, Launch, Plan, seed_launch
+from protocol.plan.records import config_changes, describe_changes, normalized, read_record
 
 REUSE, RUN, STALE, STOPPED = "reuse", "run", "stale", "stopped"
 RECORD_FORMAT = 2

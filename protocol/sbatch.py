@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protocol.folders import CLAIM_FUNCTION, claim_command
-from protocol.plan import RDZV_PORT, REPO_ROOT, Launch, Plan, slugify
+from protocol.plan.model import RDZV_PORT, REPO_ROOT, Launch, Plan, slugify
 from protocol.render import unless_seed_exists
 
 SUBMIT_ALL = "submit_all.sh"

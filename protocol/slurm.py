@@ -17,14 +17,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from protocol.early_stop import applies, breach, clear_stopped, mark_stopped
 from protocol.failures import indent, summary
-from protocol.folders import claim_folder
-from protocol.launch import LaunchError, Progress, RunResult, prepare, resume_note, select, summarize
-from protocol.plan import Launch, Plan
+from protocol.folders import claim_folder, clear_stopped, mark_stopped
+from protocol.launch import Progress, RunResult, prepare, resume_note, summarize
+from protocol.plan.early_stop import applies, breach
+from protocol.plan.model import Launch, Plan
+from protocol.plan.select import LaunchError, select
 from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
 from protocol.sbatch import job_log, script_path, write_slurm
-from protocol.search import run_searches
+from protocol.searches import run_searches
 
 logger = logging.getLogger(__name__)
 

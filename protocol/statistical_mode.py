@@ -13,9 +13,9 @@ from protocol.curves import Curve
 from protocol.decision import (ObservableVerdict, detectable_if_noisier, false_fail_chance, judge, margin_for,
                                minimum_detectable_effect, noise_sd)
 from protocol.family_wise import offset_bound_sigmas
+from protocol.plan.tolerance import Tolerance
 from protocol.results import NoiseSummary, SetResult
 from protocol.statistics import t_quantile, window_size
-from protocol.tolerance import Tolerance
 
 # Points of the run (fractions of its steps) at which the noise controls' paired difference is
 # reported, to show how rounding noise grows with steps.

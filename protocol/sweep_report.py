@@ -18,12 +18,12 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from protocol.judging import Judgement
-from protocol.measure import Value, mean_step_time, read_records, syncs_per_forward
-from protocol.plan import Launch, Plan, slugify
-from protocol.records import read_record
-from protocol.search import SearchOutcome
-from protocol.sweeps import Sweep
+from protocol.plan.judging import Judgement
+from protocol.plan.measure import Value, mean_step_time, read_records, syncs_per_forward
+from protocol.plan.model import Launch, Plan, slugify
+from protocol.plan.records import read_record
+from protocol.plan.search import SearchOutcome
+from protocol.plan.sweeps import Sweep
 
 COLUMNS = ("set", "syncs per forward", "{metric}", "vs control", "meets criterion", "time per step (s)")
 

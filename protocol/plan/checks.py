@@ -1,7 +1,7 @@
 """The plan's own rules and the trainer's checks of every launch.
 
 Each check returns the problems it finds (one message each, naming the table and what would be
-valid) and never stops the others: `protocol.plan_file.load_plan` runs every check that can run
+valid) and never stops the others: `protocol.plan.load.load_plan` runs every check that can run
 on what could be read, so a plan with independent mistakes gets them all listed at once.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from protocol.plan import (RESERVED_SLUGS, SEED_NAME, Plan, RunSpec, resolved_degrees, run_args, run_launch,
-                           slugify)
-from protocol.schema import TECHNIQUE_ONLY
+from protocol.plan.model import (RESERVED_SLUGS, SEED_NAME, Plan, RunSpec, resolved_degrees, run_args,
+                                 run_launch, slugify)
+from protocol.plan.schema import TECHNIQUE_ONLY
 
 
 def batch_rule_problems(plan: Plan, spec: RunSpec) -> list[str]:

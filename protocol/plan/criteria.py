@@ -12,16 +12,16 @@
     metric = "validation/loss"
     above = 3.8
 
-Both read a `Measure` from a run's metrics.jsonl (protocol.measure). Reading is in two passes, as
+Both read a `Measure` from a run's metrics.jsonl (protocol.plan.measure). Reading is in two passes, as
 for every table of a plan: the table's own keys first (types, choices, one bound), then, once
 the plan's steps and the runs' validation and logging frequencies are known, whether the step
-can be measured at all (protocol.plan_file). Every problem names its key and what would be valid.
+can be measured at all (protocol.plan.load). Every problem names its key and what would be valid.
 
 A bound in units of noise. `max_sigmas_above_control = k` bounds the measure by the control's
 value + k sigma, sigma the noise SD of the measure for one more run of the control family (the
 control and its K noise controls, which statistical mode runs): with s the sample standard
 deviation of the K + 1 members' values of the measure, sigma = s sqrt(1 + 1/(K + 1)), the form
-protocol.decision gives a new member's offset from the family. A correct set is one more such
+protocol.verdict.decision gives a new member's offset from the family. A correct set is one more such
 member; the bound starts from the control's one value, whose own noise adds to the set's, so a
 correct set misses it somewhat more often than a t quantile says: 2.9% for k = 3 and 0.5% for
 k = 5 with 4 noise controls (simulated, normal noise). A relative factor has no such meaning:
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.schema import CRITERION_KEYS, EARLY_STOP_KEYS, METRICS, check_choice, check_minimum, read_table
+from protocol.plan.schema import CRITERION_KEYS, EARLY_STOP_KEYS, METRICS, check_choice, check_minimum, read_table
 
 VALIDATION, TRAIN_LOSS = METRICS
 NOISE_BOUND = "max_sigmas_above_control"

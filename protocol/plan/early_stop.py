@@ -1,11 +1,11 @@
 """Early stopping: a set's run whose measure breaks a `[[early_stop]]` rule is stopped, and its
 folder says so.
 
-The launchers call `breach(rules, folder)` while they wait for a run (protocol.local at every
-progress poll, protocol.slurm at every look at the queue). Once a rule's step has been measured
+The launchers call `breach(rules, folder)` while they wait for a run (protocol.run.local at every
+progress poll, protocol.run.slurm at every look at the queue). Once a rule's step has been measured
 and the value is above the rule's bound (or not a number: a diverged run), the run is ended and
-`<run>/.protocol-stopped` is written: one JSON line with the rule, the value that broke it, the
-step the run had reached and when.
+`<run>/.protocol-stopped` is written (protocol.run.folders.mark_stopped, with `marker_text`): one
+JSON line with the rule, the value that broke it, the step the run had reached and when.
 
 The marker stands while the rule that broke it is still in the plan with the same values: the run
 is then STOPPED for `protocol run` (not run again) and `protocol compare` (not a failure of the
@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.criteria import StopRule
-from protocol.folders import now
-from protocol.measure import measure, read_records
+from protocol.plan.criteria import StopRule
+from protocol.plan.measure import measure, read_records
 
 STOP_MARKER = ".protocol-stopped"
 
@@ -62,15 +61,10 @@ def breach(rules: Sequence[StopRule], folder: Path) -> Breach | None:
     return None
 
 
-def mark_stopped(folder: Path, found: Breach) -> None:
-    text = json.dumps({"rule": found.rule.to_dict(), "where": found.rule.where, "value": found.value,
-                       "last_step": found.last_step, "stopped": now()})
-    (Path(folder) / STOP_MARKER).write_text(text + "\n")
-
-
-def clear_stopped(folder: Path) -> None:
-    """A run started again is no longer stopped."""
-    (Path(folder) / STOP_MARKER).unlink(missing_ok=True)
+def marker_text(found: Breach, when: str) -> str:
+    """The STOP_MARKER line of a run stopped at `when` by `found` (what `stopped` reads back)."""
+    return json.dumps({"rule": found.rule.to_dict(), "where": found.rule.where, "value": found.value,
+                       "last_step": found.last_step, "stopped": when}) + "\n"
 
 
 def stopped(folder: Path, rules: Sequence[StopRule]) -> Breach | None:

@@ -8,8 +8,8 @@ same measure times the factor: without the control's value no set can be judged.
 The noise of the measure (`family_noise`) is read from the control family's run folders (the
 control and its noise controls: the launches with role "control" and "noise"): sigma, the noise
 SD of the measure for one more run, is the sample SD of the members' values x sqrt(1 + 1/(K + 1))
-with K + 1 members (protocol.criteria). It is the unit of a `max_sigmas_above_control` bound and
-of every criterion's margin in the report (protocol.criterion_verdict).
+with K + 1 members (protocol.plan.criteria). It is the unit of a `max_sigmas_above_control` bound and
+of every criterion's margin in the report (protocol.verdict.by_criterion).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from protocol.criteria import Criterion
-from protocol.early_stop import Breach, applies, stopped
-from protocol.measure import Value, measure, read_records
-from protocol.plan import Launch, Plan
+from protocol.plan.criteria import Criterion
+from protocol.plan.early_stop import Breach, applies, stopped
+from protocol.plan.measure import Value, measure, read_records
+from protocol.plan.model import Launch, Plan
 
 # Fewest family members with a value for sigma: the least compare() accepts for a statistical
 # family (2 degrees of freedom); fewer give an SD too unreliable to be a unit.

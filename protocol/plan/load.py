@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
-from protocol.plan import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
-from protocol.plan_checks import name_problems, run_names, spec_problems, trainer_problems
-from protocol.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
-                             SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
-                             SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
-                             check_minimum, closest, flatten, read_table)
-from protocol.sweeps import Sweep, expand_sweeps
-from protocol.tolerance import REPLACED, Tolerance, tolerance_keys
+from protocol.plan.checks import name_problems, run_names, spec_problems, trainer_problems
+from protocol.plan.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
+from protocol.plan.model import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
+from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
+                                  SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
+                                  SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
+                                  check_minimum, closest, flatten, read_table)
+from protocol.plan.sweeps import Sweep, expand_sweeps
+from protocol.plan.tolerance import REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
     import tomllib

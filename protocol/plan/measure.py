@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.criteria import TRAIN_LOSS, Measure
+from protocol.plan.criteria import TRAIN_LOSS, Measure
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -25,8 +25,8 @@ Plan file format
     checkpoint_interval = 10   # each run saves into its own folder; a rerun resumes from there
     overrides = { "model.flavor" = "tiny", "debug.deterministic" = true }
 
-    [tolerance]            # protocol.tolerance.Tolerance: how a set is judged
-    mode = "exact"         # or "statistical" (noise controls, protocol.decision)
+    [tolerance]            # protocol.plan.tolerance.Tolerance: how a set is judged
+    mode = "exact"         # or "statistical" (noise controls, protocol.verdict.decision)
 
     [control]              # optional: 1D FSDP over dp_degree ranks by default
     name = "1D FSDP"
@@ -52,11 +52,11 @@ Plan file format
     [slurm.seed]           # optional: #SBATCH options of the seed job, and of the training jobs
     mem = "64G"
 
-The keys of every table are listed, with their meaning, in `protocol.schema`; reading and
-validating a file is `protocol.plan_file.load_plan`. A plan may also judge its sets by a
+The keys of every table are listed, with their meaning, in `protocol.plan.schema`; reading and
+validating a file is `protocol.plan.load.load_plan`. A plan may also judge its sets by a
 `[criterion]` instead of the tolerance, stop runs early by `[[early_stop]]` rules
-(protocol.criteria) and search a sweep's points (`[[sweeps]]` with `search = "bisect"`:
-protocol.sweeps, protocol.search).
+(protocol.plan.criteria) and search a sweep's points (`[[sweeps]]` with `search = "bisect"`:
+protocol.plan.sweeps, protocol.plan.search).
 
 Overrides are trainer options written as dotted keys (`"section.key" = value`, or nested tables
 `section = { key = value }`); each becomes `--section.key value` on the command line (booleans
@@ -86,12 +86,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.criteria import Criterion, StopRule
-from protocol.schema import DEFAULT_CHECKPOINT_INTERVAL
-from protocol.sweeps import Sweep
-from protocol.tolerance import Tolerance
+from protocol.plan.criteria import Criterion, StopRule
+from protocol.plan.options import override_args
+from protocol.plan.schema import DEFAULT_CHECKPOINT_INTERVAL
+from protocol.plan.sweeps import Sweep
+from protocol.plan.tolerance import Tolerance
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_NAME = "./torchrun_launch.sh"
 RDZV_PORT = 29500
 SEED_NAME = "seed"
@@ -99,6 +100,8 @@ SEED_NAME = "seed"
 SLURM_DIR = "slurm"
 SUPERSEDED_DIR = "superseded"
 RESERVED_SLUGS = (SLURM_DIR, SUPERSEDED_DIR)
+# In a run's folder: the protocol's claim on it, written before the run starts (protocol.run.folders).
+RUN_MARKER = ".protocol-run"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,30 +375,3 @@ def describe_degrees(degrees: dict) -> str:
     if degrees.get("pp_schedule") and degrees.get("pp", 1) > 1:
         parts[-1] += f" ({degrees['pp_schedule']})"
     return ", ".join(parts)
-
-
-def option_value(value: Any) -> str:
-    """A trainer option's value as written on the command line: true/false, lists comma joined."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
-def override_args(overrides: dict[str, Any]) -> list[str]:
-    """Dotted keys to command-line options: --key value, booleans --key=true|false, lists a,b,c."""
-    args = []
-    for key, value in overrides.items():
-        if isinstance(value, bool):
-            args.append(f"--{key}={option_value(value)}")
-        elif isinstance(value, list):
-            text = option_value(value)
-            args += [f"--{key}={text}"] if not text else [f"--{key}", text]
-        elif isinstance(value, str) and (value.startswith("-") or not value):
-            args.append(f"--{key}={value}")  # a value that looks like an option, or nothing
-        else:
-            args += [f"--{key}", str(value)]
-    return args
-
-

@@ -198,7 +198,7 @@ def describe_keys() -> str:
     for table, schema in TABLES.items():
         title = f"[[{table}]]" if table in ARRAY_TABLES else f"[{table}]"
         if schema is None:
-            lines += ["", f"{title}: the fields of protocol.tolerance.Tolerance"]
+            lines += ["", f"{title}: the fields of protocol.plan.tolerance.Tolerance"]
             continue
         lines += ["", title]
         for key, spec in schema.items():

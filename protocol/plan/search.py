@@ -6,27 +6,23 @@ per block, groups of 2, 3, ...), and the search assumes that the points meeting 
 form a prefix of that order: less communication never helps. The bisection then keeps `lo`, the
 last point known to meet it (-1 before any), and `hi`, the first known to miss it (the count
 before any), runs the point midway and moves one end, until they are neighbours: the answer is
-`lo`, after at most ceil(log2(count + 1)) runs. A stopped run (protocol.early_stop) misses the
-criterion; a run that fails, or that has no value of the measure, ends the search unanswered.
+`lo`, after at most ceil(log2(count + 1)) runs. A stopped run (protocol.plan.early_stop) misses
+the criterion; a run that fails, or that has no value of the measure, ends the search unanswered.
 
-`protocol run` calls `run_searches` after the other runs (the control's value is what a relative
-criterion multiplies); `protocol compare` replays the same bisection on the judgements the run
-folders give (`replay`), so it knows which points the search ran and which it did not need. The
-walk only depends on the judgements, so a second `protocol run` walks the same points and reuses
-the runs it made.
+`protocol run` walks the bisection after the other runs, running each point it needs
+(protocol.run.searches; the control's value is what a relative criterion multiplies); `protocol
+compare` replays the same bisection on the judgements the run folders give (`replay`), so it
+knows which points the search ran and which it did not need. The walk only depends on the
+judgements, so a second `protocol run` walks the same points and reuses the runs it made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.judging import Judgement, control_value, family_noise, judge_run, threshold
-from protocol.launch import Progress, RunResult
-from protocol.plan import Launch, Plan
-from protocol.sweeps import Sweep
-
-RunPoint = Callable[[Launch], RunResult]
+from protocol.plan.judging import Judgement
+from protocol.plan.sweeps import Sweep
 
 
 @dataclass(frozen=True)
@@ -89,47 +85,3 @@ def outcome(sweep: Sweep, visited: list[int], answer: int | None, blocked: int |
     return SearchOutcome(sweep, tuple(sweep.points[i] for i in visited),
                          None if answer is None else sweep.points[answer],
                          None if blocked is None else sweep.points[blocked])
-
-
-def run_searches(plan: Plan, selected: Sequence[Launch], run_point: RunPoint, report: Progress) -> dict[str, RunResult]:
-    """Bisect every searched sweep over its selected points, running each point it needs with
-    `run_point`; a RunResult for every point (those not needed: "not needed")."""
-    by_name = {launch.name: launch for launch in selected}
-    results: dict[str, RunResult] = {}
-    for sweep in plan.sweeps:
-        points = [by_name[name] for name in sweep.points if name in by_name]
-        if sweep.search and points:
-            results.update(run_search(plan, sweep, points, run_point, report))
-    return results
-
-
-def run_search(plan: Plan, sweep: Sweep, points: list[Launch], run_point: RunPoint,
-               report: Progress) -> dict[str, RunResult]:
-    control = control_value(plan)
-    noise = family_noise(plan) if plan.criterion.in_sigmas else None
-    bound = threshold(plan, control, noise)
-    if bound.value is None:
-        why = f"the search of sweep {sweep.name!r} cannot judge a point: {bound.missing}"
-        report(why)
-        return {launch.name: RunResult(launch.name, "skipped", message=why) for launch in points}
-    report(f"search {sweep.name!r}: bisecting {len(points)} points for the last one meeting the criterion: "
-           f"{plan.criterion.describe(control.value, noise.sigma if noise else None)}")
-    results: dict[str, RunResult] = {}
-
-    def meets(i: int) -> bool | None:
-        launch = points[i]
-        result = results[launch.name] = run_point(launch)
-        if result.failed:
-            return None
-        judged = judge_run(plan, launch, bound)
-        report(f"search {sweep.name!r}: {launch.name}: {judged.describe(plan.criterion)}")
-        return judged.meets
-
-    searched = Sweep(sweep.name, sweep.where, tuple(launch.name for launch in points), sweep.search)
-    found = outcome(searched, *bisect(len(points), meets))
-    report(found.describe())
-    for name in found.unvisited():
-        results[name] = RunResult(name, "not needed", message=f"not needed by the search of sweep {sweep.name!r}") \
-            if found.complete else RunResult(name, "skipped", message=f"the search of sweep {sweep.name!r} stopped at "
-                                                                      f"{found.blocked}, which could not be judged")
-    return results

@@ -20,7 +20,7 @@ A point may name itself (`{ name = "grouped 2", "a.mode" = "grouped", "a.group" 
 is "<sweep> grouped 2"); trainer options always have a dot, so `name` cannot be one.
 
 `search = "bisect"` makes the sweep a search over its points in the written order (most
-communication first; protocol.search): only the points the bisection needs are run.
+communication first; protocol.plan.search, protocol.run.searches): only the points the bisection needs are run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.schema import SEARCHES, SWEEP_KEYS, check_choice, flatten, read_table
+from protocol.plan.schema import SEARCHES, SWEEP_KEYS, check_choice, flatten, read_table
 
 OWN_KEYS = ("name", "grid", "points", "search")  # the sweep's own keys; the others are its sets'
 

@@ -5,7 +5,7 @@
 `statistical` fits runs that differ by rounding (bf16, non-deterministic kernels, long runs):
 every run trains on the same data from the same weights, `noise_controls` repeats of the control
 differ from it only by a rounding-level perturbation of the weights, and each observable of a set
-is judged by the rule in protocol.decision against the noise those repeats measure.
+is judged by the rule in protocol.verdict.decision against the noise those repeats measure.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ REPLACED = {
 class Tolerance:
     mode: str = "exact"
     """`exact` (every step within a tolerance) or `statistical` (paired equivalence and drift tests
-    against noise controls, protocol.decision)."""
+    against noise controls, protocol.verdict.decision)."""
 
     loss_atol: float = 1e-4
     """exact: largest |test loss - control loss| allowed at any step."""
@@ -75,7 +75,7 @@ class Tolerance:
     plan_false_fail: float = 0.05
     """statistical: the largest chance that a plan whose sets are all correct fails anywhere by
     chance; Holm's step-down over every (set, observable) of the plan keeps it there
-    (protocol.family_wise)."""
+    (protocol.verdict.family_wise)."""
 
     def margin(self, observable: str) -> float:
         """The explicit margin of an observable; 0 means derived from the noise controls."""

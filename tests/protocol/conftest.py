@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.plan import REPO_ROOT
-from protocol.plan_file import load_plan
+from protocol.plan.load import load_plan
+from protocol.plan.model import REPO_ROOT
 from protocol.reuse import Now
 from tests.protocol.fake_trainer import FAKE_CODE, FAKE_TORCH
 

@@ -10,7 +10,7 @@ import pytest
 
 from protocol.compare import common_steps, compare, family_mean, relative_diff
 from protocol.curves import Curve
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 
 STEPS = list(range(1, 51))
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.criteria import Criterion, Measure
-from protocol.measure import mean_step_time, measure, read_records, syncs_per_forward
-from protocol.plan_file import PlanError, load_plan
-from protocol.search import bisect
+from protocol.plan.criteria import Criterion, Measure
+from protocol.plan.load import PlanError, load_plan
+from protocol.plan.measure import mean_step_time, measure, read_records, syncs_per_forward
+from protocol.plan.search import bisect
 
 PLAN = """
 [plan]

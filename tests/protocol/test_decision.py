@@ -12,7 +12,7 @@ import pytest
 from protocol.compare import INCONCLUSIVE, PASS, compare
 from protocol.curves import Curve
 from protocol.decision import judge
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 
 STEPS = np.arange(1, 301)
 BASE_LOSS = 2.5 + 3.5 * np.exp(-STEPS / 60.0)

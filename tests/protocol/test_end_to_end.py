@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protocol.plan import slugify
+from protocol.plan.model import slugify
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import pytest
 from protocol.compare import PASS, compare
 from protocol.curves import Curve, read_curve
 from protocol.family_wise import holm
-from protocol.tolerance import Tolerance
+from protocol.plan.tolerance import Tolerance
 from tests.protocol.test_decision import BASE_LOSS, BASE_NORM, NOISE_SD, STEPS, TOL, ar1, family, run
 
 

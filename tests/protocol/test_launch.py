@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.folders import RUN_MARKER
-from protocol.launch import LaunchError
 from protocol.local import LOG_NAME, run_local
-from protocol.plan import REPO_ROOT
-from protocol.plan_file import load_plan
+from protocol.plan.load import load_plan
+from protocol.plan.model import REPO_ROOT, RUN_MARKER
+from protocol.plan.select import LaunchError
 from protocol.render import FormatError, render
 from protocol.sbatch import write_slurm
 from protocol.slurm import run_slurm

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.plan import REPO_ROOT, override_args, perturbation_seed, slugify
-from protocol.plan_file import PlanError, load_plan
-from protocol.tolerance import Tolerance
+from protocol.plan.load import PlanError, load_plan
+from protocol.plan.model import REPO_ROOT, perturbation_seed, slugify
+from protocol.plan.options import override_args
+from protocol.plan.tolerance import Tolerance
 
 PLANS = REPO_ROOT / "protocol" / "plans"
 
@@ -527,7 +528,7 @@ def test_a_bad_optional_plan_key_does_not_hide_the_other_problems(tmp_path):
 
 
 def test_every_key_is_described():
-    from protocol.schema import CONTROL_KEYS, PLAN_KEYS, SET_KEYS, SLURM_KEYS, describe_keys
+    from protocol.plan.schema import CONTROL_KEYS, PLAN_KEYS, SET_KEYS, SLURM_KEYS, describe_keys
 
     text = describe_keys()
     for schema in (PLAN_KEYS, CONTROL_KEYS, SET_KEYS, SLURM_KEYS):

@@ -3,7 +3,8 @@ control's), code versions."""
 
 from __future__ import annotations
 
-from protocol.records import RunInfo, code_summary, config_changes, describe_changes, layout, run_info
+from protocol.plan.records import config_changes, describe_changes
+from protocol.run_info import RunInfo, code_summary, layout, run_info
 
 CONTROL_CONFIG = {
     "job": {"dump_folder": "/out/control", "config_file": "/repo/train_configs/debug_model.toml"},

@@ -10,9 +10,9 @@ import pytest
 
 from protocol.compare import compare
 from protocol.curves import Curve
+from protocol.plan.tolerance import Tolerance
 from protocol.report import fmt_diff, fmt_loss, format_table, write_report
 from protocol.report_json import comparison_from_dict
-from protocol.tolerance import Tolerance
 
 STEPS = list(range(1, 31))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
-from protocol.folders import CLAIM_FUNCTION, RUN_MARKER, claim_command, foreign_folder
-from protocol.launch import LaunchError
+from protocol.folders import CLAIM_FUNCTION, claim_command, foreign_folder
 from protocol.local import run_local
-from protocol.plan import SUPERSEDED_DIR
+from protocol.plan.model import RUN_MARKER, SUPERSEDED_DIR
+from protocol.plan.select import LaunchError
 from protocol.reuse import RUN, STALE, assess
 from protocol.sbatch import write_slurm
 from tests.protocol.conftest import calls
@@ -160,7 +160,7 @@ def test_a_record_of_an_older_trainer_is_stale(small_plan, fake):
 
 
 def test_a_run_named_like_the_superseded_folder_is_refused(small_plan):
-    from protocol.plan_file import PlanError, load_plan
+    from protocol.plan.load import PlanError, load_plan
 
     plan = small_plan()
     plan.path.write_text(plan.path.read_text().replace('name = "lr x2"', 'name = "Superseded"'))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from protocol.cli import main
-from protocol.early_stop import STOP_MARKER
 from protocol.local import run_local
-from protocol.measure import read_records
-from protocol.plan_file import load_plan
+from protocol.plan.early_stop import STOP_MARKER
+from protocol.plan.load import load_plan
+from protocol.plan.measure import read_records
 from protocol.slurm import run_slurm
 from tests.protocol.conftest import calls
 from tests.protocol.fake_trainer import main as fake_main

@@ -16,8 +16,8 @@ import protocol.reuse
 from protocol.compare import compare
 from protocol.criterion_verdict import judge_by_criterion
 from protocol.curves import read_curve
-from protocol.judging import family_noise, judge_plan, threshold
-from protocol.plan_file import PlanError, load_plan
+from protocol.plan.judging import family_noise, judge_plan, threshold
+from protocol.plan.load import PlanError, load_plan
 from protocol.plan_report import gather
 from protocol.reuse import Now
 from tests.protocol.fake_trainer import FAKE_CODE, FAKE_TORCH
