@@ -18,6 +18,12 @@ leaves a run that trains and logs normally: only the convergence protocol can te
 * norm_counts_replicas: the global gradient norm counts a TP-replicated gradient once per TP rank
   instead of once, so the logged norm (and clipping, when it is active) is wrong while the
   gradients themselves are right.
+* fsdp_grad_averaged: FSDP's gradient reduce-scatter over the shard dimension averages instead of
+  summing (torch's default divide factor, where this trainer's loss is already divided by the
+  global token count): every gradient is 1/dp_shard of what it should be. Adam's updates barely
+  change (they are nearly scale-free), so the loss curve hides it for long.
+* tp_w2_grad_doubled_in_one_block: one TP rank doubles the weight gradient of one parameter of
+  one block (layers.2.feed_forward.w2), as a wrong scale applied to a single parameter would.
 """
 
 from __future__ import annotations
@@ -85,8 +91,52 @@ def norm_counts_replicas() -> None:
     optim.local_squared_norm = local_squared_norm
 
 
+def fsdp_grad_averaged() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.parallel import fsdp
+
+    original = fsdp.apply_fsdp
+
+    def apply_fsdp(model, mesh, **kwargs):
+        original(model, mesh, **kwargs)
+        shards = mesh.size(mesh.ndim - 1)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(shards))
+
+    fsdp.apply_fsdp = apply_fsdp
+
+
+def tp_w2_grad_doubled_in_one_block() -> None:
+    import torch
+
+    from trainer.parallel import tensor
+
+    class DoubleGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, weight):
+            return weight.view_as(weight)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    original = tensor.apply_tp
+
+    def apply_tp(model, tp_mesh, **kwargs):
+        original(model, tp_mesh, **kwargs)
+        if "2" in model.layers and tp_mesh.get_local_rank() == 1:
+            w2 = model.layers["2"].feed_forward.w2
+            cast = w2.cast
+            w2.cast = lambda weight: cast(DoubleGradient.apply(weight))
+
+    tensor.apply_tp = apply_tp
+
+
 FAULTS = {f.__name__: f for f in (tp_norm_grad_unreduced, cp_rope_unshifted, cp_rope_tail_misplaced,
-                                   cp_kv_grad_unreduced, norm_counts_replicas)}
+                                   cp_kv_grad_unreduced, norm_counts_replicas, fsdp_grad_averaged,
+                                   tp_w2_grad_doubled_in_one_block)}
 
 
 def inject(name: str) -> None:
