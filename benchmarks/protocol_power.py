@@ -41,10 +41,10 @@ from common import REPO, machine, table  # noqa: I001 (sets sys.path)
 
 from protocol.compare import compare
 from protocol.curves import read_curve
-from protocol.local import run_local
 from protocol.plan.load import load_plan
 from protocol.plan.tolerance import Tolerance
 from protocol.plan_report import gather
+from protocol.run.local import run_local
 
 FAULT_LAUNCHER = [sys.executable, str(REPO / "benchmarks" / "faults" / "launch.py")]
 

@@ -140,8 +140,8 @@ def output_folder(path: Path, what: str) -> Path:
 
 
 def cmd_plan(args) -> int:
-    from protocol.render import render
-    from protocol.sbatch import write_slurm
+    from protocol.run.render import render
+    from protocol.run.sbatch import write_slurm
 
     if args.out is not None and args.format != "slurm":
         raise UsageError(f"--out is the folder of --format slurm's scripts; --format {args.format} prints to "
@@ -159,9 +159,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from protocol.local import run_local
     from protocol.plan.model import SLURM_DIR
-    from protocol.slurm import run_slurm
+    from protocol.run.local import run_local
+    from protocol.run.slurm import run_slurm
 
     if args.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UsageError("--launcher slurm: sbatch is not on PATH; run this on a SLURM login node, or write the "
@@ -232,12 +232,14 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
     """
     from protocol.compare import compare, nothing_to_compare
     from protocol.plan_report import gather, numerics_warnings
+    from protocol.run.reuse import stale_notes
 
     tolerance = replace(plan.tolerance, **overrides)
     problems = tolerance.problems()
     if problems:
         raise UsageError("; ".join(problems))
     found = gather(plan, results, lambda path, name: read(path, name, loss_tag, grad_norm_tag), only=only)
+    found.notes = stale_notes(plan, [run.name for run in found.runs if run.recorded])
     where = "--out" if out else f"{plan.path}: plan.output"
     needed = tolerance.noise_controls + 1 if tolerance.mode == "statistical" else 1
     family_complete = len(found.controls) >= (3 if tolerance.mode == "statistical" else 1)

@@ -4,7 +4,8 @@ record (layout, steps, code), never the plan's current text.
 A run that failed or was skipped by `protocol run`, or that has no metrics.jsonl, becomes a
 FAILED or NOT RUN row; a run an early-stop rule ended, a STOPPED row naming the rule. Runs whose
 record differs from what the plan would run now are described as they ran, with the differences
-noted (protocol.reuse decides what differs).
+noted (`Found.notes`: protocol.run.reuse.stale_notes decides what differs, and `protocol compare`
+fills them in).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from pathlib import Path
 
 from protocol.compare import NotCompared
 from protocol.curves import Curve
-from protocol.launch import RunResult
 from protocol.plan.criteria import StopRule
 from protocol.plan.early_stop import applies, stopped
 from protocol.plan.model import Launch, Plan
 from protocol.plan.records import read_record
 from protocol.plan.select import select
-from protocol.reuse import STALE, assess
+from protocol.run.outcome import RunResult
 from protocol.run_info import RunInfo, run_info
 
 METRICS_FILE = "metrics.jsonl"
@@ -39,6 +39,7 @@ class Found:
     not_compared: list[NotCompared] = field(default_factory=list)
     runs: list[RunInfo] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    """Run name -> what differs between its record and what the plan would run now."""
     control_names: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
     """Set name -> "fail" for positive controls."""
@@ -70,7 +71,6 @@ def gather(plan: Plan, results: Sequence[RunResult], reader: Reader, only: Seque
     found = Found(control_names=[launch.name for launch in training if launch.role in FAMILY_ROLES],
                   expect={launch.name: launch.expect for launch in training if launch.role == "test"})
     found.runs = [run_info(launch.name, launch.output, records[launch.name], control) for launch in training]
-    found.notes = stale_notes(plan, launches, records)
     for launch in training:
         missing = why_missing(launch, outcome.get(launch.name), records[launch.name], plan.early_stop)
         if missing:
@@ -110,11 +110,3 @@ def why_missing(launch: Launch, result: RunResult | None, record: dict | None,
     if not (launch.output / METRICS_FILE).is_file():
         return "NOT RUN", f"no {METRICS_FILE} in {launch.output}"
     return None
-
-
-def stale_notes(plan: Plan, launches: list[Launch], records: dict[str, dict | None]) -> dict[str, list[str]]:
-    """Run name -> what differs between its record and what the plan would run now."""
-    decisions = assess(plan, launches)
-    return {name: list(decision.differences) for name, decision in decisions.items()
-            if decision.action == STALE and records.get(name) is not None}
-

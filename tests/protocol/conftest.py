@@ -11,7 +11,7 @@ import pytest
 
 from protocol.plan.load import load_plan
 from protocol.plan.model import REPO_ROOT
-from protocol.reuse import Now
+from protocol.run.reuse import Now
 from tests.protocol.fake_trainer import FAKE_CODE, FAKE_TORCH
 
 SMALL_PLAN = """
@@ -44,10 +44,10 @@ overrides = {{ "optimizer.lr" = {lr} }}
 def software(monkeypatch):
     """The code and torch versions a run started now would record, as the protocol sees them;
     `software(code=..., torch=...)` changes them (a trainer edit, another torch)."""
-    import protocol.reuse
+    import protocol.run.reuse
 
     def set_now(code: dict = FAKE_CODE, torch: str = FAKE_TORCH) -> None:
-        monkeypatch.setattr(protocol.reuse, "current", lambda: Now(code=code, torch=torch))
+        monkeypatch.setattr(protocol.run.reuse, "current", lambda: Now(code=code, torch=torch))
 
     set_now()
     monkeypatch.setenv("FAKE_CODE", json.dumps(FAKE_CODE))

@@ -138,9 +138,9 @@ def test_closed_output_pipe_ends_quietly():
 
 @pytest.fixture
 def fake_launcher(fake, monkeypatch):
-    import protocol.local
+    import protocol.run.local
 
-    monkeypatch.setattr(protocol.local, "LAUNCHER", fake[0])
+    monkeypatch.setattr(protocol.run.local, "LAUNCHER", fake[0])
 
 
 def report_json(plan) -> dict:

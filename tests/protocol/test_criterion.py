@@ -125,7 +125,7 @@ def test_points_are_an_ordered_list_of_sets_and_a_search_marks_them(tmp_path):
         ("wd", ("wd weight_decay=0.0", "wd weight_decay=0.1 beta1=0.8"), "bisect")]
     assert [(launch.name, launch.search) for launch in plan.launches()] == [
         ("seed", False), ("control", False), ("wd weight_decay=0.0", True), ("wd weight_decay=0.1 beta1=0.8", True)]
-    from protocol.render import render
+    from protocol.run.render import render
 
     table = render(plan, plan.launches(), "table")
     assert table.endswith("criterion: validation/loss at step 20 <= 1.02 x control (judges every set: pass = meets "

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from protocol.local import LOG_NAME, run_local
 from protocol.plan.load import load_plan
 from protocol.plan.model import REPO_ROOT, RUN_MARKER
 from protocol.plan.select import LaunchError
-from protocol.render import FormatError, render
-from protocol.sbatch import write_slurm
-from protocol.slurm import run_slurm
+from protocol.run.local import LOG_NAME, run_local
+from protocol.run.render import FormatError, render
+from protocol.run.sbatch import write_slurm
+from protocol.run.slurm import run_slurm
 from tests.protocol.conftest import calls
 from tests.protocol.fake_trainer import main as fake_main
 
@@ -340,7 +340,7 @@ def test_a_seed_killed_by_sigkill_names_the_signal_and_the_memory_it_needs(small
 
 
 def test_exit_codes_of_signals():
-    from protocol.failures import exit_problem, signal_name
+    from protocol.run.failures import exit_problem, signal_name
 
     control = load_plan(PLANS / "cpu_smoke.toml").launches()[1]
     assert [signal_name(code) for code in (-9, 137, 143, 130, 2, 1, 0, 128, 255)] == [
@@ -352,7 +352,7 @@ def test_exit_codes_of_signals():
 
 
 def test_the_seed_of_the_8b_plan_needs_32_gb():
-    from protocol.failures import seed_memory
+    from protocol.run.failures import seed_memory
 
     seed = load_plan(PLANS / "converging_llama3_8b.toml").launches()[0]
     assert "8,030,261,248 parameters x 4 bytes = 32.1 GB of host memory" in seed_memory(seed)

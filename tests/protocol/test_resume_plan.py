@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.local import run_local
 from protocol.plan.load import PlanError, load_plan
 from protocol.plan.model import slugify
 from protocol.plan.select import LaunchError
+from protocol.run.local import run_local
 from tests.protocol.conftest import calls
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,12 +10,12 @@ import subprocess
 
 import pytest
 
-from protocol.folders import CLAIM_FUNCTION, claim_command, foreign_folder
-from protocol.local import run_local
 from protocol.plan.model import RUN_MARKER, SUPERSEDED_DIR
 from protocol.plan.select import LaunchError
-from protocol.reuse import RUN, STALE, assess
-from protocol.sbatch import write_slurm
+from protocol.run.folders import CLAIM_FUNCTION, claim_command, foreign_folder
+from protocol.run.local import run_local
+from protocol.run.reuse import RUN, STALE, assess
+from protocol.run.sbatch import write_slurm
 from tests.protocol.conftest import calls
 from tests.protocol.fake_trainer import FAKE_CODE
 

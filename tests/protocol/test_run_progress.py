@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from protocol.local import TimeLeft, duration, run_local
+from protocol.run.local import TimeLeft, duration, run_local
 
 
 class Clock:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from protocol.cli import main
-from protocol.local import run_local
 from protocol.plan.early_stop import STOP_MARKER
 from protocol.plan.load import load_plan
 from protocol.plan.measure import read_records
-from protocol.slurm import run_slurm
+from protocol.run.local import run_local
+from protocol.run.slurm import run_slurm
 from tests.protocol.conftest import calls
 from tests.protocol.fake_trainer import main as fake_main
 from tests.protocol.test_launch import FakeSlurm
@@ -80,9 +80,9 @@ def launched(tmp_path: Path) -> list[str]:
 
 @pytest.fixture
 def fake_launcher(fake, monkeypatch):
-    import protocol.local
+    import protocol.run.local
 
-    monkeypatch.setattr(protocol.local, "LAUNCHER", fake[0])
+    monkeypatch.setattr(protocol.run.local, "LAUNCHER", fake[0])
     return fake
 
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import protocol.reuse
+import protocol.run.reuse
 from protocol.compare import compare
 from protocol.criterion_verdict import judge_by_criterion
 from protocol.curves import read_curve
 from protocol.plan.judging import family_noise, judge_plan, threshold
 from protocol.plan.load import PlanError, load_plan
 from protocol.plan_report import gather
-from protocol.reuse import Now
+from protocol.run.reuse import Now
 from tests.protocol.fake_trainer import FAKE_CODE, FAKE_TORCH
 
 STEPS = 20
@@ -66,7 +66,7 @@ SIGMA = statistics.stdev(FAMILY.values()) * math.sqrt(1 + 1 / 5)
 @pytest.fixture(autouse=True)
 def software(monkeypatch):
     """What a run started now would record: fixed, so that no trainer file is hashed here."""
-    monkeypatch.setattr(protocol.reuse, "current", lambda: Now(code=FAKE_CODE, torch=FAKE_TORCH))
+    monkeypatch.setattr(protocol.run.reuse, "current", lambda: Now(code=FAKE_CODE, torch=FAKE_TORCH))
 
 
 def write_plan(tmp_path: Path, bound: str, mode: str = "statistical") -> Path:

@@ -15,8 +15,8 @@ import json
 import shlex
 from collections.abc import Sequence
 
-from protocol.folders import CLAIM_FUNCTION, claim_command
 from protocol.plan.model import REPO_ROOT, Launch, Plan, describe_degrees
+from protocol.run.folders import CLAIM_FUNCTION, claim_command
 
 FORMATS = ("table", "json", "shell")
 

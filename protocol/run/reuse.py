@@ -14,12 +14,13 @@ A run whose record differs is *stale*, whatever its status: rerunning it in plac
 from its checkpoints and mix two configurations in one curve. So is every run that starts from a
 seed checkpoint that is stale or will be made anew. A run without a record, or with a record
 equal to now that did not finish, is simply run (again), unless an early-stop rule that is still
-in the plan stopped it (protocol.early_stop): it is then STOPPED, and not run again.
+in the plan stopped it (protocol.plan.early_stop): it is then STOPPED, and not run again.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.plan.early_stop import applies, stopped
@@ -41,13 +42,15 @@ class Decision:
     ended it), or (stale) not without moving it aside.
 
     differences: for a stale run, what differs, in words; reason: for a run, why it runs; for a
-    stopped one, the rule it broke and its value.
+    stopped one, the rule it broke and its value; resume_from: for a run, the step of the
+    checkpoint it resumes from (None: from the start), set by protocol.run.prepare.
     """
 
     launch: Launch
     action: str
     differences: tuple[str, ...] = ()
     reason: str = ""
+    resume_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,14 @@ def code_difference(recorded: dict | None, now: dict) -> list[str]:
         before += f", source {str(recorded.get('source_sha256'))[:12]}"
         after += f", source {str(now.get('source_sha256'))[:12]}"
     return [f"trainer code changed ({before} -> {after})"]
+
+
+def stale_notes(plan: Plan, names: Sequence[str]) -> dict[str, list[str]]:
+    """Run name -> what differs between its record and what the plan would run now, for the runs
+    named (those the report describes from their records)."""
+    decisions = assess(plan, plan.launches())
+    return {name: list(decision.differences) for name, decision in decisions.items()
+            if decision.action == STALE and name in names}
 
 
 def completion_problem(plan: Plan, launch: Launch, now: Now | None = None) -> str | None:

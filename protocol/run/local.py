@@ -8,9 +8,12 @@ failed.
 Every progress line of a running run says about how long it and the plan have left: the run's
 from its steps done and the time they took, the plan's from the launches this invocation ran
 (TimeLeft). While a test set runs, the plan's early-stop rules are checked at every progress
-poll: a run that breaks one is ended as an interrupt would end it (protocol.early_stop marks its
+poll: a run that breaks one is ended as an interrupt would end it (protocol.run.folders marks its
 folder) and the others go on. The points of searched sweeps run last, as the search needs them
-(protocol.search).
+(protocol.run.searches).
+
+What to do with each launch (reuse, run, leave stopped, or refuse) is decided once, before the
+first starts (protocol.run.prepare); this module carries it out.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from protocol.failures import exit_problem, indent, summary
-from protocol.folders import claim_folder, clear_stopped, mark_stopped, now
-from protocol.launch import Progress, RunResult, prepare, resume_note, summarize
 from protocol.plan.early_stop import Breach, applies, breach
 from protocol.plan.model import REPO_ROOT, Launch, Plan
 from protocol.plan.select import LaunchError, select
-from protocol.reuse import REUSE, RUN, STOPPED, Decision, completion_problem, resume_step
-from protocol.searches import run_searches
+from protocol.run.failures import exit_problem, indent, summary
+from protocol.run.folders import claim_folder, clear_stopped, mark_stopped, now
+from protocol.run.outcome import Progress, RunResult, summarize
+from protocol.run.prepare import prepare, resume_note, settled
+from protocol.run.reuse import RUN, Decision, completion_problem
+from protocol.run.searches import run_searches
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +95,19 @@ def run_one(plan: Plan, decision: Decision, command: list[str], head: str, faile
     if blocked:
         report(f"{head}: skipped, it needs {', '.join(blocked)}, which did not complete")
         return RunResult(launch.name, "skipped", message=f"needs {', '.join(blocked)}, which did not complete")
-    if decision.action == REUSE:
-        report(f"{head}: already complete, skipped")
-        return RunResult(launch.name, "already complete", log=launch.output / LOG_NAME)
-    if decision.action == STOPPED:
-        report(f"{head}: stopped earlier by {decision.reason}, skipped")
-        return RunResult(launch.name, "stopped", log=launch.output / LOG_NAME, message=decision.reason)
+    log = launch.output / LOG_NAME
+    done = settled(decision, head, report, log)
+    if done is not None:
+        return done
     claim_folder(plan, launch)
     clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
     again = f", {decision.reason}" if decision.reason.startswith("the previous") else ""
-    again += resume_note(plan, launch)
-    report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... "
-           f"(log: {launch.output / LOG_NAME})")
-    timer.start(resume_step(plan, launch) or 0)
+    again += resume_note(plan, decision)
+    report(f"{head}: running {launch.nproc} process{'es' if launch.nproc > 1 else ''}{again} ... (log: {log})")
+    timer.start(decision.resume_from or 0)
     returncode, seconds, start, broke = execute(plan, launch, command, head, report, progress_interval, timer)
     if launch.role != "seed" and broke is None and not returncode:
         timer.took.append(seconds)  # a whole run: what each of the plan's next ones will take
-    log = launch.output / LOG_NAME
     if broke is not None:
         report(f"{head}: STOPPED after {seconds:.1f} s by {broke.describe()}")
         return RunResult(launch.name, "stopped", returncode, seconds, log, broke.describe())

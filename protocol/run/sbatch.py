@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from protocol.folders import CLAIM_FUNCTION, claim_command
 from protocol.plan.model import RDZV_PORT, REPO_ROOT, Launch, Plan, slugify
-from protocol.render import unless_seed_exists
+from protocol.run.folders import CLAIM_FUNCTION, claim_command
+from protocol.run.render import unless_seed_exists
 
 SUBMIT_ALL = "submit_all.sh"
 

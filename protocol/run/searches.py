@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from protocol.launch import Progress, RunResult
 from protocol.plan.judging import control_value, family_noise, judge_run, threshold
 from protocol.plan.model import Launch, Plan
 from protocol.plan.search import bisect, outcome
 from protocol.plan.sweeps import Sweep
+from protocol.run.outcome import Progress, RunResult
 
 RunPoint = Callable[[Launch], RunResult]
 

@@ -2,9 +2,10 @@
 after it succeeds), wait for the jobs, and judge each finished job by the run it left.
 
 At every look at the queue, a running test set whose run folder (on the shared file system)
-breaks an early-stop rule is marked stopped and cancelled (protocol.early_stop). The points of
-searched sweeps are submitted one at a time after the others, as the search needs them
-(protocol.search).
+breaks an early-stop rule is marked stopped and cancelled (protocol.plan.early_stop). The points
+of searched sweeps are submitted one at a time after the others, as the search needs them
+(protocol.run.searches). What to do with each launch is decided once, before the first job is
+submitted (protocol.run.prepare).
 
 The SLURM client commands go through a `runner(argv) -> stdout` so tests can pass a fake.
 """
@@ -17,15 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from protocol.failures import indent, summary
-from protocol.folders import claim_folder, clear_stopped, mark_stopped
-from protocol.launch import Progress, RunResult, prepare, resume_note, summarize
 from protocol.plan.early_stop import applies, breach
 from protocol.plan.model import Launch, Plan
 from protocol.plan.select import LaunchError, select
-from protocol.reuse import REUSE, STOPPED, Decision, completion_problem
-from protocol.sbatch import job_log, script_path, write_slurm
-from protocol.searches import run_searches
+from protocol.run.failures import indent, summary
+from protocol.run.folders import claim_folder, clear_stopped, mark_stopped
+from protocol.run.outcome import Progress, RunResult, summarize
+from protocol.run.prepare import prepare, resume_note, settled
+from protocol.run.reuse import RUN, Decision, completion_problem
+from protocol.run.sbatch import job_log, script_path, write_slurm
+from protocol.run.searches import run_searches
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +67,11 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
     out_dir = Path(out_dir).absolute()
     later = [launch for launch in selected if not only and launch.search]
     results = {launch.name: done for launch in selected if launch not in later
-               and (done := settled(decisions[launch.name], report)) is not None}
-    to_run = [launch for launch in selected if decisions[launch.name].action not in (REUSE, STOPPED)]
+               and (done := settled(decisions[launch.name], launch.name, report)) is not None}
+    to_run = [launch for launch in selected if decisions[launch.name].action == RUN]
     if to_run:
         write_slurm(plan, to_run, out_dir)
-    pending = [launch for launch in to_run if launch not in later]
+    pending = [decisions[launch.name] for launch in to_run if launch not in later]
     if pending:
         jobs = submit(plan, pending, out_dir, runner, report)
         results.update(wait_for_jobs(plan, jobs, out_dir, runner, poll, report, sleep))
@@ -78,10 +80,10 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
         blocked = [name for name in launch.depends_on if name in results and results[name].failed]
         if blocked:
             return RunResult(launch.name, "skipped", message=f"needs {', '.join(blocked)}, which did not complete")
-        done = settled(decisions[launch.name], report)
+        done = settled(decisions[launch.name], launch.name, report)
         if done is not None:
             return done
-        jobs = submit(plan, [launch], out_dir, runner, report)
+        jobs = submit(plan, [decisions[launch.name]], out_dir, runner, report)
         return wait_for_jobs(plan, jobs, out_dir, runner, poll, report, sleep)[launch.name]
 
     if later:
@@ -91,23 +93,12 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
     return ordered
 
 
-def settled(decision: Decision, report: Progress) -> RunResult | None:
-    """The result of a run that needs no job: reused, or stopped earlier by a rule still in the plan."""
-    name = decision.launch.name
-    if decision.action == REUSE:
-        report(f"{name}: already complete, skipped")
-        return RunResult(name, "already complete")
-    if decision.action == STOPPED:
-        report(f"{name}: stopped earlier by {decision.reason}, skipped")
-        return RunResult(name, "stopped", message=decision.reason)
-    return None
-
-
-def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner,
+def submit(plan: Plan, decisions: Sequence[Decision], out_dir: Path, runner: Runner,
            report: Progress) -> dict[str, tuple[Launch, str]]:
-    """sbatch --parsable each script; name -> (launch, job id)."""
+    """sbatch --parsable the script of each launch to run; name -> (launch, job id)."""
     jobs: dict[str, tuple[Launch, str]] = {}
-    for launch in launches:
+    for decision in decisions:
+        launch = decision.launch
         claim_folder(plan, launch)
         clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
         argv = ["sbatch", "--parsable"]
@@ -117,7 +108,7 @@ def submit(plan: Plan, launches: Sequence[Launch], out_dir: Path, runner: Runner
         job_id = runner([*argv, str(script_path(out_dir, launch))]).strip().split(";")[0]
         jobs[launch.name] = (launch, job_id)
         report(f"{launch.name}: submitted as job {job_id}" + (f" (after job {', '.join(needed)})" if needed else "")
-               + resume_note(plan, launch))
+               + resume_note(plan, decision))
     return jobs
 
 
