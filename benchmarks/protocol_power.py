@@ -39,12 +39,12 @@ from pathlib import Path
 
 from common import REPO, machine, table  # noqa: I001 (sets sys.path)
 
-from protocol.compare import compare
-from protocol.curves import read_curve
 from protocol.plan.load import load_plan
 from protocol.plan.tolerance import Tolerance
-from protocol.plan_report import gather
 from protocol.run.local import run_local
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import read_curve
+from protocol.verdict.gather import gather
 
 FAULT_LAUNCHER = [sys.executable, str(REPO / "benchmarks" / "faults" / "launch.py")]
 
@@ -237,7 +237,7 @@ def truncated(curve, last_step: int):
 def scaling_rows(repeats: list[dict], tolerance: Tolerance, steps: int) -> list[list]:
     """Noise SD and detectable offset of each observable when the runs are cut at fewer steps
     (mean over repeats): how a plan's power depends on its length."""
-    from protocol.compare import noise_summaries
+    from protocol.verdict.statistical_mode import noise_summaries
 
     rows = []
     for last in sorted({max(20, steps // 6), steps // 3, 2 * steps // 3, steps}):
@@ -281,12 +281,12 @@ PLAN_LEVEL = Tolerance().plan_false_fail
 
 def holm_fails(ratios, floor: float, dof: int) -> dict[int, "np.ndarray"]:
     """Per plan size n: which simulated plans of n correct sets fail anywhere under the shipped
-    rule, Holm's step-down over their 2n observables at the plan level (protocol.family_wise;
+    rule, Holm's step-down over their 2n observables at the plan level (protocol.verdict.family_wise;
     the drift test left out: correct sets do not drift)."""
     import numpy as np
 
-    from protocol.family_wise import OFFSET_WEIGHT, holm
-    from protocol.statistics import t_upper_tail
+    from protocol.verdict.family_wise import OFFSET_WEIGHT, holm
+    from protocol.verdict.statistics import t_upper_tail
 
     found = {}
     for n in range(1, ratios.shape[1] + 1):
@@ -302,18 +302,18 @@ def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, wi
                 rho: float = 0.9) -> list[list]:
     """The rule's error rates and detectable offset for other noise controls and margins, from its
     own estimator on simulated curves (no runs): every run's final window is AR(1) noise with
-    correlation rho, the family's noise SD is protocol.decision.noise_sd of their windows, and a
+    correlation rho, the family's noise SD is protocol.verdict.decision.noise_sd of their windows, and a
     correct set is one more such run. Per (K, margin): the chance that a correct set fails one
     observable, either of two, that a plan of `plan_sets` correct sets fails anywhere, and the
     stated detectable offset in units of the true noise SD of a correct set's difference; then the
-    same plans under the plan-level rule (Holm's step-down, protocol.family_wise) and its
+    same plans under the plan-level rule (Holm's step-down, protocol.verdict.family_wise) and its
     detectable offset at the strictest threshold of a plan of max(plan_sets) sets."""
     import numpy as np
     from scipy import signal
 
-    from protocol.decision import noise_sd
-    from protocol.family_wise import offset_bound_sigmas
-    from protocol.statistics import t_quantile
+    from protocol.verdict.decision import noise_sd
+    from protocol.verdict.family_wise import offset_bound_sigmas
+    from protocol.verdict.statistics import t_quantile
 
     rng = np.random.default_rng(0)
     scale = np.sqrt(1 - rho ** 2)  # shocks for a unit-variance AR(1)

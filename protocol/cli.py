@@ -196,7 +196,7 @@ def cmd_compare(args) -> int:
         raise UsageError("--only chooses among a plan's sets; with --control/--test give just the folders to compare")
     if not args.control or not args.test:
         raise UsageError("give --control PATH and at least one --test [NAME=]PATH")
-    from protocol.adhoc import compare_folders
+    from protocol.verdict.adhoc import compare_folders
 
     if plan is None and "mode" not in overrides and (args.noise or args.unpaired):
         overrides["mode"] = "statistical"  # noise controls and seed repeats are only for that
@@ -217,7 +217,7 @@ def split_test(spec: str) -> tuple[Path, str | None]:
 
 
 def read(path: Path, name: str | None, loss_tag=None, grad_norm_tag=None):
-    from protocol.curves import read_curve
+    from protocol.verdict.curves import read_curve
 
     return read_curve(path, name=name, loss_tag=loss_tag, grad_norm_tag=grad_norm_tag)
 
@@ -230,9 +230,9 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
     NOT RUN row, as is a run that has no metrics.jsonl. Every row is described from its run's
     own record. `only` limits the sets compared (the control family is always read).
     """
-    from protocol.compare import compare, nothing_to_compare
-    from protocol.plan_report import gather, numerics_warnings
     from protocol.run.reuse import stale_notes
+    from protocol.verdict.compare import compare, nothing_to_compare
+    from protocol.verdict.gather import gather, numerics_warnings
 
     tolerance = replace(plan.tolerance, **overrides)
     problems = tolerance.problems()
@@ -257,7 +257,7 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
                          not_compared=found.not_compared, warnings=warnings)
     sweeps, runs = None, found.runs
     if plan.criterion is not None:
-        from protocol.criterion_verdict import judge_by_criterion
+        from protocol.verdict.by_criterion import judge_by_criterion
 
         verdict = judge_by_criterion(plan, comparison)
         comparison, sweeps = verdict.comparison, (verdict.sweeps, verdict.bound)

@@ -21,10 +21,10 @@ import math
 
 import numpy as np
 
-from protocol.alignment import common_steps, transformed
-from protocol.curves import Curve
-from protocol.decision import SMOOTHING
-from protocol.results import Comparison, SetResult
+from protocol.verdict.alignment import common_steps, transformed
+from protocol.verdict.curves import Curve
+from protocol.verdict.decision import SMOOTHING
+from protocol.verdict.results import Comparison, SetResult
 
 BAND_SIGMAS = 2.0
 """Half-width of the noise band in a member's difference SDs: a correct set's smoothed line

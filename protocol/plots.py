@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.compare import Comparison, common_steps, values_at
-from protocol.curves import Curve
 from protocol.plot_verdicts import draw_differences
+from protocol.verdict.alignment import common_steps, values_at
+from protocol.verdict.curves import Curve
+from protocol.verdict.results import Comparison
 
 FIGURES = ("loss", "grad_norm", "lr")
 TITLES = {"loss": "loss", "grad_norm": "gradient norm", "lr": "learning rate"}
@@ -34,7 +35,7 @@ def judged(key: str, comparison: Comparison) -> bool:
 def reference_curve(family: list[Curve], comparison: Comparison) -> Curve:
     if comparison.mode == "exact" or len(family) == 1:
         return family[0]
-    from protocol.compare import family_mean
+    from protocol.verdict.statistical_mode import family_mean
 
     return family_mean(family)
 

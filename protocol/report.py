@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.compare import FAIL, INCONCLUSIVE, Comparison, SetResult
-from protocol.curves import Curve
-from protocol.decision import ObservableVerdict
 from protocol.plots import write_plots
 from protocol.report_findings import findings as find, markdown as findings_markdown, timing_caveat
 from protocol.report_format import fmt_diff, fmt_loss, markdown_table as _markdown_table
 from protocol.report_json import comparison_to_dict, encode, report_extras
 from protocol.report_statistical import bound_or_margin, details_section, detectable_section, why_section
-from protocol.run_info import RunInfo, code_summary
+from protocol.verdict.curves import Curve
+from protocol.verdict.decision import ObservableVerdict
+from protocol.verdict.results import FAIL, INCONCLUSIVE, Comparison, SetResult
+from protocol.verdict.run_info import RunInfo, code_summary
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _rule_line(comparison: Comparison) -> str:
             "autocorrelation of the curves). Over the plan, an observable fails only when its failure is also "
             "significant once every judged (set, observable) is counted: Holm's step-down at the plan's false-fail "
             f"level {tol.plan_false_fail:g}, so each set is held to a bound of its own (below). Rule and hypotheses: "
-            "protocol/decision.py, protocol/family_wise.py.")
+            "protocol/verdict/decision.py, protocol/verdict/family_wise.py.")
 
 
 def _details(comparison: Comparison) -> list[str]:

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from protocol.decision import SAY_NOISIER
 from protocol.report_format import fmt_diff
-from protocol.results import Comparison
+from protocol.verdict.decision import SAY_NOISIER
+from protocol.verdict.results import Comparison
 
 LEAN_SIGMAS = 1.0
 LR_ROUNDING = 1e-12

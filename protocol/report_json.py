@@ -5,7 +5,7 @@ Non-finite numbers are written as the strings "nan", "inf", "-inf" so that stric
 accept the file; `comparison_from_dict` turns them back into floats. The report's own additions
 (`layouts`, `runs`, `performance`, and in statistical mode `findings`, each set's
 `set_false_fail` and each observable's `noise_ratio`, `bound_sigmas` and `diff_sigmas`) are left
-out of the round trip: they follow from the fields (protocol.report_findings, protocol.family_wise).
+out of the round trip: they follow from the fields (protocol.report_findings, protocol.verdict.family_wise).
 
 The statistical verdict's numbers are fields, so they are written as they are: per observable
 `bound` (the |D| it fails from, as applied), `p_value`, `holm_threshold`, `family_noise_sd`,
@@ -20,10 +20,10 @@ import math
 import typing
 from typing import Any
 
-from protocol.compare import Comparison, NoiseSummary, NotCompared, SetResult
-from protocol.decision import ObservableVerdict
-from protocol.family_wise import set_false_fail
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.decision import ObservableVerdict
+from protocol.verdict.family_wise import set_false_fail
+from protocol.verdict.results import Comparison, NoiseSummary, NotCompared, SetResult
 
 REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line", "findings")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}

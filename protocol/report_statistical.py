@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from protocol.decision import SAY_NOISIER, ObservableVerdict
-from protocol.family_wise import set_false_fail
 from protocol.report_findings import lr_cell
 from protocol.report_format import fmt_diff, fmt_p, fmt_share, fmt_sigmas, markdown_table
-from protocol.results import Comparison
+from protocol.verdict.decision import SAY_NOISIER, ObservableVerdict
+from protocol.verdict.family_wise import set_false_fail
+from protocol.verdict.results import Comparison
 
 UNITS = {"loss": "nats", "grad_norm": "log ratio (about relative)"}
 

@@ -8,9 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from protocol.compare import common_steps, compare, family_mean, relative_diff
-from protocol.curves import Curve
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.alignment import common_steps, relative_diff
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import Curve
+from protocol.verdict.statistical_mode import family_mean
 
 STEPS = list(range(1, 51))
 

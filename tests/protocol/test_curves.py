@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from protocol.curves import Curve, CurveError, read_curve
+from protocol.verdict.curves import Curve, CurveError, read_curve
 
 
 def write_jsonl(path, records, extra_lines=()):

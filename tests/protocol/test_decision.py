@@ -1,4 +1,4 @@
-"""The statistical decision rule (protocol.decision) on simulated control families: it passes
+"""The statistical decision rule (protocol.verdict.decision) on simulated control families: it passes
 correct sets, fails offsets, drifts and wrong gradient norms, and its error rates and minimum
 detectable effect are what it claims, measured over many simulated experiments."""
 
@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from protocol.compare import INCONCLUSIVE, PASS, compare
-from protocol.curves import Curve
-from protocol.decision import judge
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import Curve
+from protocol.verdict.decision import judge
+from protocol.verdict.results import INCONCLUSIVE, PASS
 
 STEPS = np.arange(1, 301)
 BASE_LOSS = 2.5 + 3.5 * np.exp(-STEPS / 60.0)

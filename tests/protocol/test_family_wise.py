@@ -1,5 +1,5 @@
 """The verdict's blind spots closed: a plan's false-fail rate held at its level over all its sets
-(Holm's step-down, protocol.family_wise), a test set noisier than its controls judged by its own
+(Holm's step-down, protocol.verdict.family_wise), a test set noisier than its controls judged by its own
 noise, and float16 steps skipped out of phase left out; each measured over simulated experiments
 or shown on curves built to have the case."""
 
@@ -11,10 +11,11 @@ import math
 import numpy as np
 import pytest
 
-from protocol.compare import PASS, compare
-from protocol.curves import Curve, read_curve
-from protocol.family_wise import holm
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import Curve, read_curve
+from protocol.verdict.family_wise import holm
+from protocol.verdict.results import PASS
 from tests.protocol.test_decision import BASE_LOSS, BASE_NORM, NOISE_SD, STEPS, TOL, ar1, family, run
 
 

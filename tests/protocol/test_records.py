@@ -4,7 +4,7 @@ control's), code versions."""
 from __future__ import annotations
 
 from protocol.plan.records import config_changes, describe_changes
-from protocol.run_info import RunInfo, code_summary, layout, run_info
+from protocol.verdict.run_info import RunInfo, code_summary, layout, run_info
 
 CONTROL_CONFIG = {
     "job": {"dump_folder": "/out/control", "config_file": "/repo/train_configs/debug_model.toml"},

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from protocol.compare import compare
-from protocol.curves import Curve
 from protocol.plan.tolerance import Tolerance
 from protocol.report import fmt_diff, fmt_loss, format_table, write_report
 from protocol.report_json import comparison_from_dict
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import Curve
 
 STEPS = list(range(1, 31))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -179,7 +179,7 @@ def test_format_table_for_the_console(exact_case):
 
 
 def test_runs_without_a_curve_are_failed_rows_and_fail_the_report(tmp_path):
-    from protocol.compare import NotCompared
+    from protocol.verdict.results import NotCompared
 
     control = curve("fsdp")
     missing = [NotCompared("cp2", "FAILED", "exit 2"), NotCompared("pp2", "NOT RUN", "needs seed")]

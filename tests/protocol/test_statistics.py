@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from protocol.statistics import (bartlett_bandwidth, lag_one_correlation, mean_with_stderr, t_quantile, t_upper_tail,
-                                 trend_with_stderr, window_size)
+from protocol.verdict.statistics import (bartlett_bandwidth, lag_one_correlation, mean_with_stderr, t_quantile,
+                                         t_upper_tail, trend_with_stderr, window_size)
 
 
 def ar1(rng, n: int, rho: float, sd: float = 1.0) -> np.ndarray:

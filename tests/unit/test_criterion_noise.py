@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import protocol.run.reuse
-from protocol.compare import compare
-from protocol.criterion_verdict import judge_by_criterion
-from protocol.curves import read_curve
 from protocol.plan.judging import family_noise, judge_plan, threshold
 from protocol.plan.load import PlanError, load_plan
-from protocol.plan_report import gather
 from protocol.run.reuse import Now
+from protocol.verdict.by_criterion import judge_by_criterion
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import read_curve
+from protocol.verdict.gather import gather
 from tests.protocol.fake_trainer import FAKE_CODE, FAKE_TORCH
 
 STEPS = 20

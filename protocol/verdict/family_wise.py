@@ -1,6 +1,6 @@
 """The plan's false-fail rate, not a set's: Holm's step-down over every judged (set, observable).
 
-Each observable of a set is judged at the tolerance's levels (protocol.decision); a plan fails
+Each observable of a set is judged at the tolerance's levels (protocol.verdict.decision); a plan fails
 when any one fails, so a plan of several correct sets would fail by chance more often than one
 set does (by the design table of docs/converging.md, 1.9% per set becomes 6.1% for 4 sets).
 Here the rule's failures are re-read as rejections of "this set trains like the control" and
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 
-from protocol.decision import ObservableVerdict, explain
 from protocol.plan.tolerance import Tolerance
-from protocol.statistics import t_quantile, t_upper_tail
+from protocol.verdict.decision import ObservableVerdict, explain
+from protocol.verdict.statistics import t_quantile, t_upper_tail
 
 OFFSET_WEIGHT = 0.8
 """Share of an observable's level given to its offset test; the rest goes to its drift test."""

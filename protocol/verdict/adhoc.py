@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.compare import Comparison, compare
-from protocol.curves import Curve
 from protocol.plan.records import read_record
 from protocol.plan.tolerance import Tolerance
-from protocol.run_info import RunInfo, first_start, run_info
+from protocol.verdict.compare import compare
+from protocol.verdict.curves import Curve
+from protocol.verdict.results import Comparison
+from protocol.verdict.run_info import RunInfo, first_start, run_info
 
 Reader = Callable[[Path, str | None], Curve]
 
@@ -61,7 +62,7 @@ def compare_folders(controls: Sequence[Path], noise: Sequence[Path], tests: Sequ
                         "the noise is measured from fewer or more runs than planned (the report's false-fail chance "
                         "is that of the runs given)")
     if tolerance.mode == "exact":
-        from protocol.plan_report import numerics_warnings
+        from protocol.verdict.gather import numerics_warnings
 
         runs = [run_info(n, folder_of(p), records[n], records[family[0].name]) for n, p in paths.items()]
         warnings += numerics_warnings(runs)

@@ -13,7 +13,7 @@ sigma = s sqrt(1 + 1/(K + 1)). s is estimated twice and the larger estimate used
 standard deviation of the family's window means (K degrees of freedom: the runs are the
 replicates, so it holds however strongly each curve is autocorrelated, and whatever part of the
 noise persists through a whole window, which no single curve shows), and the members' own
-autocorrelation-aware standard errors pooled (protocol.statistics: many more effective points,
+autocorrelation-aware standard errors pooled (protocol.verdict.statistics: many more effective points,
 so K + 1 runs whose window means happen to agree cannot shrink sigma). The t quantiles keep K
 degrees of freedom. A test set may add noise of its own at every step (a non-deterministic
 kernel only its layout uses): whatever the variance of its window mean, read from its own curve
@@ -41,7 +41,7 @@ understates it; a set much noisier than its controls is reported as such.
 
 An observable passes when it is equivalent and does not drift; a set passes when every judged
 observable passes. Over a whole plan the failures are then held to the plan's false-fail level
-by Holm's step-down (protocol.family_wise): an observable the rule fails still passes when its
+by Holm's step-down (protocol.verdict.family_wise): an observable the rule fails still passes when its
 failure is not significant once every (set, observable) of the plan is counted. Minimum detectable effect: the offset mu at which a set fails test 1 with
 probability `power`, from the noise alone: margin - t sigma + t_power sigma (t_power the `power`
 quantile of Student's t with K degrees of freedom).
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol.plan.tolerance import Tolerance
-from protocol.statistics import (ar1_variance_factor, bartlett_bandwidth, chi2_quantile, long_run_variance,
-                                 mean_with_stderr, normal_quantile, ols_slope, t_quantile, t_upper_tail,
-                                 trend_with_stderr, window_size)
+from protocol.verdict.statistics import (ar1_variance_factor, bartlett_bandwidth, chi2_quantile, long_run_variance,
+                                         mean_with_stderr, normal_quantile, ols_slope, t_quantile, t_upper_tail,
+                                         trend_with_stderr, window_size)
 
 # The locator of the first diverging step: the difference must leave the family's per-step noise
 # envelope (ENVELOPE_SIGMAS x its spread, smoothed over +-SMOOTHING steps) and stay out for
@@ -117,7 +117,7 @@ class ObservableVerdict:
     family_noise_sd: float = math.nan
     """The control family's sigma; noise_sd adds the set's own excess noise to it (with_own_noise)."""
     p_value: float = math.nan
-    """The chance a correct set fails this observable as clearly (protocol.family_wise)."""
+    """The chance a correct set fails this observable as clearly (protocol.verdict.family_wise)."""
     holm_threshold: float = math.nan
     """The level Holm's step-down compared p_value with (the plan's level / hypotheses left)."""
     bound: float = math.nan

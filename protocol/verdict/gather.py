@@ -13,20 +13,32 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from protocol.compare import NotCompared
-from protocol.curves import Curve
 from protocol.plan.criteria import StopRule
 from protocol.plan.early_stop import applies, stopped
 from protocol.plan.model import Launch, Plan
 from protocol.plan.records import read_record
 from protocol.plan.select import select
-from protocol.run.outcome import RunResult
-from protocol.run_info import RunInfo, run_info
+from protocol.verdict.curves import Curve
+from protocol.verdict.results import NotCompared
+from protocol.verdict.run_info import RunInfo, run_info
 
 METRICS_FILE = "metrics.jsonl"
 FAMILY_ROLES = ("control", "noise")
 Reader = Callable[[Path, str], Curve]
+
+
+class Outcome(Protocol):
+    """What `protocol run` says of one launch (protocol.run.outcome.RunResult is one): its status
+    ("completed", "failed", "skipped", "stopped", ...), why, and whether it left a usable run."""
+
+    name: str
+    status: str
+    message: str
+
+    @property
+    def ok(self) -> bool: ...
 
 
 @dataclass
@@ -57,7 +69,7 @@ class Found:
                 f"controls, {len(self.controls)} completed ({missing})")
 
 
-def gather(plan: Plan, results: Sequence[RunResult], reader: Reader, only: Sequence[str] | None = None) -> Found:
+def gather(plan: Plan, results: Sequence[Outcome], reader: Reader, only: Sequence[str] | None = None) -> Found:
     """Curves and records of every training run of the plan, in launch order; with `only`, of the
     control family and the named sets (names or folder slugs) only."""
     outcome = {result.name: result for result in results}
@@ -92,7 +104,7 @@ def numerics_warnings(runs: Sequence[RunInfo]) -> list[str]:
             "not: their steps can differ by rounding alone; use mode = \"statistical\" for such runs"]
 
 
-def why_missing(launch: Launch, result: RunResult | None, record: dict | None,
+def why_missing(launch: Launch, result: Outcome | None, record: dict | None,
                 rules: Sequence[StopRule] = ()) -> tuple[str, str] | None:
     """(verdict, reason) of a run that has no curve to compare, or None: an early-stop rule ended
     it, it failed or was skipped in this `protocol run`, its own record says it failed, or it

@@ -6,7 +6,7 @@
   control step.
 * ``statistical``: every judged observable of a set is paired step by step with the control
   family (the control and its noise controls, on identical data) and judged by the rule of
-  protocol.decision: equivalence of the final-window mean within a margin, and no drift.
+  protocol.verdict.decision: equivalence of the final-window mean within a margin, and no drift.
 
 Sets may be positive controls (``expect = "fail"``, e.g. a learning rate 5% off): they must fail.
 One that passes shows that the plan could not have caught a bug of that size, and the plan is
@@ -14,21 +14,16 @@ INCONCLUSIVE rather than PASS. A set that fails where it should pass, or a run t
 makes it FAIL.
 """
 
-
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
-from protocol.alignment import (common_steps, relative_diff, skipped_steps, summarize,  # noqa: F401 (imported
-                                values_at)                                                # from here)
-from protocol.curves import Curve
-from protocol.results import (DESIGNS, FAIL, INCONCLUSIVE, PASS, Comparison, NoiseSummary,  # noqa: F401
-                              NotCompared, SetResult)
-from protocol.family_wise import apply_plan_level, set_false_fail
-from protocol.statistical_mode import family_mean, judge_statistical, noise_summaries, settle  # noqa: F401
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.alignment import skipped_steps, summarize
+from protocol.verdict.curves import Curve
+from protocol.verdict.family_wise import apply_plan_level, set_false_fail
+from protocol.verdict.results import FAIL, INCONCLUSIVE, PASS, Comparison, NotCompared, SetResult
+from protocol.verdict.statistical_mode import judge_statistical, noise_summaries, settle
 
 
 # ---------------------------------------------------------------- entry point

@@ -1,4 +1,4 @@
-"""The numbers the decision rule (protocol.decision) is made of, for series that are strongly
+"""The numbers the decision rule (protocol.verdict.decision) is made of, for series that are strongly
 autocorrelated, as loss curves and their differences are.
 
 * window means, and the variance of a mean under autocorrelation, so that a series whose

@@ -1,5 +1,5 @@
 """Curves put side by side: the steps they share, their values there, and the figures every set
-reports against its reference (protocol.compare's exact and statistical modes both start here)."""
+reports against its reference (protocol.verdict.compare's exact and statistical modes both start here)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from protocol.curves import Curve
 from protocol.plan.tolerance import Tolerance
-from protocol.results import SetResult
-from protocol.statistics import window_size
+from protocol.verdict.curves import Curve
+from protocol.verdict.results import SetResult
+from protocol.verdict.statistics import window_size
 
 
 def common_steps(curves: list[Curve]) -> list[int]:

@@ -1,12 +1,12 @@
 """What a comparison returns: the per-set numbers and verdicts, the runs that could not be
-compared, the control family's noise and the plan's verdict (protocol.compare fills them in)."""
+compared, the control family's noise and the plan's verdict (protocol.verdict.compare fills them in)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.decision import ObservableVerdict
 from protocol.plan.tolerance import Tolerance
+from protocol.verdict.decision import ObservableVerdict
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 DESIGNS = ("exact", "paired", "unpaired")
@@ -94,14 +94,14 @@ class NoiseSummary:
     """Standard deviation of a correct set's final-window difference."""
     margin: float
     mde: float
-    """Minimum detectable final-window offset (see protocol.decision)."""
+    """Minimum detectable final-window offset (see protocol.verdict.decision)."""
     mde_if_noisier: float
     """The same if the true noise SD were at the upper 95% bound of its estimate."""
     false_fail: float
     """At most the chance that a correct set fails this observable's equivalence test."""
     plan_mde: float
     """The offset detected with the tolerance's power under the plan-level bound at its strictest
-    (protocol.family_wise): the detectable offset once every set of the plan is counted."""
+    (protocol.verdict.family_wise): the detectable offset once every set of the plan is counted."""
     member_diffs: dict[str, float]
     """Each family member's final-window mean minus the family's."""
     growth: list[tuple[int, float]]
@@ -132,10 +132,10 @@ class Comparison:
     """float16: steps each member of the control family skipped for an overflow."""
     plan_false_fail: float | None = None
     """statistical: at most the chance that this plan, were every set correct, fails by chance
-    (Holm's step-down over its judged observables, protocol.family_wise)."""
+    (Holm's step-down over its judged observables, protocol.verdict.family_wise)."""
     criterion: str = ""
     """'criterion: validation/loss at step 20000 <= 1.02 x control (3.28 -> 3.3456)' when the plan's
-    [criterion] judged the sets (protocol.criterion_verdict) instead of the tolerance."""
+    [criterion] judged the sets (protocol.verdict.by_criterion) instead of the tolerance."""
     status_text: str = ""
     """The verdict line, when the criterion wrote it."""
 

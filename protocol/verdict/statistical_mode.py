@@ -1,5 +1,5 @@
 """Statistical mode: every judged observable of a set paired step by step with the control family
-(the control and its noise controls, on identical data) and judged by protocol.decision; the
+(the control and its noise controls, on identical data) and judged by protocol.verdict.decision; the
 family's own noise figures for the report; float16 steps skipped for an overflow left out."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import math
 
 import numpy as np
 
-from protocol.alignment import common_steps, skipped_steps, summarize, transformed, values_at
-from protocol.curves import Curve
-from protocol.decision import (ObservableVerdict, detectable_if_noisier, false_fail_chance, judge, margin_for,
-                               minimum_detectable_effect, noise_sd)
-from protocol.family_wise import offset_bound_sigmas
 from protocol.plan.tolerance import Tolerance
-from protocol.results import NoiseSummary, SetResult
-from protocol.statistics import t_quantile, window_size
+from protocol.verdict.alignment import common_steps, skipped_steps, summarize, transformed, values_at
+from protocol.verdict.curves import Curve
+from protocol.verdict.decision import (ObservableVerdict, detectable_if_noisier, false_fail_chance, judge, margin_for,
+                                       minimum_detectable_effect, noise_sd)
+from protocol.verdict.family_wise import offset_bound_sigmas
+from protocol.verdict.results import NoiseSummary, SetResult
+from protocol.verdict.statistics import t_quantile, window_size
 
 # Points of the run (fractions of its steps) at which the noise controls' paired difference is
 # reported, to show how rounding noise grows with steps.
@@ -38,7 +38,7 @@ def family_mean(family: list[Curve]) -> Curve:
 
 
 def judge_statistical(family: list[Curve], test: Curve, tol: Tolerance, expect: str = "pass") -> SetResult:
-    """Each judged observable by protocol.decision.judge, on the steps every run logged and none
+    """Each judged observable by protocol.verdict.decision.judge, on the steps every run logged and none
     skipped; the verdict is settled once the plan-level bounds are known (settle())."""
     reference = family_mean(family)
     result = summarize(test, reference, family[0].steps, expect, tol)

@@ -7,10 +7,10 @@ a point that misses the criterion, or that an early-stop rule stopped, is what t
 not a failure of the plan; the plan fails when a [[sets]] set misses it, a run failed, a run the
 plan needs did not run, or a sweep has no point that meets it. A positive control
 (`expect = "fail"`) that meets the criterion makes the plan INCONCLUSIVE. Points of a searched
-sweep that the search did not need are neither run nor counted (protocol.search).
+sweep that the search did not need are neither run nor counted (protocol.plan.search).
 
 The criterion's line in the report states its margin, the bound minus the control's value, in
-nats, in noise SDs of the measure (sigma of the control family, protocol.judging.family_noise;
+nats, in noise SDs of the measure (sigma of the control family, protocol.plan.judging.family_noise;
 in exact mode, which runs no noise controls, it says so and how to get them), and in detectable
 offsets of the loss (the `mde` of the statistical comparison). A margin of more than LOOSE
 detectable offsets is worth a warning: such a criterion approves sets that the plan's own noise
@@ -23,12 +23,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from protocol.compare import FAIL, INCONCLUSIVE, PASS, Comparison
 from protocol.plan.judging import Noise, family_noise, judge_plan, threshold
 from protocol.plan.measure import Value
 from protocol.plan.model import Plan
 from protocol.plan.search import replay
-from protocol.sweep_report import SweepReport, sweep_table
+from protocol.verdict.results import FAIL, INCONCLUSIVE, PASS, Comparison
+from protocol.verdict.sweep_table import SweepReport, sweep_table
 
 
 @dataclass
