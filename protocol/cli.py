@@ -274,12 +274,12 @@ def report(comparison, family, tests, out: Path, out_name: str, layouts: dict, r
     """Write the report into `out` (named `out_name` in errors), print the table, the files and
     the verdict; the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE). `sweeps`: (the sweep report, the
     criterion's bound) of a plan with a criterion, written and printed too."""
-    from protocol.report import format_table, status_line, write_report
+    from protocol.report.markdown import format_table, status_line, write_report
 
     paths = write_report(comparison, family, tests, output_folder(out, out_name), layouts=layouts, runs=runs,
                          notes=notes)
     if sweeps and sweeps[0].tables:
-        from protocol.sweep_report import plain, write_sweep_report
+        from protocol.report.sweeps import plain, write_sweep_report
 
         paths.update(write_sweep_report(sweeps[0], sweeps[1], out))
     for warning in comparison.warnings:

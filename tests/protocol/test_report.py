@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from protocol.plan.tolerance import Tolerance
-from protocol.report import fmt_diff, fmt_loss, format_table, write_report
-from protocol.report_json import comparison_from_dict
+from protocol.report.as_json import comparison_from_dict
+from protocol.report.formats import fmt_diff, fmt_loss
+from protocol.report.markdown import format_table, write_report
 from protocol.verdict.compare import compare
 from protocol.verdict.curves import Curve
 

@@ -12,11 +12,11 @@ import math
 import numpy as np
 import pytest
 
-from protocol.plot_verdicts import HEADROOM, judged_ylim, noise_band, smooth
-from protocol.report import fmt_diff, markdown, performance, write_report
-from protocol.report_findings import LR_ROUNDING, timing_caveat
-from protocol.report_format import fmt_share
-from protocol.report_json import comparison_from_dict
+from protocol.report.as_json import comparison_from_dict
+from protocol.report.findings import LR_ROUNDING, timing_caveat
+from protocol.report.formats import fmt_diff, fmt_share
+from protocol.report.markdown import markdown, performance, write_report
+from protocol.report.plot_verdicts import HEADROOM, judged_ylim, noise_band, smooth
 from protocol.verdict.compare import compare
 from protocol.verdict.family_wise import set_false_fail
 from tests.protocol.test_decision import TOL, family, run

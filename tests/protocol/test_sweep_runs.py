@@ -166,8 +166,8 @@ def test_the_sweep_report_table_answer_and_figure(tmp_path, fake_launcher, monke
     assert [(r["name"], r["outcome"]) for r in verdicts["results"]] == [
         ("wd weight_decay=0.02", "meets criterion"), ("wd weight_decay=0.03", "misses criterion")]
     assert verdicts["not_compared"] == [] and verdicts["status"] == "PASS"
-    from protocol.report import status_line
-    from protocol.report_json import comparison_from_dict
+    from protocol.report.as_json import comparison_from_dict
+    from protocol.report.markdown import status_line
 
     again = comparison_from_dict(verdicts)  # report.json reads back with the criterion's verdict
     assert again.criterion == stated and status_line(again) == out.splitlines()[-1]

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from protocol.report_format import fmt_diff
+from protocol.report.formats import fmt_diff
 from protocol.verdict.decision import SAY_NOISIER
 from protocol.verdict.results import Comparison
 

@@ -3,7 +3,7 @@
 the reference, paired step by step. Exact mode, and the learning rate, which no mode judges: every
 step's difference, the noise controls' grey, the tolerance dashed. Statistical mode's judged
 observables: the noise as a band, and each set's final-window mean against the bound applied to
-it (protocol.plot_verdicts). PNG, drawn without pyplot's global state.
+it (protocol.report.plot_verdicts). PNG, drawn without pyplot's global state.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.plot_verdicts import draw_differences
+from protocol.report.plot_verdicts import draw_differences
 from protocol.verdict.alignment import common_steps, values_at
 from protocol.verdict.curves import Curve
 from protocol.verdict.results import Comparison
@@ -28,7 +28,7 @@ def _figure(size: tuple[float, float] = (10, 8)):
 
 
 def judged(key: str, comparison: Comparison) -> bool:
-    """Statistical mode judged `key` (it has the family's noise): drawn by protocol.plot_verdicts."""
+    """Statistical mode judged `key` (it has the family's noise): drawn by protocol.report.plot_verdicts."""
     return comparison.mode == "statistical" and any(n.observable == key for n in comparison.noise)
 
 
@@ -50,7 +50,7 @@ def difference(key: str, values: np.ndarray, reference: np.ndarray) -> np.ndarra
 
 def threshold(key: str, comparison: Comparison) -> float | None:
     """Exact mode's dashed +- line of the difference panel: the tolerance (statistical mode judges
-    final-window means, drawn by protocol.plot_verdicts, and not the learning rate)."""
+    final-window means, drawn by protocol.report.plot_verdicts, and not the learning rate)."""
     tol = comparison.tolerance
     if comparison.mode == "exact":
         return {"loss": tol.loss_atol, "grad_norm": tol.grad_norm_rtol or None}.get(key)

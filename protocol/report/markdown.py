@@ -5,11 +5,11 @@ environment and the seed checkpoint every run started from (from each run's own 
 decision rule and what this plan could detect, with its false-fail bounds; one row per set
 (layout, expectation, each judged observable); statistical mode: why each set passed or failed
 (the bound applied to it, its p-value against its Holm threshold) and the findings that fail
-nothing (protocol.report_statistical, protocol.report_findings); the details of both tests per
+nothing (protocol.report.statistical, protocol.report.findings); the details of both tests per
 observable; each failure's reason; per run step time, tokens/s and peak memory (evidence that a
 technique was really on; a caveat when identical runs differ); every option in which a set's
 configuration differs from the control's; every run's command, software and device. report.json
-holds the same numbers (protocol.report_json); the PNGs are protocol.plots's.
+holds the same numbers (protocol.report.as_json); the PNGs are protocol.report.plots's.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.plots import write_plots
-from protocol.report_findings import findings as find, markdown as findings_markdown, timing_caveat
-from protocol.report_format import fmt_diff, fmt_loss, markdown_table as _markdown_table
-from protocol.report_json import comparison_to_dict, encode, report_extras
-from protocol.report_statistical import bound_or_margin, details_section, detectable_section, why_section
+from protocol.report.as_json import comparison_to_dict, encode, report_extras
+from protocol.report.findings import findings as find, markdown as findings_markdown, timing_caveat
+from protocol.report.formats import fmt_diff, fmt_loss, markdown_table as _markdown_table
+from protocol.report.plots import write_plots
+from protocol.report.statistical import bound_or_margin, details_section, detectable_section, why_section
 from protocol.verdict.curves import Curve
 from protocol.verdict.decision import ObservableVerdict
 from protocol.verdict.results import FAIL, INCONCLUSIVE, Comparison, SetResult

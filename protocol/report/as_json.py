@@ -5,7 +5,7 @@ Non-finite numbers are written as the strings "nan", "inf", "-inf" so that stric
 accept the file; `comparison_from_dict` turns them back into floats. The report's own additions
 (`layouts`, `runs`, `performance`, and in statistical mode `findings`, each set's
 `set_false_fail` and each observable's `noise_ratio`, `bound_sigmas` and `diff_sigmas`) are left
-out of the round trip: they follow from the fields (protocol.report_findings, protocol.verdict.family_wise).
+out of the round trip: they follow from the fields (protocol.report.findings, protocol.verdict.family_wise).
 
 The statistical verdict's numbers are fields, so they are written as they are: per observable
 `bound` (the |D| it fails from, as applied), `p_value`, `holm_threshold`, `family_noise_sd`,

@@ -1,5 +1,5 @@
-"""Number and table formats shared by report.md's sections (protocol.report and the statistical
-sections in protocol.report_statistical, protocol.report_findings)."""
+"""Number and table formats shared by report.md's sections (protocol.report.markdown and the statistical
+sections in protocol.report.statistical, protocol.report.findings)."""
 
 from __future__ import annotations
 
