@@ -44,6 +44,7 @@ from protocol.plan.tolerance import Tolerance
 from protocol.run.local import run_local
 from protocol.verdict.compare import compare
 from protocol.verdict.curves import read_curve
+from protocol.verdict.fingerprints import as_dict
 from protocol.verdict.gather import gather
 
 FAULT_LAUNCHER = [sys.executable, str(REPO / "benchmarks" / "faults" / "launch.py")]
@@ -155,7 +156,8 @@ def judge(repeat: dict, tolerance: Tolerance, members: int | None = None):
     to test that layout, not one plan of every case at once."""
     family = repeat["family"][:members] if members else repeat["family"]
     alone = [compare(family, [test], tolerance, expect=repeat["expect"]) for test in repeat["tests"]]
-    return replace(alone[0], results=[c.results[0] for c in alone])
+    return replace(alone[0], results=[c.results[0] for c in alone],
+                   fingerprints={name: where for c in alone for name, where in c.fingerprints.items()})
 
 
 def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> tuple[list[list], dict]:
@@ -424,9 +426,15 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "cases": {row[0]: row[1:] for row in rows}, "false_fail": ff, "false_pass": pf, "mde": rates["mde"],
-            "growth": growth, "scaling": scaling, "settings": settings, "verdicts": [
-                {"seed": r["seed"], "results": [{"name": x.name, "outcome": x.outcome, "reason": x.reason}
-                                                for x in judge(r, tolerance).results]} for r in repeats]}, indent=1))
+            "growth": growth, "scaling": scaling, "settings": settings,
+            "verdicts": [verdict_record(r["seed"], judge(r, tolerance)) for r in repeats]}, indent=1))
+
+
+def verdict_record(seed: int, comparison) -> dict:
+    """One repeat's verdicts, and where each set parts from the control (its fingerprints)."""
+    return {"seed": seed, "results": [{"name": x.name, "outcome": x.outcome, "reason": x.reason}
+                                      for x in comparison.results],
+            "fingerprints": {name: as_dict(where) for name, where in comparison.fingerprints.items()}}
 
 
 if __name__ == "__main__":

@@ -287,6 +287,9 @@ def report(comparison, family, tests, out: Path, out_name: str, layouts: dict, r
     if comparison.note:
         print(f"FAIL: {comparison.note}")
     print(format_table(comparison, layouts))
+    for name, where in comparison.fingerprints.items():  # where each set that parts does so
+        if where.deviates:
+            print(f"where: {name}: {where.summary()}")
     if sweeps and sweeps[0].tables:
         print(plain(sweeps[0]))
     for path in paths.values():

@@ -278,11 +278,17 @@ def slugify(name: str) -> str:
 # Expansion into launches
 
 
-def common_args(plan: Plan, output: Path, seed: int, own: dict[str, Any] | None = None) -> list[str]:
-    """Options every launch shares: the config, the dump folder, the overrides (the plan's, then
-    over them a run's `own`, each key once), the seed."""
+# What every training run of a plan records unless the plan says otherwise: per-module
+# fingerprints, which the comparison uses to say where a set parts from the control.
+RUN_DEFAULTS = {"metrics.fingerprints": True}
+
+
+def common_args(plan: Plan, output: Path, seed: int, own: dict[str, Any] | None = None,
+                defaults: dict[str, Any] | None = None) -> list[str]:
+    """Options every launch shares: the config, the dump folder, the overrides (`defaults`, over
+    them the plan's, then a run's `own`, each key once), the seed."""
     return ["--job.config_file", plan.config, "--job.dump_folder", str(output),
-            *override_args({**plan.overrides, **(own or {})}), "--debug.seed", str(seed)]
+            *override_args({**(defaults or {}), **plan.overrides, **(own or {})}), "--debug.seed", str(seed)]
 
 
 def seed_launch(plan: Plan) -> Launch:
@@ -327,7 +333,7 @@ def run_args(plan: Plan, spec: RunSpec, output: Path, name: str | None = None, w
     degrees = resolved_degrees(plan, spec)
     local = spec.local_batch_size or plan.local_batch_size
     global_batch = plan.global_batch_size if plan.batch == "global" else -1
-    args = common_args(plan, output, plan.seed, spec.overrides)
+    args = common_args(plan, output, plan.seed, spec.overrides, RUN_DEFAULTS)
     args += ["--training.steps", str(plan.steps)]
     if plan.warmup_steps is not None:
         args += ["--lr_scheduler.warmup_steps", str(plan.warmup_steps)]

@@ -5,7 +5,8 @@ Non-finite numbers are written as the strings "nan", "inf", "-inf" so that stric
 accept the file; `comparison_from_dict` turns them back into floats. The report's own additions
 (`layouts`, `runs`, `performance`, and in statistical mode `findings`, each set's
 `set_false_fail` and each observable's `noise_ratio`, `bound_sigmas` and `diff_sigmas`) are left
-out of the round trip: they follow from the fields (protocol.report.findings, protocol.verdict.family_wise).
+out of the round trip, and so are the fingerprint localizations (`fingerprints`: set name -> first
+step, causes, summary; protocol.verdict.fingerprints.as_dict): they follow from the fields (protocol.report.findings, protocol.verdict.family_wise).
 
 The statistical verdict's numbers are fields, so they are written as they are: per observable
 `bound` (the |D| it fails from, as applied), `p_value`, `holm_threshold`, `family_noise_sd`,
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import replace
 import typing
 from typing import Any
 
 from protocol.plan.tolerance import Tolerance
 from protocol.verdict.decision import ObservableVerdict
 from protocol.verdict.family_wise import set_false_fail
+from protocol.verdict.fingerprints import as_dict
 from protocol.verdict.results import Comparison, NoiseSummary, NotCompared, SetResult
 
 REPORT_EXTRAS = ("layouts", "runs", "performance", "status_line", "findings")
@@ -42,7 +45,8 @@ def encode(value: Any) -> Any:
 def comparison_to_dict(comparison: Comparison) -> dict:
     """Every field of the comparison as strict-JSON-ready data, plus `passed` for readers that
     only want the yes or no."""
-    data = encode(dataclasses.asdict(comparison))
+    data = encode(dataclasses.asdict(replace(comparison, fingerprints={})))
+    data["fingerprints"] = {name: encode(as_dict(where)) for name, where in comparison.fingerprints.items()}
     data["passed"] = comparison.passed
     for result, item in zip(comparison.results, data["results"]):
         item["outcome"] = result.outcome
@@ -99,7 +103,7 @@ def comparison_from_dict(data: dict) -> Comparison:
         noise.append(summary)
     tolerance = dict(data["tolerance"])
     tolerance["observables"] = tuple(tolerance.get("observables", ()))
-    skip = ("results", "tolerance", "not_compared", "noise", "passed") + REPORT_EXTRAS
+    skip = ("results", "tolerance", "not_compared", "noise", "passed", "fingerprints") + REPORT_EXTRAS
     fields = {k: v for k, v in data.items() if k not in skip}
     return Comparison(tolerance=Tolerance(**tolerance), results=results, noise=noise,
                       not_compared=[NotCompared(**m) for m in data.get("not_compared", [])], **fields)

@@ -26,6 +26,7 @@ from protocol.report.findings import findings as find, markdown as findings_mark
 from protocol.report.formats import fmt_diff, fmt_loss, markdown_table as _markdown_table
 from protocol.report.plots import write_plots
 from protocol.report.statistical import bound_or_margin, details_section, detectable_section, why_section
+from protocol.report.where import where_section, write_fingerprint_maps
 from protocol.verdict.curves import Curve
 from protocol.verdict.decision import ObservableVerdict
 from protocol.verdict.results import FAIL, INCONCLUSIVE, Comparison, SetResult
@@ -283,6 +284,7 @@ def markdown(comparison: Comparison, layouts: dict[str, str] | None = None, runs
         # Under a [criterion] the tolerance's bounds are reported, not judged: no "why" table.
         lines += [] if comparison.criterion else why_section(comparison)
         lines += findings_markdown(find(comparison, figures))
+    lines += where_section(comparison)
     lines += _details(comparison) + _failures(comparison) + _performance(figures or {}, comparison.controls)
     if runs:
         lines += _runs_section(runs, notes or {})
@@ -318,6 +320,7 @@ def write_report(comparison: Comparison, family: Curve | list[Curve], tests: lis
         json.dump(encode(data), f, indent=1, allow_nan=False)
         f.write("\n")
     paths.update(write_plots(family, tests, comparison, out))
+    paths.update(write_fingerprint_maps(comparison, out))
     logger.info("report written to %s", out)
     return paths
 

@@ -145,8 +145,9 @@ def plan_verdict(comparison: Comparison, not_compared, points: set[str], expect:
         return FAIL, f"FAIL: {', '.join(bad + empty)} ({line})"
     caught = [r.name for r in comparison.results if r.expect == "fail" and not r.failed]
     if caught:
-        return INCONCLUSIVE, (f"INCONCLUSIVE: positive control {', '.join(caught)} meets the {line}, so the criterion "
-                              "cannot tell a bug of that size")
+        who = f"positive control {caught[0]} meets" if len(caught) == 1 else \
+            f"positive controls {', '.join(caught)} meet"
+        return INCONCLUSIVE, f"INCONCLUSIVE: {who} the {line}, so the criterion cannot tell a bug of that size"
     sets = [r for r in comparison.results if r.name not in points]
     said = ["every test set meets it"] if sets or not answers else []
     return PASS, f"PASS: {line}; " + "; ".join(said + answers)

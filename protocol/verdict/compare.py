@@ -8,6 +8,12 @@
   family (the control and its noise controls, on identical data) and judged by the rule of
   protocol.verdict.decision: equivalence of the final-window mean within a margin, and no drift.
 
+Where the runs recorded per-module fingerprints (metrics.fingerprints, on in protocol runs), each
+set's are compared with the control's from step 1 (protocol.verdict.fingerprints): the report
+says where a set parts from the control. In exact mode a fingerprint beyond its tolerance, or a
+logged gradient norm that is not the norm of the run's own gradients, fails the set; in
+statistical mode the localization is a finding (the verdict's false-fail rate is the curves').
+
 Sets may be positive controls (``expect = "fail"``, e.g. a learning rate 5% off): they must fail.
 One that passes shows that the plan could not have caught a bug of that size, and the plan is
 INCONCLUSIVE rather than PASS. A set that fails where it should pass, or a run that failed,
@@ -22,6 +28,7 @@ from protocol.plan.tolerance import Tolerance
 from protocol.verdict.alignment import skipped_steps, summarize
 from protocol.verdict.curves import Curve
 from protocol.verdict.family_wise import apply_plan_level, set_false_fail
+from protocol.verdict.fingerprints import exact_failure, localize_sets
 from protocol.verdict.results import FAIL, INCONCLUSIVE, PASS, Comparison, NotCompared, SetResult
 from protocol.verdict.statistical_mode import judge_statistical, noise_summaries, settle
 
@@ -57,10 +64,14 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
         for result in results:
             settle(result)
         noise = noise_summaries(family, tolerance, judged=sum(len(r.observables) for r in results))
+    localized = localize_sets(family, tests, tolerance.mode)
+    if tolerance.mode == "exact":
+        fail_on_fingerprints(results, localized)
     comparison = Comparison(control=family[0].name, mode=tolerance.mode, design=design, tolerance=tolerance,
                             results=results, status=plan_status(results, not_compared),
                             controls=[c.name for c in family], noise=noise, not_compared=not_compared,
-                            warnings=[*(warnings or []), *noisier_sets(results)])
+                            warnings=[*(warnings or []), *noisier_sets(results), *parting_sets(results, localized)],
+                            fingerprints=localized)
     if tolerance.mode == "statistical":
         comparison.family_skips = {c.name: len(skipped_steps(c)) for c in family}
         comparison.plan_false_fail = min(tolerance.plan_false_fail,
@@ -80,6 +91,22 @@ def noisier_sets(results: list[SetResult]) -> list[str]:
             "smaller than its larger detectable offset would go unseen"
             for result in results if result.expect == "pass" for o in result.observables
             if o.noise_ratio > NOISIER]
+
+
+def fail_on_fingerprints(results: list[SetResult], localized: dict) -> None:
+    """Exact mode: a set whose curves agree but whose fingerprints do not fails, with the reason."""
+    for result in results:
+        why = exact_failure(localized[result.name]) if result.name in localized else None
+        if why and not result.failed:
+            result.failed, result.reason = True, why
+
+
+def parting_sets(results: list[SetResult], localized: dict) -> list[str]:
+    """Statistical mode: a set expected to pass whose fingerprints part from the control's is
+    worth a warning even when its curves pass."""
+    return [f"{r.name}: its fingerprints part from the control's at {localized[r.name].summary(top=1)}"
+            for r in results if r.expect == "pass" and not r.failed and r.name in localized
+            and localized[r.name].mode == "statistical" and localized[r.name].deviates]
 
 
 def plan_status(results: list[SetResult], not_compared: list[NotCompared]) -> str:

@@ -138,6 +138,9 @@ class Comparison:
     [criterion] judged the sets (protocol.verdict.by_criterion) instead of the tolerance."""
     status_text: str = ""
     """The verdict line, when the criterion wrote it."""
+    fingerprints: dict = field(default_factory=dict)
+    """Set name -> where it parts from the control (protocol.verdict.fingerprints.Localization),
+    for the sets whose runs recorded fingerprints."""
 
     @property
     def passed(self) -> bool:

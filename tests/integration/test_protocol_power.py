@@ -2,7 +2,9 @@
 synthetic_context source judged by the shipped statistical rule. A correct layout (TP 2) passes;
 a real parallelism bug injected into the same layout (TP norm-weight gradients not all-reduced)
 fails on its gradient norm, and a position bug (each CP rank rotating its chunk from position 0),
-which the Markov source could not show, fails on its loss. The full study, and the rates it
+which the Markov source could not show, fails on its loss. The fingerprints of the same runs
+say where: the bug's norm weights at step 1 or 2, the RoPE bug's query or key projections, and
+nothing for the correct layout (benchmarks/fingerprint_localization.py has every bug). The full study, and the rates it
 measured, are in docs/converging.md."""
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def test_a_correct_layout_passes_and_an_injected_bug_fails(tmp_path, measured):
     rope = outcomes["CP2 RoPE unshifted"]
     assert rope["outcome"] == "FAIL (expected)" and "loss: final-window" in rope["reason"]
     assert figures["false_fail"] == [0, 1] and figures["false_pass"] == [0, 2]
+    where = experiment["fingerprints"]
+    assert where["TP2"]["first_step"] is None and where["TP2"]["norm_check"] is None, where["TP2"]["summary"]
+    for name, modules in (("TP2 norm grad not reduced", ("norm.weight", "layers.*.ffn_norm.weight",
+                                                         "layers.*.attention_norm.weight")),
+                          ("CP2 RoPE unshifted", ("layers.*.attention.wq.weight", "layers.*.attention.wk.weight"))):
+        assert where[name]["first_step"] in (1, 2), where[name]["summary"]
+        assert where[name]["causes"][0]["module"] in modules, where[name]["summary"]
     assert "| TP2 norm grad not reduced | bug" in result.stdout  # the printed table
     measured(f"protocol power (quick): TP2 {outcomes['TP2']['outcome']}, the TP norm-gradient bug {bug['outcome']}, "
              f"the CP RoPE bug {rope['outcome']}; TP2 {outcomes['TP2']['reason'].split(' (TOST')[0]}")
+    measured(f"protocol power (quick) fingerprints: TP norm bug {where['TP2 norm grad not reduced']['summary'][:160]}; "
+             f"CP RoPE bug {where['CP2 RoPE unshifted']['summary'][:160]}")

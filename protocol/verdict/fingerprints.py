@@ -1,0 +1,345 @@
+"""Where a test set parts from the control: the per-module fingerprints of its runs
+(metrics.fingerprints, trainer/fingerprints.py) compared with the control's, entry by entry and
+step by step, from step 1.
+
+Each entry (a parameter's gradient, update or weight norm; a block's output or gradient RMS) at a
+step has a *score*: its relative difference from the control in units of what correct layouts
+give at that step.
+  exact mode        EXACT_TOLERANCE, 1e-4 relative: correct float32 layouts (the parity matrix,
+                    every parallelism and pipeline schedule) differ by 3.3e-6 at most.
+  statistical mode  the noise controls' spread: the root mean square of their relative
+                    differences from the control, pooled over the entries of the same module in
+                    every block (the same quantity, the layer index aside), times STATISTICAL_Z.
+An entry deviates when its score exceeds 1. The first step with a deviating entry is where the set
+parts from the control. At that step the deviating entries are grouped by module (the layer index
+replaced by `*`) and ranked by their largest score; the block activations say how far the forward
+pass (output RMS, from the first block on) and the backward pass (gradient RMS, from the last block
+down) still agree.
+
+A run also checks itself: the norm of its parameters' gradient norms must be the global gradient
+norm it logged (metrics.jsonl); when they differ the norm's reduction is wrong, whatever the
+fingerprints of the set say.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FINGERPRINTS_FILE = "fingerprints.jsonl"
+PARAMETER_QUANTITIES = ("grad_norm", "update_norm", "param_norm")
+BLOCK_QUANTITIES = ("output_rms", "grad_rms")
+QUANTITIES = PARAMETER_QUANTITIES + BLOCK_QUANTITIES
+LABELS = {"grad_norm": "gradient norm", "update_norm": "update norm", "param_norm": "weight norm",
+          "output_rms": "output RMS", "grad_rms": "gradient RMS"}
+EXACT_TOLERANCE = 1e-4
+STATISTICAL_Z = 6.0
+STATISTICAL_FLOOR = 1e-3  # a quarter of bfloat16's rounding error
+NORM_CHECK_TOLERANCE = 1e-6  # float64 sums in two orders agree far better
+LAYER = re.compile(r"^layers\.(\d+)\.")
+
+Prints = dict[int, dict]  # step -> one line of fingerprints.jsonl
+
+
+def read_fingerprints(folder: Path) -> Prints | None:
+    """step -> the recorded line, or None when the run recorded no fingerprints."""
+    path = Path(folder) / FINGERPRINTS_FILE
+    if not path.is_file():
+        return None
+    prints = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        prints[int(record["step"])] = record
+    return prints
+
+
+def pattern_of(quantity: str, entry: str) -> tuple[str, str | None]:
+    """(module pattern, block): 'layers.3.attention.wq.weight' -> ('layers.*.attention.wq.weight',
+    '3'); a block activation '3' -> ('block *', '3'); 'norm.weight' -> ('norm.weight', None)."""
+    if quantity in BLOCK_QUANTITIES:
+        return "block *", entry
+    match = LAYER.match(entry)
+    if match is None:
+        return entry, None
+    return LAYER.sub("layers.*.", entry, count=1), match.group(1)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The deviating entries of one module pattern and quantity at one step."""
+
+    quantity: str
+    pattern: str
+    blocks: tuple[str, ...]  # the deviating blocks ('' for a module outside the blocks)
+    of: int  # entries of this pattern in the model
+    low: float  # the smallest and largest relative difference (signed)
+    high: float
+    score: float  # the largest score
+
+    def phrase(self) -> str:
+        spread = share(self.low) if math.isclose(self.low, self.high, rel_tol=0.05) else \
+            f"{share(self.low)} to {share(self.high)}"
+        where = ""
+        if self.blocks and self.blocks != ("",):
+            where = f" in every block" if len(self.blocks) == self.of else \
+                f" in block{'s' if len(self.blocks) > 1 else ''} {', '.join(self.blocks)}"
+        return f"{self.pattern} {LABELS[self.quantity]} off by {spread}{where}"
+
+
+def share(value: float) -> str:
+    """A relative difference as a percentage, or in powers of ten when it is below 0.1%."""
+    return f"{value:+.1%}" if abs(value) >= 1e-3 else f"{value * 100:+.1e}%"
+
+
+@dataclass
+class Localization:
+    """Where one test set parts from the control."""
+
+    name: str
+    mode: str  # "exact" | "statistical"
+    steps: list[int]  # the steps compared
+    first_step: int | None = None  # the first with a deviating entry (None: none deviates)
+    groups: list[Group] = field(default_factory=list)  # at first_step, the most deviating first
+    forward: str = ""  # how far the forward / backward activations agree at first_step
+    backward: str = ""
+    scores: dict[tuple[str, str], float] = field(default_factory=dict)  # (quantity, entry) -> score at first_step
+    relative: dict[tuple[str, str], float] = field(default_factory=dict)
+    norm_check: str | None = None  # the set's logged global norm is not its gradients' norm
+
+    @property
+    def deviates(self) -> bool:
+        return self.first_step is not None or self.norm_check is not None
+
+    @property
+    def causes(self) -> list[Group]:
+        """The groups whose deviation does not follow from another's (see `follows`)."""
+        return [g for g in self.groups if not follows(g, self.groups)]
+
+    def summary(self, top: int = 3) -> str:
+        if self.first_step is None:
+            checked = f"steps {self.steps[0]}-{self.steps[-1]}" if self.steps else "no step"
+            return f"fingerprints agree with the control ({checked})" + (f"; {self.norm_check}" if self.norm_check else "")
+        causes = self.causes
+        named = "; ".join(g.phrase() for g in causes[:top])
+        more = f"; {len(causes) - top} smaller" if len(causes) > top else ""
+        following = len(self.groups) - len(causes)
+        follow = (f" ({following} more deviations follow from these)" if following > 1 else " (1 more deviation follows from these)") if following else ""
+        return f"step {self.first_step}: {named}{more}{follow}; {self.forward}; {self.backward}"
+
+
+def relative_differences(control: dict, test: dict) -> dict[tuple[str, str], float]:
+    """(quantity, entry) -> (test - control) / |control| where both are recorded and finite."""
+    found = {}
+    for quantity in QUANTITIES:
+        theirs = test.get(quantity, {})
+        for entry, value in control.get(quantity, {}).items():
+            other = theirs.get(entry)
+            if value is None or other is None:
+                continue  # a skipped float16 step, or a block inside a reduced-sync group
+            if value == 0:
+                found[(quantity, entry)] = 0.0 if other == 0 else math.copysign(1e9, other)
+            else:
+                found[(quantity, entry)] = (other - value) / abs(value)
+    return found
+
+
+def noise_units(control: dict, noise: list[dict]) -> dict[tuple[str, str], float]:
+    """(quantity, pattern) -> the noise controls' relative spread at one step: the root mean
+    square of their relative differences from the control over every entry of the pattern."""
+    squares: dict[tuple[str, str], list[float]] = {}
+    for member in noise:
+        for (quantity, entry), value in relative_differences(control, member).items():
+            squares.setdefault((quantity, pattern_of(quantity, entry)[0]), []).append(value * value)
+    return {key: math.sqrt(sum(values) / len(values)) for key, values in squares.items()}
+
+
+def scores_at(control: dict, test: dict, noise: list[dict]) -> tuple[dict, dict]:
+    """(relative differences, scores) of every entry at one step; exact mode without noise."""
+    relative = relative_differences(control, test)
+    if not noise:
+        return relative, {key: abs(value) / EXACT_TOLERANCE for key, value in relative.items()}
+    spread = noise_units(control, noise)
+    scores = {}
+    for (quantity, entry), value in relative.items():
+        unit = max(STATISTICAL_Z * spread.get((quantity, pattern_of(quantity, entry)[0]), 0.0), STATISTICAL_FLOOR)
+        scores[(quantity, entry)] = abs(value) / unit
+    return relative, scores
+
+
+def localize(name: str, control: Prints, test: Prints, noise: list[Prints] = (),
+             logged_norms: dict[int, float] | None = None) -> Localization:
+    """Compare a test set's fingerprints with the control's from the first step on; statistical
+    when noise controls' fingerprints are given, exact otherwise."""
+    common = set(control) & set(test)
+    for member in noise:
+        common &= set(member)
+    found = Localization(name, "statistical" if noise else "exact", sorted(common))
+    found.norm_check = check_norm(test, logged_norms or {})
+    for step in found.steps:
+        relative, scores = scores_at(control[step], test[step], [member[step] for member in noise])
+        if any(score > 1 for score in scores.values()):
+            found.first_step, found.scores, found.relative = step, scores, relative
+            found.groups = group_deviations(relative, scores, control[step])
+            found.forward, found.backward = activation_story(scores, control[step])
+            break
+    return found
+
+
+# What each norm weight feeds: its gradient is computed from theirs (backward), so when theirs
+# deviates too, the norm's deviation follows from it.
+FEEDS = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
+         "ffn_norm": ("feed_forward.w1", "feed_forward.w3"), "norm": ("output",)}
+
+
+def group_deviations(relative: dict, scores: dict, control: dict) -> list[Group]:
+    """The deviating entries by (quantity, module pattern): first the causes, the highest score
+    first, then what follows from them (see `follows`); a quantity off by about the same share
+    for every parameter is one group ('every parameter')."""
+    members: dict[tuple[str, str], list[str]] = {}
+    for quantity in QUANTITIES:
+        for entry in control.get(quantity, {}):
+            members.setdefault((quantity, pattern_of(quantity, entry)[0]), []).append(entry)
+    groups = []
+    for (quantity, pattern), entries in members.items():
+        bad = [e for e in entries if scores.get((quantity, e), 0.0) > 1]
+        if not bad:
+            continue
+        values = [relative[(quantity, e)] for e in bad]
+        groups.append(Group(quantity, pattern, tuple(pattern_of(quantity, e)[1] or "" for e in bad), len(entries),
+                            min(values), max(values), max(scores[(quantity, e)] for e in bad)))
+    groups = merge_uniform(groups, members)
+    return sorted(groups, key=lambda g: (follows(g, groups), -g.score))
+
+
+def module_of(pattern: str) -> str:
+    """'layers.*.attention.wq.weight' -> 'attention.wq'; 'norm.weight' -> 'norm'."""
+    return pattern.removeprefix("layers.*.").rpartition(".")[0]
+
+
+def follows(group: Group, groups: list[Group]) -> bool:
+    """Whether a group's deviation follows from another's: a parameter's update or weight from
+    its own gradient (or its update), a norm weight's gradient from the gradient of a projection
+    it feeds, in the same blocks; activations are told apart by `activation_story`."""
+    if group.quantity in BLOCK_QUANTITIES:
+        return True
+    deviating = {(g.quantity, g.pattern): g for g in groups}
+    if group.pattern == "every parameter":
+        return group.quantity != "grad_norm" and ("grad_norm", "every parameter") in deviating
+    earlier = PARAMETER_QUANTITIES[:PARAMETER_QUANTITIES.index(group.quantity)]
+    if any((q, group.pattern) in deviating or (q, "every parameter") in deviating for q in earlier):
+        return True
+    fed = FEEDS.get(module_of(group.pattern).rpartition(".")[2] if "." not in module_of(group.pattern)
+                    else module_of(group.pattern), ())
+    prefix = "layers.*." if group.pattern.startswith("layers.*.") else ""
+    return any(set(group.blocks) & set(deviating[(group.quantity, f"{prefix}{f}.weight")].blocks)
+               for f in fed if (group.quantity, f"{prefix}{f}.weight") in deviating)
+
+
+def merge_uniform(groups: list[Group], members: dict) -> list[Group]:
+    """A parameter quantity that deviates in every entry by one share (within 5%: e.g. every
+    gradient halved) becomes one group: the cause is not in any one module."""
+    merged = []
+    for quantity in PARAMETER_QUANTITIES:
+        mine = [g for g in groups if g.quantity == quantity]
+        patterns = [p for q, p in members if q == quantity]
+        if len(mine) < 2 or len(mine) != len(patterns) or any(len(g.blocks) != g.of for g in mine):
+            continue
+        low, high = min(g.low for g in mine), max(g.high for g in mine)
+        if math.isclose(low, high, rel_tol=0.05):
+            merged.append(Group(quantity, "every parameter", (), sum(g.of for g in mine), low, high,
+                                max(g.score for g in mine)))
+            groups = [g for g in groups if g.quantity != quantity]
+    return groups + merged
+
+
+def activation_story(scores: dict, control: dict) -> tuple[str, str]:
+    """How far the forward pass (block outputs, first block on) and the backward pass (the
+    gradient reaching each block's output, last block down) agree with the control."""
+    blocks = sorted(control.get("output_rms", {}), key=int)
+    forward = [b for b in blocks if scores.get(("output_rms", b), 0.0) > 1]
+    backward = [b for b in reversed(blocks) if scores.get(("grad_rms", b), 0.0) > 1]
+    if not blocks:
+        return "no block activations recorded", ""
+    if not forward:
+        says_forward = "every block's output agrees"
+    elif forward[0] == blocks[0]:
+        says_forward = f"the forward pass parts at block {forward[0]}'s output"
+    else:
+        says_forward = f"the forward pass agrees up to block {blocks[blocks.index(forward[0]) - 1]} and parts at block {forward[0]}"
+    if not backward:
+        says_backward = "so does the gradient reaching each block" if not forward else \
+            "the gradient reaching each block agrees"
+    elif backward[0] == blocks[-1]:
+        says_backward = "the gradient reaching the last block already differs (the output layer or the loss)"
+    else:
+        above = blocks[blocks.index(backward[0]) + 1]
+        says_backward = f"the backward pass agrees down to block {above} and parts below it (block {above}'s backward)"
+    return says_forward, says_backward
+
+
+def check_norm(test: Prints, logged_norms: dict[int, float]) -> str | None:
+    """The run's own consistency: at each recorded step, its logged global gradient norm must be
+    the norm of its parameters' gradient norms."""
+    for step, line in sorted(test.items()):
+        logged = logged_norms.get(step)
+        norms = list(line.get("grad_norm", {}).values())
+        if logged is None or not norms or any(v is None for v in norms) or not math.isfinite(logged):
+            continue
+        total = math.sqrt(sum(v * v for v in norms))
+        if abs(total - logged) > NORM_CHECK_TOLERANCE * max(abs(logged), 1e-30):
+            return (f"step {step}: the logged gradient norm {logged:.6g} is not the norm of the parameters' "
+                    f"gradients, {total:.6g} ({logged / total:.3f}x): the global norm's reduction counts some "
+                    "gradients wrongly (the gradients themselves are what the fingerprints compare)")
+    return None
+
+
+def run_folder(curve) -> Path:
+    """The folder a curve was read from (its metrics.jsonl's folder)."""
+    source = Path(curve.source)
+    return source if source.is_dir() else source.parent
+
+
+def localize_sets(family: list, tests: list, mode: str) -> dict[str, Localization]:
+    """Set name -> where it parts from the control, for every set whose runs recorded fingerprints
+    (and, in statistical mode, whose noise controls did too); empty when the control has none."""
+    control = read_fingerprints(run_folder(family[0]))
+    if not control:
+        return {}
+    noise: list[Prints] = []
+    if mode == "statistical":
+        noise = [read_fingerprints(run_folder(curve)) or {} for curve in family[1:]]
+        if not all(noise):
+            return {}
+    found = {}
+    for test in tests:
+        prints = read_fingerprints(run_folder(test))
+        if prints:
+            logged = dict(zip(test.steps, test.grad_norm)) if test.grad_norm is not None else {}
+            found[test.name] = localize(test.name, control, prints, noise, logged)
+    return found
+
+
+def exact_failure(found: Localization) -> str | None:
+    """Exact mode's reason to fail a set on its fingerprints, or None."""
+    if found.first_step is not None:
+        return f"fingerprints part from the control at {found.summary(top=1)} (tolerance {EXACT_TOLERANCE:.0e} relative)"
+    return found.norm_check
+
+
+def as_dict(found: Localization) -> dict:
+    """report.json's record of a set's localization."""
+    return {"mode": found.mode, "steps": found.steps, "first_step": found.first_step, "summary": found.summary(),
+            "causes": [group_dict(g) for g in found.causes],
+            "groups": [group_dict(g) for g in found.groups], "forward": found.forward, "backward": found.backward,
+            "norm_check": found.norm_check}
+
+
+def group_dict(group: Group) -> dict:
+    return {"quantity": group.quantity, "module": group.pattern, "blocks": list(group.blocks), "of": group.of,
+            "low": group.low, "high": group.high, "score": group.score}
