@@ -129,12 +129,27 @@ def test_cpu_smoke_commands_are_exact():
                               f"{plan.output / 'seed'} {common} --checkpoint.create_seed_checkpoint")
     assert control.command() == (
         f"NGPU=2 ./torchrun_launch.sh --job.config_file debug_model.toml --job.dump_folder {plan.output / '1d-fsdp'} "
-        f"{common} --training.steps 20 --lr_scheduler.warmup_steps 2 --training.local_batch_size 4 "
+        f"--metrics.fingerprints=true {common} --training.steps 20 --lr_scheduler.warmup_steps 2 --training.local_batch_size 4 "
         "--training.global_batch_size -1 --parallelism.data_parallel_replicate_degree 1 "
         "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
         "--parallelism.context_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
         "--checkpoint.enable=true --checkpoint.interval 10 --checkpoint.keep_latest_k 1 "
         f"--checkpoint.last_save_model_only=false --checkpoint.initial_load_path {plan.seed_checkpoint_path}")
+
+
+def test_training_runs_record_fingerprints_unless_the_plan_says_otherwise(tmp_path):
+    """Fingerprints let the report say where a set parts from the control: on in every training
+    run (not the seed job); a plan's (or a set's) own metrics.fingerprints wins."""
+    plan = load_plan(PLANS / "cpu_smoke.toml")
+    seed, *runs = plan.launches()
+    assert "--metrics.fingerprints=true" not in seed.args
+    assert all(run.args.count("--metrics.fingerprints=true") == 1 for run in runs)
+    text = (PLANS / "cpu_smoke.toml").read_text().replace('[plan.overrides]\n', '[plan.overrides]\n"metrics.fingerprints" = false\n')
+    assert '"metrics.fingerprints" = false' in text
+    (tmp_path / "off.toml").write_text(text.replace('output = "', f'output = "{tmp_path}/'))
+    off = load_plan(tmp_path / "off.toml").launches()
+    assert all("--metrics.fingerprints=true" not in run.args and "--metrics.fingerprints=false" in run.args
+               for run in off[1:])
 
 
 def test_cpu_statistical_plan_is_bf16_with_noise_controls_and_a_positive_control():
