@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common import machine, table  # noqa: I001 (sets sys.path)
-from protocol_power import FAULT_LAUNCHER
+from protocol_power import run_with_faults
 
-from protocol.plan.load import load_plan
-from protocol.run.local import run_local
-from protocol.verdict.curves import read_curve
 from protocol.verdict.fingerprints import localize_sets
-from protocol.verdict.gather import gather
 
 
 @dataclass(frozen=True)
@@ -105,20 +99,8 @@ def plan_text(cases: list[Case], dtype: str, output: Path, steps: int) -> str:
 
 def run_dtype(cases: list[Case], dtype: str, args) -> list[list[str]]:
     folder = Path(args.out).resolve() / dtype
-    folder.mkdir(parents=True, exist_ok=True)
-    plan_path = folder / "plan.toml"
-    plan_path.write_text(plan_text(cases, dtype, folder / "runs", args.steps))
-    plan = load_plan(plan_path)
-    launches = plan.launches()
-    faults = {str(launch.output): case.fault for launch in launches for case in cases
-              if launch.name == case.name and case.fault}
-    os.environ["PROTOCOL_FAULTS"] = json.dumps(faults)
-    results = run_local(plan, launches, launcher=FAULT_LAUNCHER, rerun_stale=True,
-                        on_progress=lambda line: print(f"  {dtype}: {line}", file=sys.stderr, flush=True))
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        raise SystemExit(f"{dtype}: runs failed: {', '.join(failed)}; see their protocol.log under {folder}")
-    found = gather(plan, results, lambda path, name: read_curve(path, name=name))
+    plan, found = run_with_faults(plan_text(cases, dtype, folder / "runs", args.steps), folder,
+                                  {case.name: case.fault for case in cases if case.fault}, dtype)
     localized = localize_sets(found.controls, found.tests, plan.tolerance.mode)
     rows = []
     for case in cases:

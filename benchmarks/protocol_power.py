@@ -126,26 +126,33 @@ def plan_text(cases: list[Case], seed: int, output: Path, args) -> str:
     return text
 
 
+def run_with_faults(text: str, folder: Path, faults: dict[str, str], label: str, run: bool = True):
+    """Write a plan's TOML into `folder`, run it with the faults injected into the sets named in
+    `faults` (set name -> benchmarks/faults name), and gather its curves: (plan, found)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_path = folder / "plan.toml"
+    plan_path.write_text(text)
+    plan = load_plan(plan_path)
+    launches = plan.launches()
+    os.environ["PROTOCOL_FAULTS"] = json.dumps({str(launch.output): faults[launch.name] for launch in launches
+                                                if launch.name in faults})
+    results = []
+    if run:
+        results = run_local(plan, launches, launcher=FAULT_LAUNCHER, rerun_stale=True,
+                            on_progress=lambda line: print(f"  {label}: {line}", file=sys.stderr, flush=True))
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        raise SystemExit(f"{label}: runs failed: {', '.join(failed)}; see their protocol.log under {folder}")
+    return plan, gather(plan, results, lambda path, name: read_curve(path, name=name))
+
+
 def run_repeat(seed: int, cases: list[Case], args) -> dict:
     """One experiment: write its plan, run it, judge it; its curves stay under <out>/seed-<seed>."""
     folder = Path(args.out).resolve() / f"seed-{seed}"
-    folder.mkdir(parents=True, exist_ok=True)
-    plan_path = folder / "plan.toml"
-    plan_path.write_text(plan_text(cases, seed, folder / "runs", args))
-    plan = load_plan(plan_path)
-    launches = plan.launches()
-    faults = {str(launch.output): case.fault for launch in launches for case in cases
-              if launch.name == case.name and case.fault}
-    os.environ["PROTOCOL_FAULTS"] = json.dumps(faults)
     started = time.monotonic()
-    results = []
-    if not args.analyze:
-        results = run_local(plan, launches, launcher=FAULT_LAUNCHER, rerun_stale=True,
-                            on_progress=lambda line: print(f"  seed {seed}: {line}", file=sys.stderr, flush=True))
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        raise SystemExit(f"seed {seed}: runs failed: {', '.join(failed)}; see their protocol.log under {folder}")
-    found = gather(plan, results, lambda path, name: read_curve(path, name=name))
+    _, found = run_with_faults(plan_text(cases, seed, folder / "runs", args), folder,
+                               {case.name: case.fault for case in cases if case.fault}, f"seed {seed}",
+                               run=not args.analyze)
     return {"seed": seed, "family": found.controls, "tests": found.tests, "expect": found.expect,
             "seconds": time.monotonic() - started}
 
