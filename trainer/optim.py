@@ -229,8 +229,8 @@ def counted_part(tensor, ranks_per_stage: int) -> torch.Tensor | None:
         return tensor.to_local()
     if ranks_per_stage == 1:
         return tensor
-    raise RuntimeError("a plain tensor in a data- or tensor-parallel run: a global norm cannot tell how many "
-                       "ranks hold it")
+    raise RuntimeError("a plain-tensor gradient or parameter in a data- or tensor-parallel run: a global norm "
+                       "cannot tell how many ranks hold it")
 
 
 def local_squared_norm(grads, ranks_per_stage: int) -> torch.Tensor:
