@@ -63,6 +63,10 @@ def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
         measured(f"protocol cpu_smoke {name:20s} step-1 |dloss| {abs(r['loss_diff'][0]):.1e}, max |dloss| "
                  f"{r['max_abs_diff']:.1e}, grad-norm max rel diff {r['grad_norm_max_rel_diff']:.1e}, "
                  f"final loss {r['final_loss']:.5f}")
+    for name, where in report["fingerprints"].items():  # no false alarm: every set's fingerprints agree
+        assert where["first_step"] is None and where["norm_check"] is None, (name, where["summary"])
+        assert where["steps"] == [1, 2, 3, 4], name
+    assert set(report["fingerprints"]) == set(APPLIED)
     markdown = (out / "report.md").read_text()
     assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 5
     for png in ("loss.png", "grad_norm.png", "lr.png"):
@@ -120,6 +124,10 @@ def test_a_wrong_technique_fails_at_the_first_diverging_step(tmp_path):
     assert "step 2" in wrong["reason"]
     assert "step 2" in (tmp_path / "runs" / "report.md").read_text()
     assert report["layouts"]["lr x2"] == "dp_shard 2 + optimizer.lr=0.006"  # from the run's own record
+    # The fingerprints see it at step 1: the same gradients, every update twice as large.
+    where = report["fingerprints"]["lr x2"]
+    assert where["first_step"] == 1 and where["causes"][0]["module"] == "every parameter", where["summary"]
+    assert where["causes"][0]["quantity"] == "update_norm" and abs(where["causes"][0]["low"] - 1.0) < 0.01
 
     # The set's option is set back to the control's in the plan: its finished run no longer
     # describes the plan and is refused...
