@@ -133,7 +133,7 @@ def main() -> None:
     chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     rows = [row for dtype in args.dtypes.split(",") for row in run_dtype(chosen, dtype, args)]
-    print(f"tiny Llama, synthetic_context, {args.steps} steps, DP 2, local batch 4; {machine()}; "
+    print(f"tiny Llama, synthetic_context, seq_len 64, {args.steps} steps, DP 2, local batch 4; {machine()}; "
           f"{time.monotonic() - started:.0f} s")
     print(table(["case", "dtype", "mode", "first step", "top-ranked cause", "right?"], [r[:6] for r in rows]))
     print()

@@ -83,8 +83,11 @@ class Group:
     score: float  # the largest score
 
     def phrase(self) -> str:
-        spread = share(self.low) if math.isclose(self.low, self.high, rel_tol=0.05) else \
-            f"{share(self.low)} to {share(self.high)}"
+        if math.isclose(self.low, self.high, rel_tol=0.05):
+            spread = share(self.low)
+        else:  # both ends in one format, chosen by the larger
+            scale = max(abs(self.low), abs(self.high))
+            spread = f"{share(self.low, scale)} to {share(self.high, scale)}"
         where = ""
         if self.blocks and self.blocks != ("",):
             where = f" in every block" if len(self.blocks) == self.of else \
@@ -92,9 +95,13 @@ class Group:
         return f"{self.pattern} {LABELS[self.quantity]} off by {spread}{where}"
 
 
-def share(value: float) -> str:
-    """A relative difference as a percentage, or in powers of ten when it is below 0.1%."""
-    return f"{value:+.1%}" if abs(value) >= 1e-3 else f"{value * 100:+.1e}%"
+def share(value: float, scale: float | None = None) -> str:
+    """A relative difference as a percentage (two decimals below 1%), or in powers of ten when it
+    is below 0.1%; `scale`: the magnitude that chooses the format (a range's larger end)."""
+    scale = abs(value) if scale is None else scale
+    if scale >= 1e-2:
+        return f"{value:+.1%}"
+    return f"{value:+.2%}" if scale >= 1e-3 else f"{value * 100:+.1e}%"
 
 
 @dataclass
@@ -127,7 +134,8 @@ class Localization:
             return f"fingerprints agree with the control ({checked})" + (f"; {self.norm_check}" if self.norm_check else "")
         causes = self.causes
         named = "; ".join(g.phrase() for g in causes[:top])
-        more = f"; {len(causes) - top} smaller" if len(causes) > top else ""
+        hidden = len(causes) - top
+        more = f"; {hidden} smaller cause{'s' if hidden > 1 else ''} (report.json)" if hidden > 0 else ""
         following = len(self.groups) - len(causes)
         follow = (f" ({following} more deviations follow from these)" if following > 1 else " (1 more deviation follows from these)") if following else ""
         return f"step {self.first_step}: {named}{more}{follow}; {self.forward}; {self.backward}"

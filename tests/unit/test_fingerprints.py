@@ -134,3 +134,9 @@ def test_bad_steps_are_refused(key, value, message):
 def test_off_by_default():
     config = load_config(with_default_config([]))
     assert config.metrics.fingerprints is False
+
+
+def test_fingerprints_that_record_no_step_are_refused():
+    with pytest.raises(ConfigError, match="no step is recorded"):
+        load_config(with_default_config(["--metrics.fingerprints", "--metrics.fingerprint_first", "0",
+                                         "--metrics.fingerprint_every", "0"]))

@@ -75,6 +75,9 @@ def validate(config: JobConfig) -> None:
     need(c.metrics.fingerprint_first >= 0, f"metrics.fingerprint_first: must be >= 0, got {c.metrics.fingerprint_first}")
     need(c.metrics.fingerprint_every >= 0,
          f"metrics.fingerprint_every: must be >= 0 (0: only the first steps), got {c.metrics.fingerprint_every}")
+    need(not c.metrics.fingerprints or c.metrics.fingerprint_first > 0 or c.metrics.fingerprint_every > 0,
+         "metrics.fingerprints: with fingerprint_first = 0 and fingerprint_every = 0 no step is recorded; set "
+         "either above 0, or turn fingerprints off")
     prof = c.profiling  # checked also when off: a typo shows at once, not when profiling is turned on
     need(prof.profile_freq >= 1, f"profiling.profile_freq: must be >= 1, got {prof.profile_freq}")
     need(prof.profiler_warmup >= 0, f"profiling.profiler_warmup: must be >= 0, got {prof.profiler_warmup}")
