@@ -138,7 +138,7 @@ class FingerprintRecorder:
         self._rows = torch.tensor(rows, dtype=torch.long, device=self.device)
         if rows:
             scale_squared = loss_scale ** 2 if loss_scale is not None else 1.0
-            self._sums[self._rows, 0] = squared_norms(grads) / scale_squared
+            self._sums[self._rows, 0] = squared_norms(grads).to(self.device) / scale_squared
 
     @torch.no_grad()
     def finish(self, step: int, skipped: bool) -> None:
@@ -146,8 +146,9 @@ class FingerprintRecorder:
         sums up, and write the step's line."""
         if self._counted:
             after = [counted_part(p, self.reduce.ranks_per_stage).detach() for p in self._counted]
-            self._sums[self._rows, 1] = squared_norms(torch._foreach_sub(after, self._before))
-            self._sums[self._rows, 2] = squared_norms(after)
+            # .to(device): parameters offloaded to the CPU (training.enable_cpu_offload) sum there
+            self._sums[self._rows, 1] = squared_norms(torch._foreach_sub(after, self._before)).to(self.device)
+            self._sums[self._rows, 2] = squared_norms(after).to(self.device)
         self._counted, self._before = [], []
         totals = torch.cat([self._sums.flatten(), self.probe.sums.flatten()])
         if self.reduce.group is not None:
