@@ -71,3 +71,24 @@ def test_a_checkpointed_run_resumes_exactly(straight, tmp_path, figure):
     figure(f"resume at step 5, {dtype}: largest |loss diff| over steps 6-10 {max(diffs[s] for s in range(6, 11)):.1e}")
     assert losses(tmp_path) == losses(uninterrupted), diffs
     assert [again[s]["grad_norm"] for s in range(6, 11)] == [reference[s]["grad_norm"] for s in range(6, 11)]
+
+
+def test_fingerprints_on_the_device_add_up_to_the_logged_norm(tmp_path, figure):
+    """metrics.fingerprints on the device: steps 1-3 recorded, every figure finite, and the
+    parameters' gradient norms add up to the global norm the run logged."""
+    import json
+    import math
+
+    result = train([*JOB, *DETERMINISTIC, *dtype_args("bfloat16"), "--training.steps", "3", "--metrics.fingerprints",
+                    "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    prints = [json.loads(line) for line in (tmp_path / "fingerprints.jsonl").open()]
+    steps = step_records(tmp_path)
+    assert [p["step"] for p in prints] == [1, 2, 3]
+    for p in prints:
+        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms"):
+            assert all(v is not None and math.isfinite(v) and v > 0 for v in p[quantity].values()), quantity
+        total = math.sqrt(sum(v * v for v in p["grad_norm"].values()))
+        assert total == pytest.approx(steps[p["step"]]["grad_norm"], rel=1e-9)
+    figure(f"fingerprints bfloat16, 3 steps: block output RMS {prints[0]['output_rms']['0']:.4f} (block 0, step 1), "
+           f"gradient norms add up to the logged norm {steps[1]['grad_norm']:.6f}")
