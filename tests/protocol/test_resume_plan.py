@@ -71,7 +71,14 @@ def start(folder: Path, *args: str) -> subprocess.Popen:
     (folder / "plan.toml").write_text(PLAN)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "protocol", "run", "plan.toml", *args], cwd=folder, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=default_interrupt)
+
+
+def default_interrupt() -> None:
+    """Ctrl-C as a terminal delivers it: a test suite started in the background (`cmd &` in a
+    script) ignores SIGINT, and every process it starts would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen) -> str:
