@@ -36,9 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.optim import NormReduction, counted_part
-from trainer.run_record import FINGERPRINTS_FILE
-PARAMETER_QUANTITIES = ("grad_norm", "update_norm", "param_norm")
-BLOCK_QUANTITIES = ("output_rms", "grad_rms")
+from trainer.run_record import FINGERPRINTS_FILE, PARAMETER_QUANTITIES
 
 
 def is_recorded(step: int, first: int, every: int) -> bool:
@@ -108,6 +106,7 @@ class FingerprintRecorder:
         self.path = Path(folder) / FINGERPRINTS_FILE if folder is not None else None
         self.device = device
         self._sums = None  # per parameter: gradient, update, value sums of squares
+        self._rows = None  # the rows of _sums this rank fills, one per counted parameter
         self._counted: list[torch.nn.Parameter] = []  # the parameters this rank counts, in _rows order
         self._before: list[torch.Tensor] = []  # their parts before the optimizer step
 

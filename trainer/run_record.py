@@ -49,6 +49,9 @@ from pathlib import Path
 RECORD_FILE = "run_meta.json"
 METRICS_FILE = "metrics.jsonl"
 FINGERPRINTS_FILE = "fingerprints.jsonl"  # trainer/fingerprints.py: kept with metrics.jsonl
+# What a line of fingerprints.jsonl holds besides its step: per parameter, and per block.
+PARAMETER_QUANTITIES = ("grad_norm", "update_norm", "param_norm")
+BLOCK_QUANTITIES = ("output_rms", "grad_rms")
 STEP_FILES = (METRICS_FILE, FINGERPRINTS_FILE)  # one line per step
 PREVIOUS_DIR = "previous"
 FORMAT = 2

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.verdict.fingerprints import BLOCK_QUANTITIES, LAYER, pattern_of
+
 OUTSIDE = "outside blocks"
 # Columns: the block activations, then each module's gradient, update and weight norm.
 ACTIVATION_COLUMNS = (("output_rms", "block output RMS"), ("grad_rms", "block gradient RMS"))
@@ -19,8 +21,6 @@ QUANTITY_SHORT = {"grad_norm": "grad", "update_norm": "update", "param_norm": "w
 
 def layout(scores: dict[tuple[str, str], float]) -> tuple[list[str], list[tuple[str, str, str]]]:
     """(row names, columns as (quantity, module, label)) of the entries that have a score."""
-    from protocol.verdict.fingerprints import BLOCK_QUANTITIES, LAYER, pattern_of  # noqa: I001
-
     blocks = sorted({entry for quantity, entry in scores if quantity in BLOCK_QUANTITIES}, key=int)
     modules: list[str] = []
     outside = False

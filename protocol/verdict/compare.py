@@ -102,11 +102,11 @@ def fail_on_fingerprints(results: list[SetResult], localized: dict) -> None:
 
 
 def parting_sets(results: list[SetResult], localized: dict) -> list[str]:
-    """Statistical mode: a set expected to pass whose fingerprints part from the control's is
-    worth a warning even when its curves pass."""
+    """A set expected to pass whose fingerprints part from the control's is worth a warning even
+    when its curves pass (statistical mode; in exact mode such a set has failed)."""
     return [f"{r.name}: its fingerprints part from the control's at {localized[r.name].summary(top=1)}"
             for r in results if r.expect == "pass" and not r.failed and r.name in localized
-            and localized[r.name].mode == "statistical" and localized[r.name].deviates]
+            and localized[r.name].deviates]
 
 
 def plan_status(results: list[SetResult], not_compared: list[NotCompared]) -> str:

@@ -29,9 +29,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FINGERPRINTS_FILE = "fingerprints.jsonl"
-PARAMETER_QUANTITIES = ("grad_norm", "update_norm", "param_norm")
-BLOCK_QUANTITIES = ("output_rms", "grad_rms")
+from trainer.run_record import BLOCK_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
+
 QUANTITIES = PARAMETER_QUANTITIES + BLOCK_QUANTITIES
 LABELS = {"grad_norm": "gradient norm", "update_norm": "update norm", "param_norm": "weight norm",
           "output_rms": "output RMS", "grad_rms": "gradient RMS"}
@@ -242,8 +241,7 @@ def follows(group: Group, groups: list[Group]) -> bool:
     earlier = PARAMETER_QUANTITIES[:PARAMETER_QUANTITIES.index(group.quantity)]
     if any((q, group.pattern) in deviating or (q, "every parameter") in deviating for q in earlier):
         return True
-    fed = FEEDS.get(module_of(group.pattern).rpartition(".")[2] if "." not in module_of(group.pattern)
-                    else module_of(group.pattern), ())
+    fed = FEEDS.get(module_of(group.pattern), ())
     prefix = "layers.*." if group.pattern.startswith("layers.*.") else ""
     return any(set(group.blocks) & set(deviating[(group.quantity, f"{prefix}{f}.weight")].blocks)
                for f in fed if (group.quantity, f"{prefix}{f}.weight") in deviating)
