@@ -73,14 +73,19 @@ def test_a_checkpointed_run_resumes_exactly(straight, tmp_path, figure):
     assert [again[s]["grad_norm"] for s in range(6, 11)] == [reference[s]["grad_norm"] for s in range(6, 11)]
 
 
-def test_fingerprints_on_the_device_add_up_to_the_logged_norm(tmp_path, figure):
+@pytest.mark.parametrize("offload", [False, True], ids=["on the device", "cpu offload"])
+def test_fingerprints_on_the_device_add_up_to_the_logged_norm(tmp_path, figure, offload):
     """metrics.fingerprints on the device: steps 1-3 recorded, every figure finite, and the
-    parameters' gradient norms add up to the global norm the run logged."""
+    parameters' gradient norms add up to the global norm the run logged; with the parameters
+    offloaded to the CPU (FSDP over one rank) too, where their sums are taken on the CPU."""
     import json
     import math
 
+    if offload and DEVICE != "cuda":
+        pytest.skip("training.enable_cpu_offload is refused on the CPU: there is nothing to offload")
+    extra = ["--training.enable_cpu_offload"] if offload else []
     result = train([*JOB, *DETERMINISTIC, *dtype_args("bfloat16"), "--training.steps", "3", "--metrics.fingerprints",
-                    "--job.dump_folder", str(tmp_path)])
+                    *extra, "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     prints = [json.loads(line) for line in (tmp_path / "fingerprints.jsonl").open()]
     steps = step_records(tmp_path)
@@ -90,5 +95,5 @@ def test_fingerprints_on_the_device_add_up_to_the_logged_norm(tmp_path, figure):
             assert all(v is not None and math.isfinite(v) and v > 0 for v in p[quantity].values()), quantity
         total = math.sqrt(sum(v * v for v in p["grad_norm"].values()))
         assert total == pytest.approx(steps[p["step"]]["grad_norm"], rel=1e-9)
-    figure(f"fingerprints bfloat16, 3 steps: block output RMS {prints[0]['output_rms']['0']:.4f} (block 0, step 1), "
+    figure(f"fingerprints bfloat16{', cpu offload' if offload else ''}, 3 steps: block output RMS {prints[0]['output_rms']['0']:.4f} (block 0, step 1), "
            f"gradient norms add up to the logged norm {steps[1]['grad_norm']:.6f}")

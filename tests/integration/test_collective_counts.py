@@ -51,6 +51,16 @@ def test_fsdp_with_accumulation_counts_every_microbatch(tmp_path):
     assert summary["tp_syncs_per_forward"] == 2 * BLOCKS + 1  # per microbatch, as with one
 
 
+def test_fingerprints_add_no_collective_to_the_counted_step(tmp_path):
+    """metrics.fingerprints at the counted step: its one all-reduce comes after the count, so
+    the counts are those of a run without fingerprints."""
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    plain, _ = counted(tmp_path / "plain", 2, *tp)
+    with_prints, _ = counted(tmp_path / "prints", 2, *tp, "--metrics.fingerprints")
+    assert with_prints == plain
+    assert (tmp_path / "prints" / "fingerprints.jsonl").is_file()
+
+
 def test_counting_is_refused_with_compile():
     config = JobConfig()
     config.metrics.count_collectives, config.compile.enable = True, True

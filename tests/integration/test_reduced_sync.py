@@ -103,3 +103,18 @@ def test_pipeline_stages_train_the_same_model(tmp_path):
     pipeline_diff = max(abs(grouped[s] - grouped_pp[s]) for s in range(1, 7))
     model_diff = max(abs(grouped[s] - exact[s]) for s in range(1, 7))
     assert pipeline_diff <= 1e-6 and model_diff > 10 * max(pipeline_diff, 1e-6), (pipeline_diff, model_diff)
+
+
+def test_fingerprints_leave_out_the_partial_streams_inside_a_group(tmp_path):
+    """metrics.fingerprints under grouped syncs: a block inside a group hands on a partial stream,
+    so it has no activation figures (null); the blocks that end a group have them, and every
+    parameter's gradient norm is recorded and adds up to the logged global norm."""
+    result = launch(2, [*TINY_JOB, "--training.steps", "2", *TP2, *GROUPED_2, "--metrics.fingerprints",
+                        "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 0, describe(result)
+    norms = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path) if "kind" not in r}
+    for line in map(json.loads, (tmp_path / "fingerprints.jsonl").open()):
+        for quantity in ("output_rms", "grad_rms"):
+            assert [name for name, value in line[quantity].items() if value is None] == ["0", "2"], line[quantity]
+        total = sum(value ** 2 for value in line["grad_norm"].values()) ** 0.5
+        assert total == pytest.approx(norms[line["step"]], rel=1e-9)
