@@ -1,7 +1,7 @@
 """`protocol plan | run | compare`: from a convergence test plan to launches, runs and a verdict.
 
     protocol plan PLAN.toml [--format table|json|shell|slurm] [--out DIR]
-    protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm] [--rerun-stale] [--compare]
+    protocol run PLAN.toml [--only NAME,...] [--launcher local|slurm [--poll SECONDS]] [--rerun-stale] [--compare]
     protocol compare PLAN.toml [--only NAME,...] [--out DIR]
     protocol compare [PLAN.toml] --control DIR [--noise DIR ...] --test [NAME=]DIR [...] [--mode ...] ...
     protocol compare --unpaired --control DIR --control DIR --control DIR --test [NAME=]DIR ...
@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                           "now (their folders move to <output>/superseded/); without it such runs are refused")
     run.add_argument("--compare", action="store_true",
                      help="compare and write the report when the runs are done (failed runs are FAILED rows)")
+    run.add_argument("--poll", type=float, default=60.0, metavar="SECONDS",
+                     help="--launcher slurm: seconds between looks at the queue (default 60)")
     run.set_defaults(handler=cmd_run)
 
     compare = commands.add_parser("compare", help="compare the curves with the control and give a verdict")
@@ -163,6 +165,8 @@ def cmd_run(args) -> int:
     from protocol.run.local import run_local
     from protocol.run.slurm import run_slurm
 
+    if args.poll <= 0:
+        raise UsageError(f"--poll: {args.poll:g} is not a number of seconds; give a positive number, e.g. 60")
     if args.launcher == "slurm" and shutil.which("sbatch") is None:
         raise UsageError("--launcher slurm: sbatch is not on PATH; run this on a SLURM login node, or write the "
                          "scripts with `protocol plan PLAN --format slurm --out DIR`")
@@ -171,7 +175,8 @@ def cmd_run(args) -> int:
     only = names(args.only)
     output_folder(plan.output, f"{args.plan}: plan.output")
     if args.launcher == "slurm":
-        results = run_slurm(plan, launches, plan.output / SLURM_DIR, only=only, rerun_stale=args.rerun_stale)
+        results = run_slurm(plan, launches, plan.output / SLURM_DIR, only=only, rerun_stale=args.rerun_stale,
+                            poll=args.poll)
     else:
         results = run_local(plan, launches, only=only, on_progress=log.info, rerun_stale=args.rerun_stale)
     status = 1 if any(r.failed for r in results) else 0

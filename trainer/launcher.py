@@ -18,6 +18,9 @@ on stderr and exits:
 
 Exit code: 2 when that rank stopped on a user's mistake (it exited 2), 128+N when it was killed by
 signal N (the message names the signal and its likely cause), else the rank's exit code.
+SIGUSR1 or SIGUSR2 to the launcher is passed on to the ranks (checkpoint.save_on_signal,
+trainer/stop_request.py): they save a checkpoint and stop; the launcher prints `stopped: saved a
+checkpoint at step N ...` and exits 75, and the same command resumes from that step.
 The seed checkpoint (`--checkpoint.create_seed_checkpoint`) runs the same way as one process.
 
 A job's safety:
@@ -39,6 +42,11 @@ A job's safety:
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a stop request (SIGUSR1) must not kill the launcher while it imports
+    from trainer import stop_request
+
+    stop_request.listen()  # passed on to the ranks, which save and stop (trainer/stop_request.py)
+
 import logging
 import os
 import signal
@@ -52,7 +60,7 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
-from trainer import run_lock
+from trainer import run_lock, stop_request
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import IGNORED_SHOWN, ConfigError, load_config, with_default_config
 from trainer.failure_report import (  # noqa: F401 (the launcher's report, also imported from here)
@@ -404,6 +412,10 @@ def report(outcome: Outcome, config: JobConfig, need, folder: Path, offline_host
     """The one failure block of the last attempt; the launcher's exit code."""
     failures = outcome.failures
     cause = root_cause(failures)
+    if all(failure.exitcode == stop_request.SAVED_AND_STOPPED for failure in failures):
+        print(f"stopped: {cause.message or 'the ranks saved a checkpoint and stopped on request'}", file=sys.stderr,
+              flush=True)
+        return stop_request.SAVED_AND_STOPPED
     for failure in sorted(failures, key=lambda f: f.rank):
         logger.info("rank %d: exit %d at %.3f: %s", failure.rank, failure.exitcode, failure.time, failure.message)
     hang = Hang(config.comm.train_timeout_seconds, config.comm.init_timeout_seconds, outcome.stopped)

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from trainer.failure_report import RankFailure, root_cause
+from trainer.stop_request import SAVED_AND_STOPPED, catches, received
 
 USER_MISTAKE = 2  # a rank's exit code for a mistake in the config, the data or a checkpoint
 # Told before each restart: (the rank that failed first, this restart's number, the most
@@ -46,7 +47,10 @@ def attempt_folder(folder: Path, restart: int) -> Path:
 def retryable(cause: RankFailure) -> bool:
     """Whether a restart can help: not after a user's mistake (exit 2), unless that error came
     from a peer that stopped answering or vanished (a checkpoint that could not be written because
-    a collective timed out is reported with exit 2, but the next attempt can write it)."""
+    a collective timed out is reported with exit 2, but the next attempt can write it); not after
+    a stop on request either."""
+    if cause.exitcode == SAVED_AND_STOPPED:  # asked to stop (trainer/stop_request.py): it saved, it is done
+        return False
     return cause.exitcode != USER_MISTAKE or cause.timed_out or cause.peer_lost
 
 
@@ -74,6 +78,7 @@ class RankAgent(LocalElasticAgent):
         self.log_folder, self.on_restart = log_folder, on_restart
         self.restarts_done = 0
         self.stopped_ranks: list[int] = []  # stopped when the last failure was seen
+        self.passed_on: set[tuple[int, signal.Signals]] = set()  # (rank pid, stop signal) sent
 
     def failures_of(self, result: RunResult) -> list[RankFailure]:
         """The failed ranks of the current attempt; those this agent killed because they were
@@ -85,6 +90,7 @@ class RankAgent(LocalElasticAgent):
         return failures
 
     def _monitor_workers(self, worker_group):
+        self.pass_on_stop_signals()
         stopped = self.kill_stopped_after_failure(worker_group)
         if stopped:
             self.stopped_ranks = stopped
@@ -94,6 +100,21 @@ class RankAgent(LocalElasticAgent):
                 self._remaining_restarts = 0  # the same mistake would end every attempt
             self.last_failure = result
         return result
+
+    def pass_on_stop_signals(self) -> None:
+        """Send each stop signal the launcher got (trainer/stop_request.py) to every rank once,
+        as soon as the rank handles it (a rank still importing would die of it)."""
+        signals = received()
+        if not signals or not self._pcontext:
+            return
+        for pid in self._pcontext.pids().values():
+            for sig in signals:
+                if (pid, sig) not in self.passed_on and catches(pid, sig):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                    self.passed_on.add((pid, sig))
 
     def kill_stopped_after_failure(self, worker_group) -> list[int]:
         """Once a rank has failed, SIGKILL the ranks whose process is stopped (SIGSTOP, a

@@ -16,7 +16,8 @@ Record fields (format 2), written by the rank that logs:
     format        2
     status        "running" (also what a killed run leaves), "completed" (reached training.steps),
                   "data ended" (a finite dataset ended with training.dataset_end = "stop"),
-                  "failed" (an error stopped it; see "error")
+                  "failed" (an error stopped it; see "error"), "interrupted" (it saved its
+                  last step on checkpoint.save_on_signal and stopped: a new start resumes)
     started, ended   ISO times (ended is null while running)
     last_step     the last step trained (updated when the run ends)
     config        the resolved configuration (trainer.config.manager.to_dict)
@@ -55,7 +56,7 @@ BLOCK_QUANTITIES = ("output_rms", "grad_rms")
 STEP_FILES = (METRICS_FILE, FINGERPRINTS_FILE)  # one line per step
 PREVIOUS_DIR = "previous"
 FORMAT = 2
-FINAL_STATUSES = ("completed", "data ended", "failed")
+FINAL_STATUSES = ("completed", "data ended", "failed", "interrupted")
 
 
 def now() -> str:

@@ -18,10 +18,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from trainer import stop_request
 
-from trainer import env, run_record
+if __name__ == "__main__":  # a rank: listen before torch's import, which takes seconds
+    stop_request.listen()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from trainer import env, run_record  # noqa: E402
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -111,6 +116,7 @@ class Trainer:
         # The run's record (run_meta.json) first: it decides what metrics.jsonl keeps of earlier starts.
         stamp = self._tensorboard_stamp()
         self.status, self.error = "running", None
+        self.stopped_at: int | None = None  # the step saved before stopping on checkpoint.save_on_signal
         self.record = None
         if self.rank == 0:
             self.record = run_record.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
@@ -123,6 +129,8 @@ class Trainer:
         )
         self.metrics_num_params = count_params_on_meta(model_args)
         self.fingerprints = self._fingerprint_recorder(model_args, parallel) if config.metrics.fingerprints else None
+        store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        self.stop = stop_request.StopAgreement(config.checkpoint.save_on_signal, self.checkpointer.saves, store)
 
     def _build_model(self, model_args) -> ParallelModel:
         parallel = build_on_meta(self.config, self.plan.dims, self.mesh, self.device, model_args)
@@ -269,6 +277,11 @@ class Trainer:
         except BaseException as e:
             self.error = f"{type(e).__name__}: {e}"
             raise
+        if self.stopped_at is not None:
+            self.status = "interrupted"
+            logger.info("saved step %d on %s and stopped; start the same command again to resume from it",
+                        self.stopped_at, self.stop.signal.name)
+            return
         self.status = "completed" if self.state.step >= cfg.training.steps else "data ended"
         logger.info("training done: %d steps, %d tokens; outputs in %s", self.state.step, self.state.tokens_seen,
                     os.path.abspath(cfg.job.dump_folder))
@@ -296,13 +309,15 @@ class Trainer:
                 data_ended = True
                 break
             self.state.tokens_seen += self.tokens_per_step
+            stop_at = self.stop.after_step(step)
+            stopping = stop_at is not None and step >= stop_at and step < last_step
             # Reading the norm waits for the device. Step t is read once step t+1 is queued, so the
             # device never idles for it; steps whose results are used right away are read at once.
             if unchecked is not None:
                 self._check_finite(*unchecked)
-            logging_step = should_log(step, cfg.metrics.log_freq, cfg.training.steps)
+            logging_step = should_log(step, cfg.metrics.log_freq, cfg.training.steps) or stopping  # no gap on resume
             evaluating = self.val_loader is not None and (step % cfg.validation.freq == 0 or step == cfg.training.steps)
-            saving = self.checkpointer.should_save(step, cfg.training.steps)
+            saving = self.checkpointer.should_save(step, cfg.training.steps) or stopping
             unchecked = (step, result)
             if logging_step or evaluating or saving or step == last_step:
                 self._check_finite(*unchecked)
@@ -333,6 +348,9 @@ class Trainer:
             last_log_time += time.perf_counter() - paused
             if profiler is not None:
                 profiler.step(step)
+            if stopping:
+                self.stopped_at = step
+                break
         if unchecked is not None:
             self._check_finite(*unchecked)
         trained = self.state.step >= first_step
@@ -458,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         trainer.train()
+        if trainer.stopped_at is not None:
+            report_error(f"saved a checkpoint at step {trainer.stopped_at} on {trainer.stop.signal.name} and stopped; "
+                         "start the same command again to resume from it", stop_request.SAVED_AND_STOPPED)
+            return stop_request.SAVED_AND_STOPPED
     except (NonFiniteLossError, LossScaleError) as e:
         return stop(e, 1)
     except (ConfigError, DataError, CheckpointError) as e:  # a stream that cannot be opened, a step folder in the way

@@ -30,7 +30,8 @@ from protocol.plan.criteria import Frequencies, read_criterion, read_early_stop,
 from protocol.plan.model import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
 from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
                                   SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
-                                  SLURM_KEYS, SLURM_KINDS, SLURM_MEM, SLURM_TIME, TABLES, Key, check_choice,
+                                  SLURM_DEVICES, SLURM_KEYS, SLURM_KINDS, SLURM_LIST_KEYS, SLURM_MEM, SLURM_TIME,
+                                  SLURM_TRAIN_KEYS, TABLES, Key, check_choice,
                                   check_minimum, closest, flatten, read_table)
 from protocol.plan.sweeps import Sweep, expand_sweeps
 from protocol.plan.tolerance import REPLACED, Tolerance, tolerance_keys
@@ -317,21 +318,45 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
 
 def read_slurm(data: Any, problems: list[str]) -> dict[str, SlurmJob]:
     """[slurm] options apply to every job; [slurm.seed] and [slurm.train] to one kind, over them
-    (their extra options come after the common ones)."""
+    (their list options, extra, prologue and srun_options, come after the common ones). The keys
+    of training jobs only (SLURM_TRAIN_KEYS) are refused in [slurm.seed]."""
     values = read_table(data, SLURM_KEYS, "slurm", problems)
     common = read_slurm_job(values, "slurm", problems)
     jobs = {}
     for kind in SLURM_KINDS:
-        table = read_table(values.get(kind, {}), SLURM_JOB_KEYS, f"slurm.{kind}", problems)
+        schema = SLURM_JOB_KEYS if kind == "seed" else {**SLURM_JOB_KEYS, **SLURM_TRAIN_KEYS}
+        table = values.get(kind, {})
+        for key in set(SLURM_TRAIN_KEYS) & set(table) if kind == "seed" else ():
+            problems.append(f"slurm.seed.{key}: only training jobs have it (the seed is one process on the CPU); "
+                            "set it under [slurm] or [slurm.train]")
+        table = read_table({k: v for k, v in table.items() if not (kind == "seed" and k in SLURM_TRAIN_KEYS)},
+                           schema, f"slurm.{kind}", problems)
         own = read_slurm_job(table, f"slurm.{kind}", problems)
-        jobs[kind] = SlurmJob(**{**common, **own, "extra": (*common.get("extra", ()), *own.get("extra", ()))})
+        lists = {key: (*common.get(key, ()), *own.get(key, ())) for key in SLURM_LIST_KEYS}
+        merged = {**common, **own, **lists}
+        if kind == "seed":
+            merged = {key: value for key, value in merged.items() if key not in SLURM_TRAIN_KEYS}
+        jobs[kind] = SlurmJob(**merged)
     return jobs
 
 
 def read_slurm_job(values: dict, where: str, problems: list[str]) -> dict[str, Any]:
     """The job keys of one table, checked; returns the valid ones."""
-    job = {key: value for key, value in values.items() if key in SLURM_JOB_KEYS}
+    job = {key: value for key, value in values.items() if key in SLURM_JOB_KEYS or key in SLURM_TRAIN_KEYS}
     check_minimum(job, "cpus_per_task", 1, where, problems)
+    check_choice(job, "device", SLURM_DEVICES, where, problems)
+    check_minimum(job, "save_before_limit", 0, where, problems)
+    check_minimum(job, "max_requeues", 0, where, problems)
+    if "rdzv_port" in job and not 1 <= job["rdzv_port"] <= 65535:
+        problems.append(f"{where}.rdzv_port: {job['rdzv_port']} is not a port (1-65535)")
+        del job["rdzv_port"]
+    for key in ("prologue", "srun_options"):
+        bad = [item for item in job.get(key, ()) if not isinstance(item, str)]
+        if bad:
+            problems.append(f"{where}.{key}: expected a list of strings, got {bad[0]!r}")
+            del job[key]
+        elif key in job:
+            job[key] = tuple(job[key])
     for key, pattern, example in (("time", SLURM_TIME, '"90" (minutes), "4:00:00" or "2-00:00:00"'),
                                   ("mem", SLURM_MEM, '"64G" or "500M"')):
         if key in job and not pattern.match(job[key]):

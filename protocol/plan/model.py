@@ -187,7 +187,8 @@ class Launch:
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """#SBATCH options a plan sets for one kind of job (the seed, or the training runs)."""
+    """What a plan sets for one kind of SLURM job (the seed, or the training runs): #SBATCH
+    options, shell lines and srun options, and how a training job meets its time limit."""
 
     partition: str | None = None
     account: str | None = None
@@ -195,14 +196,21 @@ class SlurmJob:
     time: str | None = None
     mem: str | None = None
     cpus_per_task: int | None = None
+    exclusive: bool = False
     extra: tuple[str, ...] = ()
+    prologue: tuple[str, ...] = ()
+    srun_options: tuple[str, ...] = ()
+    device: str = "cuda"
+    rdzv_port: int = RDZV_PORT
+    save_before_limit: int = 120
+    max_requeues: int = 10
 
     def sbatch_options(self) -> list[str]:
         """The options in the order the keys are listed, then the extra ones as written."""
         options = [f"--{key.replace('_', '-')}={getattr(self, key)}"
                    for key in ("partition", "account", "qos", "time", "mem", "cpus_per_task")
                    if getattr(self, key) is not None]
-        return options + list(self.extra)
+        return options + (["--exclusive"] if self.exclusive else []) + list(self.extra)
 
 
 @dataclass(frozen=True)

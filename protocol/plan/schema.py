@@ -139,19 +139,42 @@ SLURM_JOB_KEYS: dict[str, Key] = {
     "mem": Key(str, "#SBATCH --mem: host memory per node, such as \"64G\" (the seed job holds the whole model in "
                     "fp32: 4 bytes per parameter)."),
     "cpus_per_task": Key(int, "#SBATCH --cpus-per-task."),
+    "exclusive": Key(bool, "#SBATCH --exclusive: whole nodes, shared with no other job."),
     "extra": Key(list, "Further #SBATCH options, each as written after #SBATCH: [\"--constraint=h100\"]."),
+    "prologue": Key(list, "Shell lines run before the run, each as written: [\"module load cuda/12.4\", "
+                          "\"source ~/venvs/train/bin/activate\"]."),
+    "srun_options": Key(list, "Options of the srun that starts the run on each node: "
+                              "[\"--container-image=/shared/torch.sqsh\", \"--container-mounts=/shared\"]."),
+}
+# Keys of the training jobs only (under [slurm] or [slurm.train]): the seed is one CPU process.
+SLURM_TRAIN_KEYS: dict[str, Key] = {
+    "device": Key(str, "What the ranks run on: \"cuda\" (one GPU per process, #SBATCH --gpus-per-node) or \"cpu\" "
+                       "(one CPU per process, #SBATCH --cpus-per-task, unless cpus_per_task is set).", default="cuda"),
+    "rdzv_port": Key(int, "Port of the rendezvous on the first node of a multi-node run.", default=29500),
+    "save_before_limit": Key(int, "Seconds before the time limit at which SLURM asks the run to save and stop "
+                                  "(#SBATCH --signal=USR1@N; the job then requeues itself and resumes). SLURM may "
+                                  "signal up to 60 s earlier. 0: no signal, a run cut by its limit fails.",
+                             default=120),
+    "max_requeues": Key(int, "How many times a run requeues itself after saving before its time limit.",
+                        default=10),
 }
 SLURM_KEYS: dict[str, Key] = {
     **SLURM_JOB_KEYS,
-    "seed": Key(dict, "Options of the seed checkpoint job only (the keys above); it requests no GPU."),
+    **SLURM_TRAIN_KEYS,
+    "seed": Key(dict, "Options of the seed checkpoint job only (the job keys above); it requests no GPU."),
     "train": Key(dict, "Options of the training jobs only (the control and the sets; the keys above)."),
 }
+SLURM_DEVICES = ("cuda", "cpu")
+SLURM_LIST_KEYS = ("extra", "prologue", "srun_options")  # [slurm]'s items first, then the kind's
 # #SBATCH options the protocol writes itself, and what to use instead.
 SBATCH_OWNED = {
     "--job-name": "the run's name", "-J": "the run's name", "--output": "the protocol", "-o": "the protocol",
     "--nodes": "the run's degrees", "-N": "the run's degrees", "--ntasks": "the protocol", "-n": "the protocol",
     "--ntasks-per-node": "the protocol", "--gpus-per-node": "plan.gpus_per_node",
     "--dependency": "the protocol (runs wait for the seed)", "-d": "the protocol (runs wait for the seed)",
+    "--signal": "the save_before_limit key", "--requeue": "the protocol (a run requeues itself after saving)",
+    "--no-requeue": "the protocol (a run requeues itself after saving)", "--open-mode": "the protocol (logs append)",
+    "--exclusive": "the exclusive key",
     "--partition": "the partition key", "-p": "the partition key", "--account": "the account key",
     "-A": "the account key", "--qos": "the qos key", "-q": "the qos key", "--time": "the time key",
     "-t": "the time key", "--mem": "the mem key", "--cpus-per-task": "the cpus_per_task key",

@@ -3,23 +3,34 @@
 The seed job is one process that needs no GPU (it initializes the model on the CPU) but the
 whole model in host memory; every other job starts the trainer's launcher (trainer/launcher.py)
 once per node through srun, with a c10d rendezvous on the first node of the allocation. The
-launcher checks the configuration first and ends a failed run with one `error:` block. Each script claims its run folder
-(`.protocol-run`) before the run starts, so `protocol run` and `protocol compare` recognize the
-runs it made. The plan's [slurm] tables add #SBATCH options per kind of job.
+launcher checks the configuration first and ends a failed run with one `error:` block. Each script
+claims its run folder (`.protocol-run`) before the run starts, so `protocol run` and `protocol
+compare` recognize the runs it made. The plan's [slurm] tables add #SBATCH options, shell lines
+(`prologue`) and srun options per kind of job.
+
+A training job survives its time limit: SLURM signals it `save_before_limit` seconds before
+(`--signal`), the ranks save a checkpoint and stop with exit 75 (trainer/stop_request.py), and the
+script requeues its own job (at most `max_requeues` times), which resumes from that checkpoint.
+Its log is appended to (`--open-mode=append`), one attempt after the other. A script edited by
+hand is never overwritten (protocol.run.script_files).
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from protocol.plan.model import RDZV_PORT, REPO_ROOT, Launch, Plan, slugify
+from protocol.plan.model import REPO_ROOT, Launch, Plan, SlurmJob, slugify
+from protocol.plan.select import LaunchError
 from protocol.run.folders import CLAIM_FUNCTION, claim_command
 from protocol.run.render import unless_seed_exists
+from protocol.run.script_files import write_script
 
 SUBMIT_ALL = "submit_all.sh"
+SAVED_AND_STOPPED = 75  # trainer.stop_request.SAVED_AND_STOPPED (the protocol does not import the trainer)
+STOP_SIGNAL_OPTION = "--checkpoint.save_on_signal"
 
 
 def sbatch_script(plan: Plan, launch: Launch, log_path: Path) -> str:
@@ -28,20 +39,43 @@ def sbatch_script(plan: Plan, launch: Launch, log_path: Path) -> str:
 
 
 def sbatch_header(plan: Plan, launch: Launch, log_path: Path) -> list[str]:
+    job = plan.slurm_job(launch)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={slugify(plan.name)}-{launch.slug}", f"#SBATCH --nodes={launch.nodes}"]
     if launch.role == "seed":
         lines.append("#SBATCH --ntasks=1")  # and no GPU: the seed is made on the CPU
     else:
-        lines += ["#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={launch.procs_per_node}"]
-    lines.append(f"#SBATCH --output={log_path}")
-    return lines + [f"#SBATCH {option}" for option in plan.slurm_job(launch).sbatch_options()]
+        lines.append("#SBATCH --ntasks-per-node=1")  # the launcher, which starts the node's ranks
+        if job.device == "cuda":
+            lines.append(f"#SBATCH --gpus-per-node={launch.procs_per_node}")
+        elif job.cpus_per_task is None:
+            lines.append(f"#SBATCH --cpus-per-task={launch.procs_per_node}")  # a CPU per rank
+    lines += [f"#SBATCH --output={log_path}", "#SBATCH --open-mode=append"]
+    signal = stop_signal(launch)
+    if launch.role != "seed" and job.save_before_limit and signal:
+        lines += [f"#SBATCH --signal={signal.removeprefix('SIG')}@{job.save_before_limit}", "#SBATCH --requeue"]
+    return lines + [f"#SBATCH {option}" for option in job.sbatch_options()]
+
+
+def stop_signal(launch: Launch) -> str | None:
+    """The signal on which the run saves and stops (checkpoint.save_on_signal), None for "none"."""
+    args = list(launch.args)
+    value = "SIGUSR1"
+    for i, arg in enumerate(args):
+        if arg == STOP_SIGNAL_OPTION and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(STOP_SIGNAL_OPTION + "="):
+            value = arg.split("=", 1)[1]
+    return None if value == "none" else value
 
 
 def job_body(plan: Plan, launch: Launch) -> list[str]:
+    job = plan.slurm_job(launch)
     args = shlex.join(launch.args)
+    srun_options = "".join(f"{shlex.quote(option)} " for option in job.srun_options)
     lines = [
         "set -euo pipefail",
         f"cd {shlex.quote(str(REPO_ROOT))}",
+        *job.prologue,
         'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"',
         'if [ -z "${PYTHON:-}" ]; then',
         '  if [ -n "${VIRTUAL_ENV:-}" ]; then PYTHON=python',
@@ -49,18 +83,41 @@ def job_body(plan: Plan, launch: Launch) -> list[str]:
         '  elif [ -x .venv/bin/python ]; then PYTHON="$PWD/.venv/bin/python"',
         "  else PYTHON=python3; fi",
         "fi",
+        "# srun does not pass the job's --cpus-per-task on to its tasks by itself (SLURM 22.05 and later)",
+        'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi',
         CLAIM_FUNCTION,
         claim_command(plan, launch),
         f"echo {shlex.quote(f'protocol run {launch.name}: {launch.nproc} process(es)')} "
-        '"on $SLURM_NNODES node(s), job $SLURM_JOB_ID"',
+        '"on $SLURM_NNODES node(s), job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1))"',
     ]
     if launch.role == "seed":
-        seed = [f'srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
+        seed = [f'srun --ntasks=1 {srun_options}"$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
         return lines + unless_seed_exists(launch, seed, "seed")
     return lines + [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc {launch.procs_per_node} --device cuda '
-        f'--nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" {args}',
+        "status=0",
+        f'srun --kill-on-bad-exit=1 {srun_options}"$PYTHON" -m trainer.launcher --nproc {launch.procs_per_node} '
+        f'--device {job.device} --nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:{job.rdzv_port}" '
+        f'--rdzv-id "$SLURM_JOB_ID" {args} || status=$?',
+        *requeue_lines(launch, job),
+        'exit "$status"',
+    ]
+
+
+def requeue_lines(launch: Launch, job: SlurmJob) -> list[str]:
+    """After a save on the time limit's signal (exit 75), the job requeues itself to resume."""
+    name = shlex.quote(f"protocol run {launch.name}")
+    return [
+        f'if [ "$status" -eq {SAVED_AND_STOPPED} ]; then',
+        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {job.max_requeues} ]; then',
+        f'    echo {name}": saved a checkpoint before the time limit; job $SLURM_JOB_ID requeued to resume from it '
+        f'(requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of {job.max_requeues})"',
+        '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        "  else",
+        f'    echo {name}": saved a checkpoint and stopped after {job.max_requeues} requeues (max_requeues); '
+        'run protocol run again to resume"',
+        "  fi",
+        "fi",
     ]
 
 
@@ -78,7 +135,8 @@ def job_log(out_dir: Path, launch: Launch, job_id: str) -> Path:
 
 
 def submit_all_script(launches: Sequence[Launch], out_dir: Path) -> str:
-    """Submits the seed first; every run that needs it waits for it (afterok)."""
+    """Submits the seed first; every run that needs it waits for it (afterok), and is cancelled
+    by SLURM if the seed fails (--kill-on-invalid-dep, else it would wait forever)."""
     lines = ["#!/usr/bin/env bash", "# Submit the protocol's jobs; runs needing the seed checkpoint wait for it.",
              "set -euo pipefail", 'cd "$(dirname "${BASH_SOURCE[0]}")"']
     seeds = [launch for launch in launches if launch.role == "seed"]
@@ -88,24 +146,32 @@ def submit_all_script(launches: Sequence[Launch], out_dir: Path) -> str:
     for launch in launches:
         if launch.role == "seed":
             continue
-        dependency = "--dependency=afterok:$seed " if seeds and launch.depends_on else ""
+        dependency = "--dependency=afterok:$seed --kill-on-invalid-dep=yes " if seeds and launch.depends_on else ""
         name = shlex.quote(script_path(out_dir, launch).name)
         lines.append(f"echo \"{launch.slug}: job $(sbatch --parsable {dependency}{name})\"")
     return "\n".join(lines) + "\n"
 
 
-def write_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path) -> list[Path]:
+def write_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path,
+                report: Callable[[str], None] | None = None) -> list[Path]:
     """One sbatch script per launch (`<slug>.sbatch`, logs `<slug>-<job id>.log` next to it) and
-    `submit_all.sh`; returns their paths, the scripts in launch order, submit_all.sh last."""
+    `submit_all.sh`; returns their paths, the scripts in launch order, submit_all.sh last. A
+    script edited by hand is kept, or refused when the plan's script changed
+    (protocol.run.script_files); `report` is told of each one kept."""
     out_dir = Path(out_dir).absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for launch in launches:
-        path = script_path(out_dir, launch)
-        path.write_text(sbatch_script(plan, launch, slurm_log_pattern(out_dir, launch)))
-        path.chmod(0o755)
-        paths.append(path)
-    submit = out_dir / SUBMIT_ALL
-    submit.write_text(submit_all_script(launches, out_dir))
-    submit.chmod(0o755)
-    return paths + [submit]
+    texts = {script_path(out_dir, launch): sbatch_script(plan, launch, slurm_log_pattern(out_dir, launch))
+             for launch in launches}
+    texts[out_dir / SUBMIT_ALL] = submit_all_script(launches, out_dir)
+    refused = []
+    for path, text in texts.items():
+        try:
+            note = write_script(path, text)
+        except LaunchError as e:
+            refused.append(str(e))
+            continue
+        if note and report is not None:
+            report(note)
+    if refused:
+        raise LaunchError("\n".join(refused))
+    return list(texts)

@@ -32,13 +32,19 @@ from protocol.run.searches import run_searches
 logger = logging.getLogger(__name__)
 
 Runner = Callable[[list[str]], str]
-# Final states of a SLURM job (sacct); anything else is still queued or running.
+# Final states of a SLURM job (sacct); anything else is still queued or running. A training job
+# that SLURM preempts and requeues (--requeue) passes through PREEMPTED and runs again.
 SLURM_FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
                "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+REQUEUED_AFTER = {"PREEMPTED", "NODE_FAIL"}  # not final for a job submitted with --requeue
 STATE_CAUSES = {
     "OUT_OF_MEMORY": "the job passed its host memory limit; raise mem in the plan's [slurm.seed] or [slurm.train]",
-    "TIMEOUT": "the job reached its time limit; raise time in the plan's [slurm.seed] or [slurm.train]",
+    "TIMEOUT": "the job reached its time limit without saving (save_before_limit is 0, or the save took longer); "
+               "raise time or save_before_limit in the plan's [slurm.seed] or [slurm.train]",
 }
+# Pending reasons that no waiting resolves; the job is reported, and cancelled.
+NEVER_STARTS = {"BadConstraints", "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
+                "ReqNodeNotAvail", "InvalidAccount", "InvalidQOS", "DependencyNeverSatisfied"}
 
 
 def run_command(argv: list[str]) -> str:
@@ -70,7 +76,7 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
                and (done := settled(decisions[launch.name], launch.name, report)) is not None}
     to_run = [launch for launch in selected if decisions[launch.name].action == RUN]
     if to_run:
-        write_slurm(plan, to_run, out_dir)
+        write_slurm(plan, to_run, out_dir, report)
     pending = [decisions[launch.name] for launch in to_run if launch not in later]
     if pending:
         jobs = submit(plan, pending, out_dir, runner, report)
@@ -103,8 +109,8 @@ def submit(plan: Plan, decisions: Sequence[Decision], out_dir: Path, runner: Run
         clear_stopped(launch.output)  # stopped under rules the plan no longer has: it runs on
         argv = ["sbatch", "--parsable"]
         needed = [jobs[name][1] for name in launch.depends_on if name in jobs]
-        if needed:
-            argv.append("--dependency=afterok:" + ":".join(needed))
+        if needed:  # SLURM cancels it when the seed fails, instead of keeping it pending forever
+            argv += ["--dependency=afterok:" + ":".join(needed), "--kill-on-invalid-dep=yes"]
         job_id = runner([*argv, str(script_path(out_dir, launch))]).strip().split(";")[0]
         jobs[launch.name] = (launch, job_id)
         report(f"{launch.name}: submitted as job {job_id}" + (f" (after job {', '.join(needed)})" if needed else "")
@@ -112,42 +118,63 @@ def submit(plan: Plan, decisions: Sequence[Decision], out_dir: Path, runner: Run
     return jobs
 
 
-def job_states(job_ids: Sequence[str], runner: Runner) -> dict[str, str]:
-    """Job id -> state: sacct's when it knows the job, else squeue's; jobs neither lists are absent."""
+def job_states(job_ids: Sequence[str], runner: Runner) -> dict[str, tuple[str, str]]:
+    """Job id -> (state, squeue's reason): sacct's state when it knows the job, else squeue's
+    (which lists finished jobs too, for the controller's MinJobAge); jobs neither lists are absent."""
     ids = ",".join(job_ids)
-    states: dict[str, str] = {}
+    states: dict[str, tuple[str, str]] = {}
     try:
-        for line in runner(["squeue", "-h", "-j", ids, "-o", "%i %T"]).splitlines():
-            parts = line.split()
+        for line in runner(["squeue", "-h", "-t", "all", "-j", ids, "-o", "%i %T %r"]).splitlines():
+            parts = line.split(maxsplit=2)
             if len(parts) >= 2:
-                states[parts[0]] = parts[1]
+                states[parts[0]] = (parts[1], parts[2] if len(parts) > 2 and parts[2] != "None" else "")
     except LaunchError:
         pass  # squeue refuses ids that left the queue; sacct knows them
     try:
         for line in runner(["sacct", "-n", "-P", "-X", "-j", ids, "-o", "JobID,State"]).splitlines():
             job, _, state = line.partition("|")
             if job.strip() in job_ids and state.strip():
-                states[job.strip()] = state.split()[0].rstrip("+")
+                states[job.strip()] = (state.split()[0].rstrip("+"), states.get(job.strip(), ("", ""))[1])
     except LaunchError:
         pass  # no accounting on this cluster: squeue alone decides
     return states
 
 
+def job_details(job_id: str, runner: Runner) -> dict[str, str]:
+    """scontrol's fields of a job the controller still holds (JobState, Reason, ExitCode, ...);
+    empty once it has forgotten the job."""
+    try:
+        text = runner(["scontrol", "show", "job", "-o", job_id])
+    except LaunchError:
+        return {}
+    return dict(field.split("=", 1) for field in text.split() if "=" in field)
+
+
 def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path, runner: Runner, poll: float,
                   report: Progress, sleep: Callable[[float], None]) -> dict[str, RunResult]:
     results: dict[str, RunResult] = {}
-    seen: dict[str, str] = {}
+    seen: dict[str, tuple[str, str]] = {}
     began = time.monotonic()
     while len(results) < len(jobs):
         waiting = {name: job for name, job in jobs.items() if name not in results}
         states = job_states([job_id for _, job_id in waiting.values()], runner)
         for name, (launch, job_id) in waiting.items():
-            state = states.get(job_id, "GONE")
-            if seen.get(name) != state and state != "GONE":
-                report(f"{name}: job {job_id} {state}")
-                seen[name] = state
-            if state in SLURM_FINAL or state == "GONE":
-                results[name] = job_result(plan, launch, job_id, state, out_dir, time.monotonic() - began)
+            state, reason = states.get(job_id, ("GONE", ""))
+            if seen.get(name) != (state, reason) and state != "GONE":
+                report(f"{name}: job {job_id} {state}" + (f" ({reason})" if reason else ""))
+                seen[name] = (state, reason)
+            if state in REQUEUED_AFTER and requeues(plan, launch):
+                continue  # SLURM runs it again; it resumes from its checkpoint
+            blocked = [dep for dep in launch.depends_on if dep in results and results[dep].failed]
+            if state == "CANCELLED" and blocked:  # by SLURM: --kill-on-invalid-dep
+                message = f"needs {', '.join(blocked)}, which did not complete; SLURM cancelled job {job_id}"
+                results[name] = RunResult(name, "skipped", message=message, job_id=job_id)
+                report(f"{name}: skipped, {message}")
+            elif state in SLURM_FINAL or state == "GONE":
+                results[name] = job_result(plan, launch, job_id, state, out_dir, time.monotonic() - began, runner)
+                report_result(results[name], report)
+            elif state == "PENDING" and reason.split(",")[0] in NEVER_STARTS:
+                results[name] = never_starts(launch, job_id, reason, runner)
                 report_result(results[name], report)
             elif state == "RUNNING" and applies(launch):
                 stopped = stop_if_broken(plan, launch, job_id, runner, time.monotonic() - began)
@@ -158,6 +185,22 @@ def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path
         if len(results) < len(jobs):
             sleep(poll)
     return results
+
+
+def requeues(plan: Plan, launch: Launch) -> bool:
+    """Whether the job was submitted with --requeue (sbatch_header)."""
+    return launch.role != "seed" and plan.slurm_job(launch).save_before_limit > 0
+
+
+def never_starts(launch: Launch, job_id: str, reason: str, runner: Runner) -> RunResult:
+    """A job SLURM will not start as asked (a partition's limits, a node it does not have): cancel it."""
+    try:
+        runner(["scancel", job_id])
+    except LaunchError:
+        pass
+    message = (f"job {job_id} cannot start: pending with reason {reason}; fix the plan's [slurm] options "
+               "(partition, time, nodes, GPUs or CPUs per node) and run again; job cancelled")
+    return RunResult(launch.name, "failed", None, 0.0, None, message, job_id=job_id)
 
 
 def stop_if_broken(plan: Plan, launch: Launch, job_id: str, runner: Runner, seconds: float) -> RunResult | None:
@@ -171,20 +214,29 @@ def stop_if_broken(plan: Plan, launch: Launch, job_id: str, runner: Runner, seco
     return RunResult(launch.name, "stopped", None, seconds, None, broke.describe(), job_id=job_id)
 
 
-def job_result(plan: Plan, launch: Launch, job_id: str, state: str, out_dir: Path, seconds: float) -> RunResult:
-    """A finished job's result; a job that left no accounting record ("GONE") is judged by its run."""
+def job_result(plan: Plan, launch: Launch, job_id: str, state: str, out_dir: Path, seconds: float,
+               runner: Runner) -> RunResult:
+    """A finished job's result; a job that left no accounting record ("GONE") is judged by its run.
+    A failed one names its state, exit code and SLURM's reason (scontrol, while the controller
+    still holds the job), its log, and the error the log ends with."""
     log = job_log(out_dir, launch, job_id)
     problem = completion_problem(plan, launch)
     if state in ("COMPLETED", "GONE") and not problem:
         return RunResult(launch.name, "completed", 0, seconds, log, job_id=job_id)
-    why = f"job {job_id} {state}"
+    details = job_details(job_id, runner)
+    how = ", ".join(f"{label} {details[key]}" for key, label in (("ExitCode", "exit code"), ("Reason", "reason"))
+                    if details.get(key) not in (None, "", "None", "0:0"))
+    why = f"job {job_id} {state}" + (f" ({how})" if how else "")
     if state in STATE_CAUSES:
         why += f": {STATE_CAUSES[state]}"
     elif state == "COMPLETED":
         why += f", but {problem}"
     elif state == "GONE":
         why = f"job {job_id} left the queue, {problem}"
-    _, text = summary(log)
+    title, text = summary(log)
+    if title == "error":  # the launcher's own message: its first line names the cause
+        why += f"; {text.splitlines()[0]}"
+    why += f"; log: {log}"
     return RunResult(launch.name, "failed", None, seconds, log, why, text, job_id)
 
 

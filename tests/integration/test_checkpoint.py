@@ -1,4 +1,4 @@
-"""Checkpoints: seed checkpoints, exact resume after SIGKILL, resharding, retention, bad input."""
+"""Checkpoints: seed checkpoints, exact resume after SIGKILL or a stop signal, resharding, retention, bad input."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
+from trainer.stop_request import catches
 
 JOB = [*TINY_JOB, "--training.steps", "20", "--lr_scheduler.warmup_steps", "4"]
 
@@ -614,3 +615,30 @@ def test_async_save_is_published_when_complete_and_pinned_mode_reuses_its_buffer
     assert results["staged"] == 2 and results["same_storage"] is reuses
     assert results["published"] == [True, True]
     assert results["record"] and results["round_trip"]
+
+
+def test_a_stop_signal_saves_stops_with_75_and_the_same_command_resumes_onto_the_same_curve(tmp_path, uninterrupted):
+    """SIGUSR1 to the launcher (what SLURM sends before a time limit) as soon as it listens, before
+    its ranks exist: it passes the signal on once they handle it, they agree on step 1 + 2, save
+    it and stop (exit 75); started again, the run resumes from step 3 onto the uninterrupted curve."""
+    args = [*RESUMABLE, "--job.dump_folder", str(tmp_path)]
+    env = dict(os.environ, NGPU="2", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not catches(proc.pid, signal.SIGUSR1) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, f"{out[-3000:]}\n{err[-3000:]}"
+    assert "every rank saves a checkpoint after step 3 and stops" in out
+    assert "stopped: saved a checkpoint at step 3 on SIGUSR1 and stopped; start the same command again" in err
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["lineage.json", "step-3"]
+    record = json.loads((tmp_path / "run_meta.json").read_text())
+    assert (record["status"], record["last_step"]) == ("interrupted", 3)
+
+    result = launch(2, args)
+    assert result.returncode == 0, describe(result)
+    assert losses_by_step(tmp_path) == uninterrupted  # every step once, bitwise the uninterrupted losses
+    record = json.loads((tmp_path / "run_meta.json").read_text())
+    assert record["status"] == "completed" and [h["status"] for h in record["history"]] == ["interrupted"]

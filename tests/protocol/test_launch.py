@@ -117,7 +117,7 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
                            '--job.config_file llama3_8b.toml')
     assert srun.endswith(f"--checkpoint.enable=true --checkpoint.interval 250 --checkpoint.keep_latest_k 1 "
                          f"--checkpoint.last_save_model_only=false --checkpoint.initial_load_path "
-                         f"{plan.seed_checkpoint_path}")
+                         f"{plan.seed_checkpoint_path} || status=$?")
     assert control.index(f"claim {launches[1].output} ") < control.index("srun --kill")
     big = (tmp_path / "slurm" / "4d-fsdp-tp2-cp2-pp2.sbatch").read_text()
     assert "#SBATCH --nodes=16" in big
@@ -129,7 +129,8 @@ def test_the_seed_job_asks_for_memory_and_no_gpu(tmp_path):
     seed = (tmp_path / "seed.sbatch").read_text().splitlines()
     sbatch = [line for line in seed if line.startswith("#SBATCH")]
     assert sbatch == ["#SBATCH --job-name=converging-llama3-8b-seed", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-                      f"#SBATCH --output={tmp_path / 'seed-%j.log'}", "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
+                      f"#SBATCH --output={tmp_path / 'seed-%j.log'}", "#SBATCH --open-mode=append",
+                      "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
                       "#SBATCH --cpus-per-task=8"]
     assert not any("gpu" in line for line in seed)
     assert any(line.startswith('  srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu ')
@@ -140,19 +141,19 @@ def test_slurm_options_per_kind_of_job(small_plan, tmp_path):
     plan = small_plan()
     text = plan.path.read_text() + ('\n[slurm]\naccount = "proj"\nextra = ["--constraint=h100"]\n'
                                     '[slurm.seed]\npartition = "cpu"\nmem = "16G"\n'
-                                    '[slurm.train]\npartition = "gpu"\nqos = "high"\nextra = ["--exclusive"]\n')
+                                    '[slurm.train]\npartition = "gpu"\nqos = "high"\nexclusive = true\n')
     plan.path.write_text(text)
     plan = load_plan(plan.path)
     write_slurm(plan, plan.launches(), tmp_path / "slurm")
 
-    def options(name: str) -> list[str]:
+    def options(name: str, own: int) -> list[str]:
         lines = (tmp_path / "slurm" / f"{name}.sbatch").read_text().splitlines()
-        return [line for line in lines if line.startswith("#SBATCH")][4:]
+        return [line for line in lines if line.startswith("#SBATCH")][own:]
 
-    assert options("seed") == ["#SBATCH --partition=cpu", "#SBATCH --account=proj", "#SBATCH --mem=16G",
+    assert options("seed", 5) == ["#SBATCH --partition=cpu", "#SBATCH --account=proj", "#SBATCH --mem=16G",
                                "#SBATCH --constraint=h100"]
-    assert options("control")[1:] == ["#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
-                                      "#SBATCH --constraint=h100", "#SBATCH --exclusive"]
+    assert options("control", 8) == ["#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --qos=high",
+                                      "#SBATCH --exclusive", "#SBATCH --constraint=h100"]
 
 
 def test_submit_all_chains_every_run_after_the_seed(tmp_path):
@@ -170,7 +171,8 @@ def test_submit_all_chains_every_run_after_the_seed(tmp_path):
     assert done.returncode == 0, done.stderr
     submitted = (tmp_path / "sbatch.log").read_text().splitlines()
     assert submitted[0] == "--parsable seed.sbatch"
-    assert submitted[1:] == [f"--parsable --dependency=afterok:101 {l.slug}.sbatch" for l in plan.launches()[1:]]
+    assert submitted[1:] == [f"--parsable --dependency=afterok:101 --kill-on-invalid-dep=yes {l.slug}.sbatch"
+                             for l in plan.launches()[1:]]
     assert "seed: job 101" in done.stdout
 
 
@@ -201,7 +203,13 @@ class FakeSlurm:
 
     def squeue(self, argv):
         self.advance()
-        return "".join(f"{i} {j['state']}\n" for i, j in self.jobs.items() if j["state"] in ("PENDING", "RUNNING"))
+        return "".join(f"{i} {j['state']} None\n" for i, j in self.jobs.items() if j["state"] in ("PENDING", "RUNNING"))
+
+    def scontrol(self, argv):
+        job = self.jobs[argv[-1]]
+        failed = job["state"] == "FAILED"
+        return (f"JobId={argv[-1]} JobState={job['state'].split()[0]} Reason={'NonZeroExitCode' if failed else 'None'} "
+                f"ExitCode={'1:0' if failed else '0:0'}\n")
 
     def sacct(self, argv):
         return "".join(f"{i}|{j['state']}\n" for i, j in self.jobs.items())
@@ -256,7 +264,8 @@ def test_run_slurm_cancels_runs_waiting_on_a_failed_seed(small_plan, tmp_path, f
     results = run_slurm(plan, plan.launches(), tmp_path / "slurm", runner=fake, poll=0, sleep=lambda s: None)
     assert [(r.name, r.status) for r in results] == [("seed", "failed"), ("control", "skipped"),
                                                      ("FSDP+TP2", "skipped"), ("lr x2", "skipped")]
-    assert results[0].message == "job 500 FAILED"
+    assert results[0].message == ("job 500 FAILED (exit code 1:0, reason NonZeroExitCode); error: out of host memory; "
+                                  f"log: {tmp_path / 'slurm' / 'seed-500.log'}")
     assert results[0].details == "error: out of host memory\nfull logs: /x"
     assert sorted(c[1] for c in fake.commands if c[0] == "scancel") == ["501", "502", "503"]
 

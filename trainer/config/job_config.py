@@ -426,6 +426,13 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1."""
 
+    save_on_signal: Literal["SIGUSR1", "SIGUSR2", "none"] = "SIGUSR1"
+    """On this signal (to the launcher or a rank) every rank saves a checkpoint at a step they
+    agree on, two steps after the first rank got it, and the run stops with exit code 75; the
+    same command started again resumes onto the same curve. SLURM sends it before a job's time
+    limit with `#SBATCH --signal=USR1@<seconds>`. Ignored (logged) by a run that saves no
+    checkpoints; "none" ignores both signals."""
+
 
 @dataclass
 class Comm:

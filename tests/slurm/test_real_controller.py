@@ -1,0 +1,211 @@
+"""The protocol on a real SLURM controller: a one-machine cluster (tests/slurm/conftest.py) runs
+the shipped cpu_smoke plan to a PASS report through `protocol run --launcher slurm`, cancels what
+waits on a cancelled seed job, reports a failed job's reason and log, and a training job cut by
+its time limit saves, requeues itself and resumes onto the uninterrupted curve.
+
+What this cluster cannot show: a rendezvous across machines, NCCL, GPUs (docs/converging.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.plan.model import slugify
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment(conf: Path, cwd: Path, **extra: str) -> dict[str, str]:
+    """What `protocol` and the jobs it submits see (sbatch passes the environment on)."""
+    return {**os.environ, "SLURM_CONF": str(conf), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
+            "TORCHINDUCTOR_CACHE_DIR": str(cwd / "compile_cache"), **extra}
+
+
+def protocol(conf: Path, cwd: Path, *args: str, timeout: int = 900, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "protocol", *args], cwd=cwd, env=environment(conf, cwd, **extra),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-5000:]}\n--- stderr\n{result.stderr[-5000:]}"
+
+
+def slurm(conf: Path, *argv: str) -> str:
+    return subprocess.run(list(argv), env={**os.environ, "SLURM_CONF": str(conf)}, capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+
+
+def job_state(conf: Path, job_id: str) -> dict[str, str]:
+    text = slurm(conf, "scontrol", "show", "job", "-o", job_id)
+    return dict(field.split("=", 1) for field in text.split() if "=" in field)
+
+
+def test_cpu_smoke_passes_through_a_real_controller(slurm_cluster, tmp_path, measured):
+    started = time.monotonic()
+    result = protocol(slurm_cluster, tmp_path, "run", str(ROOT / "protocol/plans/cpu_smoke.toml"), "--launcher",
+                      "slurm", "--poll", "2", "--compare")
+    assert result.returncode == 0, explain(result)
+    out = tmp_path / "outputs" / "protocol" / "cpu_smoke"
+    report = json.loads((out / "report.json").read_text())
+    assert {r["name"]: r["outcome"] for r in report["results"]} == {
+        name: "PASS" for name in ("3D FSDP+TP2+PP2", "4D FSDP+TP2+CP2+PP2", "2D FSDP+TP2 compiled", "2D FSDP+CP2",
+                                  "AC full")}
+    assert all(r["steps_compared"] == 20 and r["max_abs_diff"] <= 1e-4 for r in report["results"])
+    log = result.stdout + result.stderr
+    for name in ("seed", "1D FSDP", "4D FSDP+TP2+CP2+PP2"):
+        assert f"{name}: submitted as job " in log and f"{name}: done" in log, name
+    # Each run's job ran the launcher on this node's CPUs, its output in the job's log.
+    four_d = out / "slurm" / f"{slugify('4D FSDP+TP2+CP2+PP2')}.sbatch"
+    assert "#SBATCH --cpus-per-task=16" in four_d.read_text()
+    job_logs = sorted((out / "slurm").glob("4d-fsdp-tp2-cp2-pp2-*.log"))
+    assert len(job_logs) == 1 and "16 processes on cpu" in job_logs[0].read_text()
+    measured(f"slurm: cpu_smoke through a one-machine controller in {time.monotonic() - started:.0f} s")
+
+
+SMALL = """
+[plan]
+name = "{name}"
+config = "debug_model.toml"
+output = "runs"
+steps = {steps}
+warmup_steps = 2
+local_batch_size = 2
+dp_degree = {dp}
+seed_checkpoint = true
+checkpoint_interval = {interval}
+
+[plan.overrides]
+"model.flavor" = "tiny"
+"training.seq_len" = 32
+"optimizer.lr" = 3e-3
+"metrics.log_freq" = 1
+"metrics.enable_tensorboard" = false
+"debug.deterministic" = true
+
+[tolerance]
+mode = "exact"
+
+[control]
+name = "control"
+
+[[sets]]
+name = "AC full"
+kind = "technique"
+overrides = {{ "activation_checkpoint.mode" = "full" }}
+{slurm}
+"""
+
+
+def small_plan(folder: Path, slurm: str, name: str = "small", steps: int = 4, dp: int = 2,
+               interval: int = 10) -> Path:
+    path = folder / "plan.toml"
+    path.write_text(SMALL.format(name=name, steps=steps, dp=dp, interval=interval, slurm=slurm))
+    return path
+
+
+def wait_for(condition, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_cancelling_the_seed_cancels_every_job_waiting_on_it(slurm_cluster, tmp_path):
+    """submit_all.sh alone (no protocol process waiting): SLURM cancels the dependants itself
+    (--kill-on-invalid-dep), instead of keeping them pending forever; then `protocol run`, with a
+    seed job cancelled while it waits, reports every dependant skipped and the report NOT RUN."""
+    plan = small_plan(tmp_path, '[slurm]\nprologue = ["sleep 30"]\n[slurm.train]\ndevice = "cpu"\n')
+    scripts = tmp_path / "scripts"
+    planned = protocol(slurm_cluster, tmp_path, "plan", str(plan), "--format", "slurm", "--out", str(scripts))
+    assert planned.returncode == 0, explain(planned)
+    submitted = subprocess.run(["bash", str(scripts / "submit_all.sh")], env=environment(slurm_cluster, tmp_path),
+                               capture_output=True, text=True, check=True, timeout=60).stdout
+    jobs = dict(line.split(": job ") for line in submitted.splitlines())
+    slurm(slurm_cluster, "scancel", jobs["seed"])
+    for run in ("control", "ac-full"):
+        state = wait_for(lambda: (s := job_state(slurm_cluster, jobs[run]))["JobState"] != "PENDING" and s,
+                         f"SLURM to cancel {run}", timeout=60)
+        assert (state["JobState"], state["Reason"]) == ("CANCELLED", "DependencyNeverSatisfied"), state
+
+    runner = subprocess.Popen([sys.executable, "-m", "protocol", "run", str(plan), "--launcher", "slurm", "--poll",
+                               "1", "--compare"], cwd=tmp_path, env=environment(slurm_cluster, tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seed_log = tmp_path / "runs" / "slurm"
+    seed_job = wait_for(lambda: next(iter(sorted(seed_log.glob("seed-*.log"))), None), "the seed job to start")
+    slurm(slurm_cluster, "scancel", seed_job.stem.split("-")[-1])
+    output, _ = runner.communicate(timeout=120)
+    assert runner.returncode == 1, output
+    assert f"seed: FAILED (job {seed_job.stem.split('-')[-1]} CANCELLED" in output, output
+    for run in ("control", "AC full"):
+        assert f"{run}: skipped, needs seed, which did not complete" in output, output
+    report = json.loads((tmp_path / "runs" / "report.json").read_text())
+    assert report["status"] == "FAIL" and report["note"].startswith("nothing to compare against: the control run "
+                                                                     "control NOT RUN (needs seed")
+    assert [(r["name"], r["verdict"]) for r in report["not_compared"]] == [("control", "NOT RUN"),
+                                                                           ("AC full", "NOT RUN")]
+
+
+def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, tmp_path):
+    failing = ('[slurm.train]\ndevice = "cpu"\n'
+               'prologue = ["echo \'error: the site prologue failed (on purpose)\' >&2", "exit 3"]\n')
+    plan = small_plan(tmp_path, failing)
+    result = protocol(slurm_cluster, tmp_path, "run", str(plan), "--launcher", "slurm", "--poll", "1", "--compare",
+                      timeout=300)
+    assert result.returncode == 1, explain(result)
+    report = json.loads((tmp_path / "runs" / "report.json").read_text())
+    log = next((tmp_path / "runs" / "slurm").glob("control-*.log"))
+    job = log.stem.split("-")[-1]
+    expected = (f"job {job} FAILED (exit code 3:0, reason NonZeroExitCode); error: the site prologue failed "
+                f"(on purpose); log: {log}")
+    reasons = {r["name"]: (r["verdict"], r["reason"]) for r in report["not_compared"]}
+    assert reasons["control"] == ("FAILED", expected), reasons
+    assert f"control: FAILED ({expected})" in result.stdout + result.stderr, explain(result)
+    assert expected in (tmp_path / "runs" / "report.md").read_text()
+
+
+def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
+    """One process for 60+ s of training under a 1-minute limit: SLURM signals it 30 s before the
+    limit (or up to 60 s earlier), it saves and stops (exit 75), the job requeues itself and
+    resumes from that checkpoint, maybe more than once. The same run made locally at the same time,
+    uninterrupted, is the reference: every step's loss and gradient norm are equal."""
+    steps = 9000  # ~65 s on an idle 2-core machine: the limit is reached for certain
+    limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 30\n',
+                         name="time_limit", steps=steps, dp=1, interval=100000)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    small_plan(reference, "", name="time_limit", steps=steps, dp=1, interval=100000)
+    # One thread each: the two runs share the machine's two cores, and compute the same sums.
+    local = subprocess.Popen([sys.executable, "-m", "protocol", "run", "plan.toml", "--only", "control"],
+                             cwd=reference, env=environment(slurm_cluster, reference, OMP_NUM_THREADS="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = protocol(slurm_cluster, tmp_path, "run", str(limited), "--launcher", "slurm", "--only", "control",
+                      "--poll", "1", timeout=600, OMP_NUM_THREADS="1")
+    output, _ = local.communicate(timeout=600)
+    assert local.returncode == 0, output
+    assert result.returncode == 0, explain(result)
+
+    run = tmp_path / "runs" / "control"
+    record = json.loads((run / "run_meta.json").read_text())
+    starts = [h["status"] for h in record["history"]]
+    assert record["status"] == "completed" and starts and set(starts) == {"interrupted"}, starts
+    job_log = next((tmp_path / "runs" / "slurm").glob("control-*.log")).read_text()
+    assert job_log.count("requeued to resume from it") == len(starts), job_log[-3000:]
+    assert "PENDING" in result.stdout + result.stderr  # the runner saw the job wait again after its requeue
+
+    def curve(folder: Path) -> list[tuple[int, float, float]]:
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["loss"], m["grad_norm"]) for m in lines]
+
+    resumed, uninterrupted = curve(run), curve(reference / "runs" / "control")
+    assert [s for s, _, _ in resumed] == list(range(1, steps + 1))
+    assert resumed == uninterrupted
