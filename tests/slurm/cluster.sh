@@ -52,7 +52,7 @@ SlurmdPort=$(free_port)
 SlurmUser=$(id -un)
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
