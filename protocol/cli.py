@@ -153,7 +153,8 @@ def cmd_plan(args) -> int:
     if args.format == "slurm":
         if args.out is None:
             raise UsageError("--format slurm writes one sbatch script per run: give the folder with --out DIR")
-        for path in write_slurm(plan, launches, output_folder(args.out, "--out")):
+        for path in write_slurm(plan, launches, output_folder(args.out, "--out"),
+                                lambda note: print(f"note: {note}", file=sys.stderr)):
             print(path)
         return 0
     print(render(plan, launches, args.format))

@@ -23,10 +23,10 @@ from trainer import stop_request
 if __name__ == "__main__":  # a rank: listen before torch's import, which takes seconds
     stop_request.listen()
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from trainer import env, run_record  # noqa: E402
+from trainer import env, run_record
 from trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,

@@ -1,7 +1,8 @@
 """The protocol from a plan file to a verdict, with real training runs (gloo on CPU).
 
-The shipped cpu_smoke plan passes as a whole; a plan whose technique set is really wrong (a larger
-learning rate) fails and names the first step where its loss leaves the tolerance.
+Sets of the shipped cpu_smoke plan pass (the whole plan runs in tests/slurm/); a plan whose
+technique set is really wrong (a larger learning rate) fails and names the first step where its
+loss leaves the tolerance.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from protocol.plan.model import slugify
+from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,54 +31,24 @@ def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
 
 
-# Proof in each run's log that the layout was really applied, not silently dropped.
-APPLIED = {
-    "3D FSDP+TP2+PP2": "PP 2 (Interleaved1F1B, 4 stages), TP 2 with sequence parallelism and loss parallelism, "
-                       "FSDP over 2 ranks",
-    "4D FSDP+TP2+CP2+PP2": "PP 2 (Interleaved1F1B, 4 stages), TP 2 with sequence parallelism and loss parallelism, "
-                           "CP 2 (load-balanced ring attention), FSDP over 4 ranks",
-    "2D FSDP+TP2 compiled": "TP 2 with sequence parallelism and loss parallelism, activation checkpointing "
-                            "selective (2), torch.compile per block (inductor), FSDP over 2 ranks",
-    "2D FSDP+CP2": "CP 2 (load-balanced ring attention), FSDP over 4 ranks",
-    "AC full": "activation checkpointing full",
-}
+# The local launcher runs the control and two of cpu_smoke's quicker sets; the whole plan, with its
+# 3D, 4D and compiled TP sets, runs through a real SLURM controller in tests/slurm/.
+LOCAL_SETS = ("2D FSDP+CP2", "AC full")
 
 
-def test_cpu_smoke_plan_runs_and_every_set_passes(tmp_path, measured):
-    """The multi-dimensional layouts (3D, 4D) are checked here, against the parity targets of
-    ARCHITECTURE.md: step-1 |loss diff| <= 1e-5, every step <= 1e-4, grad norms within 1e-5."""
-    plan = ROOT / "protocol" / "plans" / "cpu_smoke.toml"
-    result = protocol("run", str(plan), "--compare", cwd=tmp_path)
+def test_cpu_smoke_sets_run_and_pass_and_completed_runs_are_reused(tmp_path, measured):
+    only = ",".join(LOCAL_SETS)
+    result = protocol("run", str(smoke.PLAN), "--only", only, "--compare", cwd=tmp_path)
     assert result.returncode == 0, explain(result)
-
-    out = tmp_path / "outputs" / "protocol" / "cpu_smoke"
-    report = json.loads((out / "report.json").read_text())
-    results = {r["name"]: r for r in report["results"]}
-    assert set(results) == set(APPLIED)
-    for name, r in results.items():
-        assert r["outcome"] == "PASS", (name, r["reason"])
-        assert r["steps_compared"] == 20 and r["first_diverging_step"] is None
-        assert abs(r["loss_diff"][0]) <= 1e-5 and r["max_abs_diff"] <= 1e-4
-        assert r["grad_norm_first_rel_diff"] <= 1e-5 and r["grad_norm_max_rel_diff"] <= 1e-5
-        assert r["final_loss"] < r["initial_loss"] - 0.2  # it trains
-        assert APPLIED[name] in (out / slugify(name) / "protocol.log").read_text(), name
-        measured(f"protocol cpu_smoke {name:20s} step-1 |dloss| {abs(r['loss_diff'][0]):.1e}, max |dloss| "
-                 f"{r['max_abs_diff']:.1e}, grad-norm max rel diff {r['grad_norm_max_rel_diff']:.1e}, "
-                 f"final loss {r['final_loss']:.5f}")
-    for name, where in report["fingerprints"].items():  # no false alarm: every set's fingerprints agree
-        assert where["first_step"] is None and where["norm_check"] is None, (name, where["summary"])
-        assert where["steps"] == [1, 2, 3, 4], name
-    assert set(report["fingerprints"]) == set(APPLIED)
-    markdown = (out / "report.md").read_text()
-    assert all(f"| {name} |" in markdown for name in results) and markdown.count("| PASS |") == 5
-    for png in ("loss.png", "grad_norm.png", "lr.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / smoke.OUTPUT
+    smoke.check_report(out, set(LOCAL_SETS), lambda name: (out / slugify(name) / "protocol.log").read_text(),
+                       measured)
 
     # Completed runs are not repeated; the comparison alone gives the same verdict.
-    again = protocol("run", str(plan), cwd=tmp_path)
+    again = protocol("run", str(smoke.PLAN), "--only", only, cwd=tmp_path)
     assert again.returncode == 0, explain(again)
-    assert (again.stdout + again.stderr).count("skipped") >= 6, explain(again)
-    compared = protocol("compare", str(plan), cwd=tmp_path)
+    assert (again.stdout + again.stderr).count("already complete, skipped") == 4, explain(again)
+    compared = protocol("compare", str(smoke.PLAN), "--only", only, cwd=tmp_path)
     assert compared.returncode == 0 and "PASS: every test set" in compared.stdout, explain(compared)
 
 

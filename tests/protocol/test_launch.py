@@ -427,3 +427,43 @@ def test_runs_spanning_several_nodes_are_not_run_locally(small_plan, fake, tmp_p
         run_local(plan, plan.launches(), launcher=fake)
     results = run_local(plan, plan.launches(), only=["control"], launcher=fake)
     assert [r.status for r in results] == ["completed", "completed"]
+
+
+class QueueWithReasons(FakeSlurm):
+    """The control's job never starts (a partition limit), and the set's is preempted and requeued
+    once by SLURM before it completes. No accounting: squeue alone tells the states."""
+
+    def sacct(self, argv):
+        raise LaunchError("sacct failed (exit 1): Slurm accounting storage is disabled")
+
+    def squeue(self, argv):
+        self.advance()
+        lines = []
+        for job_id, job in self.jobs.items():
+            name = job["launch"].name
+            if name == "control" and job["state"] == "RUNNING":
+                job["state"] = "PENDING"  # it never leaves the queue
+            if name == "FSDP+TP2" and job["state"] == "RUNNING" and not job.get("preempted"):
+                job["state"], job["preempted"] = "PREEMPTED", True
+                lines.append(f"{job_id} PREEMPTED None\n")
+                job["state"] = "PENDING"  # requeued: it runs again at the next look
+                continue
+            if job["state"] in ("PENDING", "RUNNING"):
+                reason = "PartitionTimeLimit" if name == "control" and job["state"] == "PENDING" else "None"
+                lines.append(f"{job_id} {job['state']} {reason}\n")
+        return "".join(lines)
+
+
+def test_a_job_that_cannot_start_is_cancelled_and_a_requeued_one_is_waited_for(small_plan, tmp_path,
+                                                                                fake_slurm_env):
+    plan = small_plan()
+    fake = QueueWithReasons(plan)
+    messages: list[str] = []
+    results = {r.name: r for r in run_slurm(plan, plan.launches(), tmp_path / "slurm", runner=fake, poll=0,
+                                            on_progress=messages.append, sleep=lambda s: None)}
+    control = results["control"]
+    assert control.status == "failed" and control.message.startswith(
+        "job 501 cannot start: pending with reason PartitionTimeLimit; fix the plan's [slurm] options")
+    assert ["scancel", "501"] in fake.commands
+    assert results["FSDP+TP2"].status == "completed"  # PREEMPTED, then requeued by SLURM: not an end
+    assert "FSDP+TP2: job 502 PREEMPTED" in messages

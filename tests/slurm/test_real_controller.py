@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from protocol.plan.model import slugify
+from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,24 +48,30 @@ def job_state(conf: Path, job_id: str) -> dict[str, str]:
 
 def test_cpu_smoke_passes_through_a_real_controller(slurm_cluster, tmp_path, measured):
     started = time.monotonic()
-    result = protocol(slurm_cluster, tmp_path, "run", str(ROOT / "protocol/plans/cpu_smoke.toml"), "--launcher",
-                      "slurm", "--poll", "2", "--compare")
+    result = protocol(slurm_cluster, tmp_path, "run", str(smoke.PLAN), "--launcher", "slurm", "--poll", "2",
+                      "--compare")
     assert result.returncode == 0, explain(result)
-    out = tmp_path / "outputs" / "protocol" / "cpu_smoke"
-    report = json.loads((out / "report.json").read_text())
-    assert {r["name"]: r["outcome"] for r in report["results"]} == {
-        name: "PASS" for name in ("3D FSDP+TP2+PP2", "4D FSDP+TP2+CP2+PP2", "2D FSDP+TP2 compiled", "2D FSDP+CP2",
-                                  "AC full")}
-    assert all(r["steps_compared"] == 20 and r["max_abs_diff"] <= 1e-4 for r in report["results"])
+    seconds = time.monotonic() - started
+    out = tmp_path / smoke.OUTPUT
+
+    def job_log(name: str) -> str:
+        (log,) = (out / "slurm").glob(f"{slugify(name)}-*.log")  # one job per run
+        return log.read_text()
+
+    smoke.check_report(out, set(smoke.APPLIED), job_log, measured)
     log = result.stdout + result.stderr
-    for name in ("seed", "1D FSDP", "4D FSDP+TP2+CP2+PP2"):
+    for name in ("seed", "1D FSDP", *smoke.APPLIED):
         assert f"{name}: submitted as job " in log and f"{name}: done" in log, name
-    # Each run's job ran the launcher on this node's CPUs, its output in the job's log.
-    four_d = out / "slurm" / f"{slugify('4D FSDP+TP2+CP2+PP2')}.sbatch"
-    assert "#SBATCH --cpus-per-task=16" in four_d.read_text()
-    job_logs = sorted((out / "slurm").glob("4d-fsdp-tp2-cp2-pp2-*.log"))
-    assert len(job_logs) == 1 and "16 processes on cpu" in job_logs[0].read_text()
-    measured(f"slurm: cpu_smoke through a one-machine controller in {time.monotonic() - started:.0f} s")
+    # The 4D set's job asked for a CPU per process and ran its 16 processes on the CPU.
+    assert "#SBATCH --cpus-per-task=16" in (out / "slurm" / "4d-fsdp-tp2-cp2-pp2.sbatch").read_text()
+    assert "16 processes on cpu" in job_log("4D FSDP+TP2+CP2+PP2")
+    measured(f"slurm: cpu_smoke through a one-machine controller in {seconds:.0f} s")
+
+    # Nothing is submitted again; the comparison alone gives the same verdict.
+    again = protocol(slurm_cluster, tmp_path, "run", str(smoke.PLAN), "--launcher", "slurm", "--poll", "2")
+    assert again.returncode == 0 and "submitted" not in again.stdout + again.stderr, explain(again)
+    compared = protocol(slurm_cluster, tmp_path, "compare", str(smoke.PLAN))
+    assert compared.returncode == 0 and "PASS: every test set" in compared.stdout, explain(compared)
 
 
 SMALL = """
