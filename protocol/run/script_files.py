@@ -61,4 +61,7 @@ def write_script(path: Path, text: str) -> str | None:
                 f"{path.name} to use the new script as written")
     path.write_text(new)
     path.chmod(0o755)
+    fresh = path.with_name(path.name + ".new")
+    if fresh.exists() and fresh.read_text() == new:  # offered earlier, now in place: not a copy to keep
+        fresh.unlink()
     return None

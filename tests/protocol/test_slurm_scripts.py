@@ -170,4 +170,4 @@ def test_a_script_edited_by_hand_is_kept_or_refused_never_overwritten(small_plan
 
     control.unlink()  # the user takes the new script
     write_slurm(plan, plan.launches(), out)
-    assert "--training.steps 5" in control.read_text()
+    assert "--training.steps 5" in control.read_text() and not (out / "control.sbatch.new").exists()
