@@ -37,7 +37,7 @@ LOCAL_SETS = ("2D FSDP+CP2", "AC full")
 
 
 def test_cpu_smoke_sets_run_and_pass_and_completed_runs_are_reused(tmp_path, measured):
-    only = ",".join(LOCAL_SETS)
+    only = ",".join(("1D FSDP", *LOCAL_SETS))  # the control, and the seed they need
     result = protocol("run", str(smoke.PLAN), "--only", only, "--compare", cwd=tmp_path)
     assert result.returncode == 0, explain(result)
     out = tmp_path / smoke.OUTPUT

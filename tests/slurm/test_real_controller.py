@@ -179,13 +179,13 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
 
 
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
-    """One process for about 45 s of training under a 1-minute limit: SLURM signals it 10 s before
-    the limit or up to 30 s earlier (its time-limit check runs every 30 s), so 20 to 50 s into the
+    """One process for about 40 s of training under a 1-minute limit: SLURM signals it 20 s before
+    the limit or up to 30 s earlier (its time-limit check runs every 30 s), so 10 to 40 s into the
     job; it saves and stops (exit 75), the job requeues itself and resumes from that checkpoint,
     maybe more than once. The same run made locally at the same time, uninterrupted, is the
     reference: every step's loss and gradient norm are equal."""
-    steps = 7000  # about 45 s on an idle core, after a start of about 7 s: past the signal for certain
-    limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 10\n',
+    steps = 6000  # about 40 s on an idle core, after a start of about 7 s: past the latest signal
+    limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 20\n',
                          name="time_limit", steps=steps, dp=1, interval=100000)
     reference = tmp_path / "reference"
     reference.mkdir()
