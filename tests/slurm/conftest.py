@@ -2,8 +2,8 @@
 
 Where slurmctld, slurmd and munge are missing, they are installed when this runs as root; elsewhere
 the tests are skipped with the reason, unless PROTOCOL_REQUIRE_SLURM=1 (CI sets it) makes that a
-failure. The daemons run for the session, with their state in a temporary folder, and are stopped
-by their PIDs at the end.
+failure. The daemons run for the tests of a module, with their state in a temporary folder, and are
+stopped by their PIDs after them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def unavailable(reason: str):
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     """SLURM_CONF of a running one-machine cluster whose node declares 16 CPUs."""
     if os.geteuid() != 0:
