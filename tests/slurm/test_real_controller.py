@@ -67,11 +67,10 @@ def test_cpu_smoke_passes_through_a_real_controller(slurm_cluster, tmp_path, mea
     assert "16 processes on cpu" in job_log("4D FSDP+TP2+CP2+PP2")
     measured(f"slurm: cpu_smoke through a one-machine controller in {seconds:.0f} s")
 
-    # Nothing is submitted again; the comparison alone gives the same verdict.
+    # Nothing is submitted again (the local launcher's test compares again without running).
     again = protocol(slurm_cluster, tmp_path, "run", str(smoke.PLAN), "--launcher", "slurm", "--poll", "2")
     assert again.returncode == 0 and "submitted" not in again.stdout + again.stderr, explain(again)
-    compared = protocol(slurm_cluster, tmp_path, "compare", str(smoke.PLAN))
-    assert compared.returncode == 0 and "PASS: every test set" in compared.stdout, explain(compared)
+    assert (again.stdout + again.stderr).count("already complete, skipped") == 7, explain(again)
 
 
 SMALL = """
@@ -179,13 +178,13 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
 
 
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
-    """One process for about 40 s of training under a 1-minute limit: SLURM signals it 20 s before
-    the limit or up to 30 s earlier (its time-limit check runs every 30 s), so 10 to 40 s into the
-    job; it saves and stops (exit 75), the job requeues itself and resumes from that checkpoint,
-    maybe more than once. The same run made locally at the same time, uninterrupted, is the
-    reference: every step's loss and gradient norm are equal."""
-    steps = 6000  # about 40 s on an idle core, after a start of about 7 s: past the latest signal
-    limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 20\n',
+    """One process for about 27 s of training under a 1-minute limit: SLURM signals it 30 s before
+    the limit or up to 30 s earlier (its time-limit check runs every 30 s), so within 30 s of the
+    job's start; it saves and stops (exit 75), the job requeues itself and resumes from that
+    checkpoint, maybe more than once. The same run made locally at the same time, uninterrupted, is
+    the reference: every step's loss and gradient norm are equal."""
+    steps = 4000  # about 27 s on an idle core, after a start of about 7 s: past the latest signal
+    limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 30\n',
                          name="time_limit", steps=steps, dp=1, interval=100000)
     reference = tmp_path / "reference"
     reference.mkdir()
