@@ -26,7 +26,7 @@ from protocol.run.folders import claim_folder, clear_stopped, mark_stopped
 from protocol.run.outcome import Progress, RunResult, summarize
 from protocol.run.prepare import prepare, resume_note, settled
 from protocol.run.reuse import RUN, Decision, completion_problem
-from protocol.run.sbatch import job_log, script_path, write_slurm
+from protocol.run.sbatch import job_log, script_path, stop_signal, write_slurm
 from protocol.run.searches import run_searches
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path
 
 def requeues(plan: Plan, launch: Launch) -> bool:
     """Whether the job was submitted with --requeue (sbatch_header)."""
-    return launch.role != "seed" and plan.slurm_job(launch).save_before_limit > 0
+    return launch.role != "seed" and plan.slurm_job(launch).save_before_limit > 0 and stop_signal(launch) is not None
 
 
 def never_starts(launch: Launch, job_id: str, reason: str, runner: Runner) -> RunResult:
