@@ -105,11 +105,13 @@ start() {
 }
 
 stop() {
-  local dir=$1 pidfile pid
+  local dir=$1 pidfile pids=() pid
   for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/munge/munged.pid"; do
     [ -f "$pidfile" ] || continue
     pid=$(cat "$pidfile")
-    kill "$pid" 2>/dev/null || continue
+    kill "$pid" 2>/dev/null && pids+=("$pid")
+  done
+  for pid in "${pids[@]}"; do  # all asked at once; each gets 10 s before SIGKILL
     for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true
   done
