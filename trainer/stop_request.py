@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 SAVED_AND_STOPPED = 75  # EX_TEMPFAIL: the run is not done; start it again to resume
 STOP_MARGIN = 2
 SIGNAL_CHOICES = ("SIGUSR1", "SIGUSR2")  # or "none"
+DEFAULT_SIGNAL = "SIGUSR1"  # checkpoint.save_on_signal's default; the protocol's sbatch scripts send it
 
 _received: set[signal.Signals] = set()
 _runs_in_process = 0  # each Trainer of a process gets its own store key (tests run several per group)
@@ -80,17 +81,18 @@ class StopAgreement:
 
     def asked(self) -> bool:
         """Whether this rank got the configured signal; other signals are logged once, ignored."""
-        for sig in _received - self.ignored - {self.signal if self.saves else None}:
+        counts = self.signal if self.saves else None
+        for sig in _received - self.ignored - {counts}:
             self.ignored.add(sig)
             why = ("this run saves no checkpoints (checkpoint.enable is off, or load_only), so it could not resume"
                    if sig == self.signal else f"checkpoint.save_on_signal is {self.signal.name if self.signal else 'none'}")
             logger.warning("%s received and ignored: %s; training goes on", sig.name, why)
-        return self.saves and self.signal in _received
+        return counts in _received
 
     def after_step(self, step: int) -> int | None:
         """Call on every rank after each step: the agreed stop step, None while nobody asked."""
         asked = self.asked()
-        if self.stop_step is not None or not (self.saves and self.signal):
+        if self.stop_step is not None or not (self.saves and self.signal):  # nothing to agree on
             return self.stop_step
         if asked and not self.proposed:
             self.proposed = True

@@ -319,24 +319,23 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
 def read_slurm(data: Any, problems: list[str]) -> dict[str, SlurmJob]:
     """[slurm] options apply to every job; [slurm.seed] and [slurm.train] to one kind, over them
     (their list options, extra, prologue and srun_options, come after the common ones). The keys
-    of training jobs only (SLURM_TRAIN_KEYS) are refused in [slurm.seed]."""
+    of training jobs only (SLURM_TRAIN_KEYS) are refused in [slurm.seed], and the seed job does not
+    take them from [slurm]."""
+    every_key = {**SLURM_JOB_KEYS, **SLURM_TRAIN_KEYS}
     values = read_table(data, SLURM_KEYS, "slurm", problems)
     common = read_slurm_job(values, "slurm", problems)
     jobs = {}
     for kind in SLURM_KINDS:
-        schema = SLURM_JOB_KEYS if kind == "seed" else {**SLURM_JOB_KEYS, **SLURM_TRAIN_KEYS}
-        table = values.get(kind, {})
-        for key in set(SLURM_TRAIN_KEYS) & set(table) if kind == "seed" else ():
-            problems.append(f"slurm.seed.{key}: only training jobs have it (the seed is one process on the CPU); "
-                            "set it under [slurm] or [slurm.train]")
-        table = read_table({k: v for k, v in table.items() if not (kind == "seed" and k in SLURM_TRAIN_KEYS)},
-                           schema, f"slurm.{kind}", problems)
-        own = read_slurm_job(table, f"slurm.{kind}", problems)
-        lists = {key: (*common.get(key, ()), *own.get(key, ())) for key in SLURM_LIST_KEYS}
-        merged = {**common, **own, **lists}
+        table, inherited = values.get(kind, {}), common
         if kind == "seed":
-            merged = {key: value for key, value in merged.items() if key not in SLURM_TRAIN_KEYS}
-        jobs[kind] = SlurmJob(**merged)
+            for key in SLURM_TRAIN_KEYS.keys() & table.keys():
+                problems.append(f"slurm.seed.{key}: only training jobs have it (the seed is one process on the CPU); "
+                                "set it under [slurm] or [slurm.train]")
+            table = {key: value for key, value in table.items() if key not in SLURM_TRAIN_KEYS}
+            inherited = {key: value for key, value in common.items() if key not in SLURM_TRAIN_KEYS}
+        own = read_slurm_job(read_table(table, every_key, f"slurm.{kind}", problems), f"slurm.{kind}", problems)
+        lists = {key: (*inherited.get(key, ()), *own.get(key, ())) for key in SLURM_LIST_KEYS}
+        jobs[kind] = SlurmJob(**{**inherited, **own, **lists})
     return jobs
 
 

@@ -27,10 +27,10 @@ from protocol.plan.select import LaunchError
 from protocol.run.folders import CLAIM_FUNCTION, claim_command
 from protocol.run.render import unless_seed_exists
 from protocol.run.script_files import write_script
+from trainer.stop_request import DEFAULT_SIGNAL, SAVED_AND_STOPPED
 
 SUBMIT_ALL = "submit_all.sh"
-SAVED_AND_STOPPED = 75  # trainer.stop_request.SAVED_AND_STOPPED (the protocol does not import the trainer)
-STOP_SIGNAL_OPTION = "--checkpoint.save_on_signal"
+STOP_SIGNAL_KEY = "checkpoint.save_on_signal"
 
 
 def sbatch_script(plan: Plan, launch: Launch, log_path: Path) -> str:
@@ -50,22 +50,23 @@ def sbatch_header(plan: Plan, launch: Launch, log_path: Path) -> list[str]:
         elif job.cpus_per_task is None:
             lines.append(f"#SBATCH --cpus-per-task={launch.procs_per_node}")  # a CPU per rank
     lines += [f"#SBATCH --output={log_path}", "#SBATCH --open-mode=append"]
-    signal = stop_signal(launch)
-    if launch.role != "seed" and job.save_before_limit and signal:
-        lines += [f"#SBATCH --signal={signal.removeprefix('SIG')}@{job.save_before_limit}", "#SBATCH --requeue"]
+    if requeues(plan, launch):
+        lines += [f"#SBATCH --signal={stop_signal(plan, launch).removeprefix('SIG')}@{job.save_before_limit}",
+                  "#SBATCH --requeue"]
     return lines + [f"#SBATCH {option}" for option in job.sbatch_options()]
 
 
-def stop_signal(launch: Launch) -> str | None:
+def stop_signal(plan: Plan, launch: Launch) -> str | None:
     """The signal on which the run saves and stops (checkpoint.save_on_signal), None for "none"."""
-    args = list(launch.args)
-    value = "SIGUSR1"
-    for i, arg in enumerate(args):
-        if arg == STOP_SIGNAL_OPTION and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(STOP_SIGNAL_OPTION + "="):
-            value = arg.split("=", 1)[1]
+    value = {**plan.overrides, **launch.overrides}.get(STOP_SIGNAL_KEY, DEFAULT_SIGNAL)
     return None if value == "none" else value
+
+
+def requeues(plan: Plan, launch: Launch) -> bool:
+    """Whether the job is warned before its time limit and requeues itself after saving (a
+    training job, with save_before_limit and a stop signal)."""
+    return (launch.role != "seed" and plan.slurm_job(launch).save_before_limit > 0
+            and stop_signal(plan, launch) is not None)
 
 
 def job_body(plan: Plan, launch: Launch) -> list[str]:

@@ -26,7 +26,7 @@ from protocol.run.folders import claim_folder, clear_stopped, mark_stopped
 from protocol.run.outcome import Progress, RunResult, summarize
 from protocol.run.prepare import prepare, resume_note, settled
 from protocol.run.reuse import RUN, Decision, completion_problem
-from protocol.run.sbatch import job_log, script_path, stop_signal, write_slurm
+from protocol.run.sbatch import job_log, requeues, script_path, write_slurm
 from protocol.run.searches import run_searches
 
 logger = logging.getLogger(__name__)
@@ -165,12 +165,9 @@ def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path
                 seen[name] = (state, reason)
             if state in REQUEUED_AFTER and requeues(plan, launch):
                 continue  # SLURM runs it again; it resumes from its checkpoint
-            blocked = [dep for dep in launch.depends_on if dep in results and results[dep].failed]
-            if state == "CANCELLED" and blocked:  # by SLURM: --kill-on-invalid-dep
-                message = f"needs {', '.join(blocked)}, which did not complete; SLURM cancelled job {job_id}"
-                results[name] = RunResult(name, "skipped", message=message, job_id=job_id)
-                report(f"{name}: skipped, {message}")
-            elif state in SLURM_FINAL or state == "GONE":
+            if any(results[dep].failed for dep in launch.depends_on if dep in results):
+                continue  # skipped below (cancel_orphans), whatever SLURM did with it
+            if state in SLURM_FINAL or state == "GONE":
                 results[name] = job_result(plan, launch, job_id, state, out_dir, time.monotonic() - began, runner)
                 report_result(results[name], report)
             elif state == "PENDING" and reason.split(",")[0] in NEVER_STARTS:
@@ -181,15 +178,10 @@ def wait_for_jobs(plan: Plan, jobs: dict[str, tuple[Launch, str]], out_dir: Path
                 if stopped is not None:
                     results[name] = stopped
                     report(f"{name}: STOPPED (job {job_id} cancelled) by {stopped.message}")
-        cancel_orphans(jobs, results, runner, report)
+        cancel_orphans(jobs, results, states, runner, report)
         if len(results) < len(jobs):
             sleep(poll)
     return results
-
-
-def requeues(plan: Plan, launch: Launch) -> bool:
-    """Whether the job was submitted with --requeue (sbatch_header)."""
-    return launch.role != "seed" and plan.slurm_job(launch).save_before_limit > 0 and stop_signal(launch) is not None
 
 
 def never_starts(launch: Launch, job_id: str, reason: str, runner: Runner) -> RunResult:
@@ -247,18 +239,23 @@ def report_result(result: RunResult, report: Progress) -> None:
         report(f"{result.name}: FAILED ({result.message}), log: {result.log}\n{indent(result.details)}")
 
 
-def cancel_orphans(jobs: dict[str, tuple[Launch, str]], results: dict[str, RunResult], runner: Runner,
-                   report: Progress) -> None:
-    """Jobs waiting (afterok) on a failed job would wait forever: cancel them, report them skipped."""
+def cancel_orphans(jobs: dict[str, tuple[Launch, str]], results: dict[str, RunResult],
+                   states: dict[str, tuple[str, str]], runner: Runner, report: Progress) -> None:
+    """Jobs waiting (afterok) on a failed job would wait forever: SLURM cancels them
+    (--kill-on-invalid-dep), else this does; they are reported skipped."""
     failed = {name for name, result in results.items() if result.failed}
     for name, (launch, job_id) in jobs.items():
         blocked = [dep for dep in launch.depends_on if dep in failed]
         if name in results or not blocked:
             continue
-        try:
-            runner(["scancel", job_id])
-        except LaunchError as e:
-            report(f"{name}: could not cancel job {job_id}: {e}")
-        message = f"needs {', '.join(blocked)}, which did not complete; job {job_id} cancelled"
+        if states.get(job_id, ("GONE", ""))[0] in SLURM_FINAL | {"GONE"}:  # SLURM has ended it already
+            how = f"SLURM cancelled job {job_id}"
+        else:
+            how = f"job {job_id} cancelled"
+            try:
+                runner(["scancel", job_id])
+            except LaunchError as e:
+                report(f"{name}: could not cancel job {job_id}: {e}")
+        message = f"needs {', '.join(blocked)}, which did not complete; {how}"
         results[name] = RunResult(name, "skipped", message=message, job_id=job_id)
         report(f"{name}: skipped, {message}")

@@ -17,6 +17,7 @@ from typing import Literal, Optional
 from trainer.config.compute import ActivationCheckpoint, Compile
 from trainer.config.observability import Metrics, Profiling
 from trainer.config.validation import Validation
+from trainer.stop_request import DEFAULT_SIGNAL
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -426,7 +427,7 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = False
     """Also save right after step 1."""
 
-    save_on_signal: Literal["SIGUSR1", "SIGUSR2", "none"] = "SIGUSR1"
+    save_on_signal: Literal["SIGUSR1", "SIGUSR2", "none"] = DEFAULT_SIGNAL
     """On this signal (to the launcher or a rank) every rank saves a checkpoint at a step they
     agree on, two steps after the first rank got it, and the run stops with exit code 75; the
     same command started again resumes onto the same curve. SLURM sends it before a job's time
