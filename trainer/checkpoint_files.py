@@ -17,6 +17,7 @@ from trainer.checkpoint_items import ModelState, aliased_names
 from trainer.checkpoint_layout import CHECKPOINT_RECORD, is_full_checkpoint, partial_path
 from trainer.config.manager import to_dict
 from trainer.dcp_files import saved_items, saved_keys
+from trainer.safe_writes import write_atomic
 from trainer.version import code_version
 
 
@@ -76,7 +77,7 @@ def checkpoint_record(config, step: int, items: list[str], kind: str, **extra) -
 
 
 def write_checkpoint_record(folder: Path, record: dict) -> None:
-    (folder / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_atomic(folder / CHECKPOINT_RECORD, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def refuse_overwrite(path: Path, overwrite: bool) -> None:

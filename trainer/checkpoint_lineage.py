@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.checkpoint_layout import read_checkpoint_record
+from trainer.safe_writes import write_atomic
 
 LINEAGE_FILE = "lineage.json"
 PREVIOUS_DIR = "previous"
@@ -53,9 +54,7 @@ def write_head(folder: Path, lineage: str, step: int, ancestors: list[dict]) -> 
     """Atomically: a reader never sees half a file."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    temporary = folder / f".{LINEAGE_FILE}.tmp"
-    temporary.write_text(json.dumps({"lineage": lineage, "step": step, "ancestors": ancestors}) + "\n")
-    os.replace(temporary, folder / LINEAGE_FILE)
+    write_atomic(folder / LINEAGE_FILE, json.dumps({"lineage": lineage, "step": step, "ancestors": ancestors}) + "\n")
 
 
 def lineage_of(path: Path) -> str | None:

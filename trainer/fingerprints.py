@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from trainer.optim import NormReduction, counted_part
 from trainer.run_record import FINGERPRINTS_FILE, PARAMETER_QUANTITIES
+from trainer.safe_writes import append_text
 
 
 def is_recorded(step: int, first: int, every: int) -> bool:
@@ -164,8 +165,7 @@ class FingerprintRecorder:
             line[quantity] = {name: finite(math.sqrt(row[column])) for name, row in zip(self.names, params)}
         line["output_rms"] = {name: rms(row[0], row[1]) for name, row in zip(self.blocks, blocks)}
         line["grad_rms"] = {name: rms(row[2], row[3]) for name, row in zip(self.blocks, blocks)}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_text(self.path, json.dumps(line) + "\n")  # never through a link (trainer/safe_writes.py)
 
 
 def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -28,9 +28,10 @@ A job's safety:
 - The ranks die with the launcher (trainer/parent_watch.py): torch's agent starts them in
   sessions of their own, out of reach of a signal to the launcher's process group. SIGTERM,
   SIGINT or SIGHUP to the launcher stop them through the agent (exit 128+N).
-- One live job per dump folder: the launcher takes <job.dump_folder>/.lock after its checks and
-  before the ranks start, and refuses a folder a live job holds (exit 2; trainer/run_lock.py).
-  A job of several machines (--nnodes > 1) is not locked (see `take_lock`).
+- One live job per dump folder: the launcher takes <job.dump_folder>/.lock (and the checkpoint
+  folder's, when it writes checkpoints) after its checks and before the ranks start, and refuses a
+  folder a live job holds (exit 2; trainer/run_lock.py). A job of several machines
+  (--nnodes > 1) is locked by its rank 0 instead (see `take_locks`).
 - --max-restarts N restarts the ranks after a failure at most N times, each from the newest
   complete checkpoint of the dump folder (the trainer resumes from it by itself), never after a
   user's mistake (exit 2, unless caused by a peer that timed out or vanished). `auto` (the default): 3 when the run saves checkpoints
@@ -73,7 +74,8 @@ from trainer.failure_report import (  # noqa: F401 (the launcher's report, also 
     short_reason,
 )
 from trainer.parent_watch import LAUNCHER_PID_ENV
-from trainer.preflight import check, check_seed, describe_run, seed_memory_need, training_memory_need
+from trainer.preflight import (RunComplete, check, check_seed, complete_record, describe_run, seed_memory_need,
+                               training_memory_need)
 
 logger = logging.getLogger("trainer.launcher")
 
@@ -326,17 +328,30 @@ def prepare(opts: Options, config: JobConfig):
     return training_memory_need(config, plan.dims, opts.device, opts.nproc)
 
 
-def take_lock(opts: Options, config: JobConfig) -> run_lock.RunLock | None:
-    """The dump folder's lock (trainer/run_lock.py), for a run of one machine. A run of several
-    machines is not locked: which machine is node rank 0 (the one that writes the run's record)
-    is decided by the rendezvous after every launcher has started, and a refusal on one machine
-    would leave the others waiting for the rendezvous until it times out."""
+def take_locks(opts: Options, config: JobConfig) -> list[run_lock.RunLock]:
+    """The locks of the folders the run writes (trainer/run_lock.py), for a run of one machine. A
+    run of several machines is locked by its rank 0 once the rendezvous has decided which
+    machine that is (trainer.train.hold_run_locks): a refusal here, on one machine, would leave
+    the others waiting for the rendezvous until it times out."""
     if opts.nnodes > 1:
-        return None
-    lock = run_lock.take(Path(config.job.dump_folder))
-    if lock.note:
-        print(f"note: {lock.note}", flush=True)
-    return lock
+        return []
+    locks = run_lock.take_all(run_lock.folders_of(config))
+    for lock in locks:
+        if lock.note:
+            print(f"note: {lock.note}", flush=True)
+    return locks
+
+
+def end_complete_run(opts: Options, config: JobConfig, done: RunComplete) -> int:
+    """The run is finished already (its final checkpoint is there): say so, and complete its
+    record if it stopped before writing its end, holding the run's locks while writing it (a live
+    job in the folder is refused, as for a run that trains)."""
+    locks = take_locks(opts, config)
+    try:
+        print(done.message + complete_record(config), flush=True)
+    finally:
+        run_lock.release_all(locks)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -352,16 +367,18 @@ def main(argv: list[str]) -> int:
         config = load_config(args)
         if config.job.print_config:
             os.execv(sys.executable, [sys.executable, "-m", "trainer.train", *args])
-        need = prepare(opts, config)
-        lock = take_lock(opts, config)
+        try:
+            need = prepare(opts, config)
+        except RunComplete as done:
+            return end_complete_run(opts, config, done)
+        locks = take_locks(opts, config)
     except (ConfigError, run_lock.LockRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         return run_job(opts, args, config, need)
     finally:
-        if lock is not None:
-            lock.release()
+        run_lock.release_all(locks)
 
 
 def run_job(opts: Options, args: list[str], config: JobConfig, need) -> int:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from trainer.metric_writers import ScalarWriter, TensorBoardWriter, WandbWriter
+from trainer.safe_writes import open_append
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ class MetricsLogger:
 
         if is_log_rank:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
+            self._file = open_append(self.metrics_path)  # never through a link (trainer/safe_writes.py)
 
         if (is_log_rank or mcfg.save_for_all_ranks) and (mcfg.enable_tensorboard or mcfg.enable_wandb):
             self._open_writers(job_config, run_stamp, purge_step)

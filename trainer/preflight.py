@@ -18,12 +18,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer import run_record
 from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
-from trainer.preflight_resume import RunComplete, check_resume, resume_candidate  # noqa: F401 (used from here)
+from trainer.checkpoint_lineage import LINEAGE_FILE
+from trainer.preflight_resume import RunComplete, check_resume, complete_record, resume_candidate  # noqa: F401 (used from here)
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
 from trainer.parallel.dims import ParallelDims, layout_problems
+from trainer.safe_writes import LinkRefused, refuse_link
 
 logger = logging.getLogger(__name__)
 
@@ -440,6 +443,11 @@ def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | No
     say_unused_hf_shapes(config)
     local = nproc if local_procs is None else local_procs
     check_host_memory(config, training_memory_need(config, plan.dims, device_type, local), meminfo)
+    try:
+        run_record.refuse_links(Path(config.job.dump_folder))
+        refuse_link(checkpoint_folder(config) / LINEAGE_FILE)
+    except LinkRefused as e:
+        raise ConfigError(str(e)) from None
     check_resume(config)  # last, as in the ranks: any other mistake is reported first
     return plan
 
@@ -472,7 +480,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RunComplete:  # its note is printed
+    except RunComplete as done:  # only said: a check writes nothing into the run's folder
+        print(done.message, flush=True)
         return 0
     print(describe_run(config, plan, nproc, device_type))
     print(f"outputs: {Path(config.job.dump_folder).resolve()}")

@@ -18,9 +18,9 @@ class RunComplete(SystemExit):
     """The checkpoint folder holds this run's final checkpoint: there is nothing to train.
 
     The ranks end such a run successfully (trainer.checkpoint.TrainingComplete: exit 0 after
-    saying so). Found before they start, it is a SystemExit with code 0, raised once the message
-    is printed, so that whatever runs the checks (the launcher, python -m trainer.preflight) ends
-    the same way without starting them, whatever ConfigError handling it has."""
+    saying so). Found before they start, it is a SystemExit with code 0, so that whatever runs the
+    checks (the launcher, python -m trainer.preflight) ends the same way without starting them,
+    whatever ConfigError handling it has; the catcher prints `message`."""
 
     def __init__(self, message: str):
         super().__init__(0)
@@ -49,7 +49,7 @@ def resume_candidate(config: JobConfig) -> tuple[int, Path] | None:
 def check_resume(config: JobConfig) -> None:
     """The ranks' refusals of the newest checkpoint against training.steps, decided here first
     with their messages: one past training.steps is a ConfigError; this run's final checkpoint
-    prints the ranks' note and raises RunComplete."""
+    raises RunComplete with the ranks' note (whoever catches it prints it; this writes nothing)."""
     candidate = resume_candidate(config)
     total = config.training.steps
     if candidate is None or candidate[0] == 0 or candidate[0] < total:
@@ -63,8 +63,13 @@ def check_resume(config: JobConfig) -> None:
             raise ConfigError(past_steps_message(path, newest, total))
     if newest == total and not config.checkpoint.load_only and missing_exports(path, config):
         return  # the ranks write the exports the run stopped before writing
-    message = complete_message(path, total)
-    if newest == total and run_record.complete_after_final_save(Path(config.job.dump_folder), total):
-        message += " (run_meta.json said the run was still running: it stopped after that save; now completed)"
-    print(message, flush=True)
-    raise RunComplete(message)
+    raise RunComplete(complete_message(path, total))
+
+
+def complete_record(config: JobConfig) -> str:
+    """For a run found complete: its record completed when it stopped after its final save
+    (run_meta.json still says "running"); what to add to the message. The caller holds the run's
+    locks (trainer/run_lock.py): nothing else writes the record meanwhile."""
+    if run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps):
+        return " (run_meta.json said the run was still running: it stopped after that save; now completed)"
+    return ""

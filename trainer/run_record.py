@@ -47,6 +47,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from trainer.safe_writes import refuse_link, write_atomic
+
 RECORD_FILE = "run_meta.json"
 METRICS_FILE = "metrics.jsonl"
 FINGERPRINTS_FILE = "fingerprints.jsonl"  # trainer/fingerprints.py: kept with metrics.jsonl
@@ -57,6 +59,13 @@ STEP_FILES = (METRICS_FILE, FINGERPRINTS_FILE)  # one line per step
 PREVIOUS_DIR = "previous"
 FORMAT = 2
 FINAL_STATUSES = ("completed", "data ended", "failed", "interrupted")
+
+
+def refuse_links(folder: Path) -> None:
+    """LinkRefused when a record file of `folder` is a link (or not a regular file): the run would
+    refuse to write it later, after its start (trainer/safe_writes.py); the preflight asks first."""
+    for name in (RECORD_FILE, *STEP_FILES):
+        refuse_link(Path(folder) / name)
 
 
 def now() -> str:
@@ -77,9 +86,7 @@ def write_record(folder: Path, record: dict) -> None:
     encode are str()-ed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    temporary = folder / f".{RECORD_FILE}.tmp"
-    temporary.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(temporary, folder / RECORD_FILE)
+    write_atomic(folder / RECORD_FILE, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def begin(folder: Path, record: dict, resumed_step: int) -> dict:
@@ -163,10 +170,8 @@ def drop_metrics_after(folder: Path, step: int) -> Path | None:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             target = free_path(Path(folder) / PREVIOUS_DIR / f"{stamp}-after-step-{step}")
             target.mkdir(parents=True)
-        (target / name).write_text("".join(dropped))
-        temporary = path.with_name(f".{name}.tmp")
-        temporary.write_text("".join(kept))
-        os.replace(temporary, path)
+        write_atomic(target / name, "".join(dropped))
+        write_atomic(path, "".join(kept))
     return target
 
 

@@ -26,15 +26,8 @@ if __name__ == "__main__":  # a rank: listen before torch's import, which takes 
 import torch
 import torch.distributed as dist
 
-from trainer import env, run_record
-from trainer.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    TrainingComplete,
-    checkpoint_record,
-    refuse_overwrite,
-    save_seed_checkpoint,
-)
+from trainer import env, run_lock, run_record
+from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.config.saved_config import write_config_file
@@ -46,9 +39,7 @@ from trainer.data.documents import DataError
 from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
-from trainer.models.llama3 import Transformer
 from trainer.hf.model_io import HFWeights
-from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.fingerprints import FingerprintRecorder, parameter_names
@@ -58,9 +49,11 @@ from trainer.model_build import build_on_meta, materialize, training_model_args
 from trainer.parallel import ParallelModel
 from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.perturbation import perturb_weights
-from trainer.preflight import RunPlan, check_device_options, check_seed, plan_run
+from trainer.preflight import RunPlan, check_device_options, plan_run
+from trainer.seed_checkpoint import create_seed_checkpoint
 from trainer.process_exit import report_error, run_process
 from trainer.profiling import StepProfiler
+from trainer.safe_writes import LinkRefused
 from trainer.step import StepRunner
 from trainer.train_state import TrainState
 from trainer.version import code_version
@@ -88,6 +81,22 @@ class Trainer:
         check_device_options(config, self.device.type)
         self.rank, world_size = env.init_distributed(
             self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
+        try:
+            self.locks = run_lock.hold(config, self.rank, world_size, self.device)  # before anything is written
+        except run_lock.LockRefused as e:
+            raise ConfigError(str(e)) from None
+        for lock in self.locks:
+            if lock.note:
+                logger.info("%s", lock.note)
+        try:
+            self._build(config, plan, world_size)
+        except BaseException as e:
+            if isinstance(e, TrainingComplete) and self.rank == 0:  # a run that stopped after its final save
+                run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps)
+            run_lock.release_all(self.locks)
+            raise
+
+    def _build(self, config: JobConfig, plan: RunPlan, world_size: int) -> None:
         env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
 
@@ -400,33 +409,9 @@ class Trainer:
         if self.record is not None:
             status = "failed" if self.error else self.status
             run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
+        run_lock.release_all(self.locks)
         if end_process_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def create_seed_checkpoint(config: JobConfig) -> int:
-    """Initialize the model on the CPU in this one process and save it as a step-0 checkpoint."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != 1:
-        raise ConfigError(f"checkpoint.create_seed_checkpoint: runs as ONE process, but {world_size} were started; "
-                          "run ./torchrun_launch.sh --checkpoint.create_seed_checkpoint (it starts one)")
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
-    refuse_overwrite(folder / "step-0", config.checkpoint.overwrite)  # before the (long) init
-    check_seed(config)  # the whole model in float32 in this process: refuse before the allocator fails
-    model_args = configured_model_args(config.model)
-    model_args.max_seq_len = config.training.seq_len
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=config.debug.seed, device="cpu")
-    path = save_seed_checkpoint(model, folder, overwrite=config.checkpoint.overwrite,
-                                record=checkpoint_record(config, 0, ["model"], "seed"))
-    count = sum(p.numel() for p in model.parameters())
-    logger.info("seed checkpoint of %s (%d parameters, seed %d) written to %s", config.model.flavor, count,
-                config.debug.seed, path.resolve())
-    logger.info("use it: --checkpoint.enable with --job.dump_folder %s, or --checkpoint.initial_load_path %s "
-                "--checkpoint.load_only for runs that must not write next to it", config.job.dump_folder, path)
-    return 0
 
 
 def configure_logging(stream=None) -> None:
@@ -467,12 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         return stop(e)
     try:
         trainer = Trainer(config, plan)
-    except (ConfigError, DataError, CheckpointError) as e:  # found on the device, or reading data or checkpoints
+    except (ConfigError, DataError, CheckpointError, LinkRefused) as e:  # found on the device, or reading files
         return stop(e)
     except TrainingComplete as e:
         logger.info("%s", e)
-        if int(os.environ.get("RANK", "0")) == 0:  # a run that stopped after its final save
-            run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps)
         return 0
     try:
         trainer.train()
@@ -482,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             return stop_request.SAVED_AND_STOPPED
     except (NonFiniteLossError, LossScaleError) as e:
         return stop(e, 1)
-    except (ConfigError, DataError, CheckpointError) as e:  # a stream that cannot be opened, a step folder in the way
+    except (ConfigError, DataError, CheckpointError, LinkRefused) as e:  # a stream that cannot be opened, a step folder in the way
         return stop(e)
     finally:
         trainer.close()

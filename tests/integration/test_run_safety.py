@@ -168,6 +168,48 @@ def test_the_lock_of_a_live_process_is_refused_a_gone_one_taken_over(tmp_path):
         run_lock.take(tmp_path)
 
 
+def test_every_entry_point_that_writes_a_run_folder_is_refused_while_a_job_holds_it(tmp_path, measured):
+    """A live job holds its dump folder and its checkpoint folder. Whatever else would write into
+    them is refused with the holder's host and PID: the trainer started directly (one process, or
+    two through torchrun without the launcher), a seed checkpoint, and a run of another dump
+    folder that names the live job's checkpoint folder (an absolute checkpoint.folder). The live
+    job's curve is untouched."""
+    run = tmp_path / "run"
+    proc = start(1, [*LONG_JOB, "--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(run)])
+    trainer = [sys.executable, "-m", "trainer.train", *TINY_JOB, "--training.steps", "20"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "trainer.train", *TINY_JOB, "--training.steps", "20"]
+    attempts = {
+        "python -m trainer.train": (trainer + ["--checkpoint.enable", "--job.dump_folder", str(run)], "job.dump_folder", run),
+        "torchrun, 2 ranks": (torchrun + ["--job.dump_folder", str(run)], "job.dump_folder", run),
+        "seed checkpoint": (trainer + ["--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(run)],
+                            "job.dump_folder", run),
+        "shared checkpoint.folder": (trainer + ["--checkpoint.enable", "--job.dump_folder", str(tmp_path / "other"),
+                                                "--checkpoint.folder", str(run / "checkpoint")],
+                                     "checkpoint.folder", run / "checkpoint"),
+    }
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    try:
+        wait_for_step(proc, run, 6)  # its step-5 checkpoint is there to be resumed, as in the reported failure
+        started = time.perf_counter()
+        # Side by side: each is refused before it writes anything.
+        pending = {name: subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True) for name, (argv, _, _) in attempts.items()}
+        results = {name: (p.communicate(timeout=180)[0], p.returncode) for name, p in pending.items()}
+        refused_s = time.perf_counter() - started
+        assert proc.poll() is None, "the live job ended"
+    finally:
+        stop(proc)
+    for name, (output, code) in results.items():
+        _, key, folder = attempts[name]
+        assert code != 0, f"{name}: not refused\n{output}"
+        assert (f"{key} {folder}: another job (PID {proc.pid} on {socket.gethostname()}" in output), f"{name}\n{output}"
+    steps = [r["step"] for r in read_metrics(run)]
+    assert steps == list(range(1, len(steps) + 1)), "the live job's curve was changed"
+    assert not (tmp_path / "other" / "metrics.jsonl").exists() and not (run / "checkpoint" / "step-0").exists()
+    measured(f"a live job's folders: {len(attempts)} direct writers refused side by side in {refused_s:.1f} s")
+
+
 # ---------------------------------------------------------------------------------------------
 # Automatic restarts
 
