@@ -58,7 +58,7 @@ from trainer.checkpoint_lineage import (foreign_checkpoint, forked_ancestors, li
 from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
 from trainer.dcp_metadata import CheckedReader, UnsafeCheckpointError
-from trainer.optim import schedule_change, set_schedule_position
+from trainer.optim import schedule_change, set_schedule_position, settings_changed
 from trainer.parallel.fsdp import DTYPES
 from trainer.train_state import TrainState
 
@@ -268,8 +268,29 @@ class CheckpointManager:
         kind = "resume" if "train_state" in items else "checkpoint"
         self.start = {"kind": kind, "path": str(path.resolve()), "step": self.train_state.step,
                       "fingerprint": fingerprint(path)}
+        if "optimizer" in items:
+            self.start["changed"] = self._say_changed_settings(path, state)
         logger.info("loaded %s from %s (step %d)", ", ".join(items), path, self.train_state.step)
         return path
+
+    def _say_changed_settings(self, path: Path, state: dict) -> list[str]:
+        """The optimizer and schedule settings that differ from the checkpoint's, in one line: the
+        configured ones apply from the next step (OptimizerState, SchedulerState), and the run's
+        record lists them (start.changed). Told from the checkpoint's record, or, for checkpoints
+        of earlier versions without one, from the settings its state held."""
+        record = read_checkpoint_record(path)
+        if record is not None and "config" in record:
+            changed = settings_changed(record["config"], self.config)
+        else:
+            changed = [f"optimizer (param_groups) {key}" for key in sorted(state["optimizer"].changed)]
+            scheduler = state.get("lr_scheduler")
+            if scheduler is not None and scheduler.saved_peak not in (None, self.config.optimizer.lr):
+                changed.append(f"optimizer.lr {scheduler.saved_peak!r} -> {self.config.optimizer.lr!r}")
+        if changed:
+            logger.warning("%s was saved with other settings; this run's apply from step %d on (steps 1-%d were "
+                           "trained with the checkpoint's): %s", path, self.train_state.step + 1,
+                           self.train_state.step, "; ".join(changed))
+        return changed
 
     def _continue_schedule(self, path: Path) -> None:
         """The loaded optimizer holds the learning rate the saving run computed for the next step;

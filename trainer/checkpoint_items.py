@@ -72,33 +72,43 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         """Load the moments and step counts; the settings (weight decay, betas, eps) stay this
         run's: the checkpoint restores them per parameter, which would mix groups when
-        optimizer.weight_decay_exclude changed, and a changed value in the config should apply."""
+        optimizer.weight_decay_exclude changed, and a changed value in the config should apply.
+        `changed` names the settings the checkpoint had otherwise (the caller says so)."""
         configured = [{k: v for k, v in group.items() if k not in self.SCHEDULED} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state, options=self.options)
-        changed = set()
+        self.changed: set[str] = set()
         for group, settings in zip(self.optimizer.param_groups, configured):
-            changed |= {key for key, value in settings.items() if group.get(key) != value}
+            self.changed |= {key for key, value in settings.items() if group.get(key) != value}
             group.update(settings)
-        if changed:
-            logger.warning("optimizer settings %s differ from the checkpoint's: this run's configuration applies",
-                           ", ".join(sorted(changed)))
 
 
 class SchedulerState(Stateful):
-    """The LR scheduler's state. Its per-group lists (base_lrs, _last_lr) are saved once for all
-    ranks, but pipeline stages may hold different numbers of parameter groups (a stage without
-    any parameter of optimizer.weight_decay_exclude has one); every group follows the same
-    schedule from the same peak, so the lists are resized to this rank's groups."""
+    """The LR scheduler's state: how many steps were taken. The peak learning rate stays this
+    run's (optimizer.lr): LambdaLR would take the checkpoint's base_lrs, so that a resume with
+    another optimizer.lr trained on at the old one; `saved_peak` keeps the checkpoint's for the
+    caller to say so. Its per-group lists (base_lrs, _last_lr) are saved once for all ranks, but
+    pipeline stages may hold different numbers of parameter groups (a stage without any
+    parameter of optimizer.weight_decay_exclude has one); every group follows the same schedule
+    from the same peak, so the lists are resized to this rank's groups."""
 
     PER_GROUP = ("base_lrs", "_last_lr")
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
+        self.saved_peak: float | None = None
 
     def state_dict(self) -> dict:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        configured = list(self.scheduler.base_lrs)
+        self._load(state)
+        self.saved_peak = self.scheduler.base_lrs[0] if self.scheduler.base_lrs else None
+        self.scheduler.base_lrs = configured
+        for group, lr in zip(self.scheduler.optimizer.param_groups, configured):
+            group["initial_lr"] = lr  # what LambdaLR reads its base from, had it to rebuild them
+
+    def _load(self, state: dict) -> None:
         groups = len(self.scheduler.optimizer.param_groups)
         state = dict(state)
         for key in self.PER_GROUP:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.config.manager import to_dict
+
 logger = logging.getLogger(__name__)
 
 
@@ -190,6 +192,28 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
             f"run configured this way from the start (lr_scheduler.total_steps set from the first start fixes the "
             "schedule whatever training.steps is; a stable phase, lr_scheduler.decay_ratio, keeps earlier steps "
             "unchanged while they are before the decay)")
+
+
+# What a resumed run takes from its configuration, not from the checkpoint it loads: every key of
+# these sections (the moments and step counts come from the checkpoint).
+RESUMED_SETTINGS = ("optimizer", "lr_scheduler", "training.max_norm")
+
+
+def settings_changed(saved_config: dict, config) -> list[str]:
+    """'key saved -> now' for every setting of RESUMED_SETTINGS whose value in the configuration
+    a checkpoint was saved with (its checkpoint.json) differs from this run's. A key missing
+    from the saved configuration (newer than the checkpoint) had its default."""
+    now = to_dict(config)
+    changed = []
+    for name in RESUMED_SETTINGS:
+        section, _, key = name.partition(".")
+        defaults = dataclasses.asdict(type(getattr(config, section))())
+        saved = {**defaults, **saved_config.get(section, {})}
+        current = {**defaults, **now.get(section, {})}
+        for k in ([key] if key else sorted(current)):
+            if saved.get(k) != current.get(k):
+                changed.append(f"{section}.{k} {saved.get(k)!r} -> {current.get(k)!r}")
+    return changed
 
 
 def horizon_name(total_steps: int | None, training_steps: int) -> str:
