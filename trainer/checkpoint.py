@@ -123,7 +123,7 @@ class CheckpointManager:
             dist.barrier()
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
         items = list(ITEMS)
-        rewind = False
+        branch = False  # loading an older step than the folder's newest
         if self.cfg.enable and self.cfg.load_step != -1:
             path = self._named_step(found, self.cfg.load_step)
             self._refuse_foreign(path)
@@ -133,7 +133,7 @@ class CheckpointManager:
                     f"checkpoint.load_step={self.cfg.load_step}: {self.folder} holds newer checkpoints "
                     f"({', '.join(f'step-{s}' for s in newer)}) that this run would overwrite; use another "
                     "checkpoint.folder, --checkpoint.load_only, or --checkpoint.overwrite")
-            rewind = bool(newer) and self.saves
+            branch = bool(newer)
         elif found:
             path = self._resume_point(found)
             self._refuse_foreign(path)
@@ -158,7 +158,7 @@ class CheckpointManager:
         if path is None:
             return None
         self._load(path, items)
-        self._continue_lineage(path, found, rewind)
+        self._continue_lineage(path, found, branch)
         return path
 
     def _refuse_foreign(self, path: Path) -> None:
@@ -168,14 +168,22 @@ class CheckpointManager:
         if foreign:
             raise CheckpointError(foreign)
 
-    def _continue_lineage(self, path: Path, found: dict[int, Path], rewind: bool) -> None:
+    @property
+    def trajectory(self) -> dict:
+        """The training trajectory this run's steps belong to (for its record, trainer/run_record.py)."""
+        return {"lineage": self.lineage, "ancestors": self.ancestors}
+
+    def _continue_lineage(self, path: Path, found: dict[int, Path], branch: bool) -> None:
         """The lineage and parent of this run's saves, once `path` is loaded. A checkpoint of this
-        folder continues its lineage; a rewind moves the newer checkpoints aside and starts a new
-        one from `path`, as does any other start."""
+        folder continues its lineage. A branch (an older step than the folder's newest) starts a
+        new one from `path`, as does any other start; a run that saves moves the newer
+        checkpoints aside (a rewind), one that does not leaves them (its steps are its own
+        trajectory, which the folder's checkpoints do not continue)."""
+        rewind = branch and self.saves
         in_folder = path.parent.resolve() == self.folder.resolve() and path.name != "step-0"
         self.parent = {"step": self.train_state.step, "path": str(path.resolve()), "fingerprint": fingerprint(path)}
         head = read_head(self.folder) if in_folder else None
-        if rewind:
+        if branch:
             self.ancestors = forked_ancestors(head, path, self.train_state.step)
         elif head is not None:  # on the head's trajectory (checked): continue it
             self.lineage, self.ancestors = head["lineage"], head.get("ancestors", [])

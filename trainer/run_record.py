@@ -5,10 +5,12 @@ A *run* is the training history of one dump folder: its first start and every re
 - `run_meta.json` describes the run as it is now: the resolved configuration of the latest start,
   the code that ran (trainer.version), what the latest start loaded (`start`), its status, and
   under `history` the records of the earlier starts of the same run (oldest first).
-- `metrics.jsonl` holds each step once. A resume from step S moves the records of steps after S
-  (from an attempt that was cut off, or steps that are trained again) out of it.
-- A new run in a folder that holds another run's record moves that record (run_meta.json,
-  metrics.jsonl and fingerprints.jsonl together) to `previous/<time>/`; nothing is deleted.
+- `metrics.jsonl` holds each step once, of one training trajectory. A resume from step S moves
+  the records of steps after S (from an attempt that was cut off, or steps that are trained
+  again) out of it.
+- A new run in a folder that holds another run's record, or a start from a checkpoint of another
+  trajectory than the record's (see `begin`), moves that record (run_meta.json, metrics.jsonl and
+  fingerprints.jsonl together) to `previous/<time>/`; nothing is deleted.
 - `fingerprints.jsonl` (metrics.fingerprints) follows metrics.jsonl: one line per recorded step.
 
 Record fields (format 2), written by the rank that logs:
@@ -30,6 +32,11 @@ Record fields (format 2), written by the rank that logs:
     device_name   the GPU's name (CUDA) or the CPU's
     cuda, nccl    the versions torch was built with (null off CUDA)
     argv          the trainer's own command-line options (the launcher passes them through)
+    trajectory    the training trajectory this start's steps belong to: {"lineage", "ancestors"}
+                  (trainer/checkpoint_lineage.py); a start on another trajectory than the
+                  record's moves the record aside instead of continuing it (see `begin`)
+    metrics_from_step   set when metrics.jsonl starts after step 1: a start from a checkpoint at
+                  step S whose steps 1..S are not recorded in this folder (it came from elsewhere)
     restart       which automatic restart of the launcher this start is: 0 for the job's first
                   start, K for its K-th restart after a failure (TORCHELASTIC_RESTART_COUNT); a
                   restart resumes from the latest checkpoint, so the start it replaced is the
@@ -89,27 +96,87 @@ def write_record(folder: Path, record: dict) -> None:
     write_atomic(folder / RECORD_FILE, json.dumps(record, indent=2, default=str) + "\n")
 
 
-def begin(folder: Path, record: dict, resumed_step: int) -> dict:
+def begin(folder: Path, record: dict, resumed_step: int, trajectory: dict | None = None) -> dict:
     """Start (resumed_step == 0) or continue (resumed_step > 0) the run of `folder`; returns the
-    record written, with status "running".
+    record written, with status "running". `trajectory` ({"lineage", "ancestors"}, see
+    trainer/checkpoint_lineage.py) names the training trajectory this start's steps belong to.
 
-    Starting: another run's record and metrics are moved to previous/<time>/. Continuing: the
-    earlier record goes into `history`, and metrics.jsonl keeps only steps <= resumed_step.
+    Continuing the trajectory of the folder's record (`continues`): the earlier record goes into
+    `history`, and metrics.jsonl keeps only steps <= resumed_step. Anything else (a new run, or a
+    start from a checkpoint of another trajectory than the record's: a branch, a run that loads
+    an older step, a return to the trajectory of the checkpoints after a run without them) moves
+    the folder's record and step files whole to previous/<time>/; the new metrics.jsonl starts
+    with steps 1..resumed_step of its own trajectory, taken from the newest record of it in
+    previous/ (`trajectory_source`), so that it never holds two trajectories.
     """
     folder = Path(folder)
     earlier = read_record(folder)
-    if resumed_step == 0:
-        archive(folder)
-        history: list = []
-    else:
+    history: list = []
+    if continues(earlier, resumed_step, trajectory):
         drop_metrics_after(folder, resumed_step)
-        history = []
         if earlier is not None:
             history = [*earlier.get("history", []), {k: v for k, v in earlier.items() if k != "history"}]
+    else:
+        archive(folder)
+        source = trajectory_source(folder, resumed_step, trajectory) if resumed_step else None
+        if source is not None:
+            history = restore_steps(folder, source, resumed_step)
+        elif resumed_step:
+            record = {**record, "metrics_from_step": resumed_step + 1}
+    if trajectory is not None:
+        record = {**record, "trajectory": trajectory}
     record = {"format": FORMAT, "status": "running", "started": now(), "ended": None, "last_step": resumed_step,
               **record, "history": history}
     write_record(folder, record)
     return record
+
+
+def continues(earlier: dict | None, resumed_step: int, trajectory: dict | None) -> bool:
+    """Whether a start from step `resumed_step` on `trajectory` continues the run recorded by
+    `earlier`: it resumes (step > 0) the record's own trajectory. A folder without a record (it
+    was removed), records of earlier versions, and callers that name no trajectory tell nothing:
+    a resume continues them."""
+    if resumed_step == 0:
+        return False
+    if earlier is None:
+        return True
+    theirs = (earlier.get("trajectory") or {}).get("lineage")
+    return theirs is None or trajectory is None or theirs == trajectory["lineage"]
+
+
+def on_trajectory(record: dict, step: int, trajectory: dict) -> bool:
+    """Whether the steps 1..step of the run `record` describes are those of `trajectory`: the
+    same lineage, or one it forked from at `step` or later."""
+    theirs = (record.get("trajectory") or {}).get("lineage")
+    if theirs is None:
+        return False
+    if theirs == trajectory["lineage"]:
+        return True
+    return any(a.get("lineage") == theirs and step <= a.get("until_step", -1) for a in trajectory.get("ancestors", []))
+
+
+def trajectory_source(folder: Path, step: int, trajectory: dict | None) -> Path | None:
+    """The newest folder of previous/ whose record's steps 1..step are those of `trajectory`."""
+    if trajectory is None or not (Path(folder) / PREVIOUS_DIR).is_dir():
+        return None
+    candidates = sorted((Path(folder) / PREVIOUS_DIR).iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    for candidate in candidates:
+        record = read_record(candidate)
+        if record is not None and on_trajectory(record, step, trajectory):
+            return candidate
+    return None
+
+
+def restore_steps(folder: Path, source: Path, step: int) -> list:
+    """Copy the lines of steps <= step from `source`'s step files into `folder` (the archive is
+    left whole); returns the history of the source's run (its earlier starts and itself)."""
+    for name in STEP_FILES:
+        if (source / name).is_file():
+            lines = [line if line.endswith("\n") else line + "\n"
+                     for line in (source / name).read_text().splitlines(keepends=True) if line_step(line) <= step]
+            write_atomic(Path(folder) / name, "".join(lines))
+    record = read_record(source) or {}
+    return [*record.get("history", []), {k: v for k, v in record.items() if k != "history"}]
 
 
 def finish(folder: Path, record: dict, status: str, last_step: int, error: str | None = None) -> dict:

@@ -129,7 +129,11 @@ class Trainer:
         self.record = None
         if self.rank == 0:
             self.record = run_record.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
-                                           resumed_step=self.state.step)
+                                           resumed_step=self.state.step, trajectory=self.checkpointer.trajectory)
+            if self.record.get("metrics_from_step"):
+                logger.warning("metrics.jsonl starts at step %d: steps 1-%d of the trajectory of %s are not recorded in "
+                               "%s", self.state.step + 1, self.state.step, self.checkpointer.start["path"],
+                               config.job.dump_folder)
             write_config_file(config)  # job.save_config_file, when set
         self.metrics = MetricsLogger(
             config, rank=self.rank, is_log_rank=self.rank == 0, world_size=world_size, device=self.device,
@@ -179,10 +183,12 @@ class Trainer:
     def _tensorboard_stamp(self) -> str | None:
         """Rank 0: the name of the run's TensorBoard subfolder (MetricsLogger hands it to the other
         ranks when they write too). A resumed run keeps the one of its record, so one run's curves
-        stay in one folder; a new run gets the current time."""
+        stay in one folder; a new run, or one on another trajectory, gets the current time."""
         if not self.config.metrics.enable_tensorboard or self.rank != 0:
             return None
-        earlier = run_record.read_record(Path(self.config.job.dump_folder)) if self.state.step else None
+        earlier = run_record.read_record(Path(self.config.job.dump_folder))
+        if not run_record.continues(earlier, self.state.step, self.checkpointer.trajectory):
+            earlier = None  # another trajectory's events must not mix with this one's
         folder = (earlier or {}).get("tensorboard")
         return Path(folder).name if folder else time_stamp()
 

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics
+from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
 
 FAULTS = '''
 import os
@@ -112,6 +112,45 @@ def test_a_rewind_is_a_new_lineage_and_never_spliced(tmp_path, measured):
     assert f"{folder / 'step-12'} belongs to another training trajectory" in refused.stderr
     measured("rewind: steps 6-8 of the new lineage differ from the abandoned ones by up to "
              f"{max(abs(curve[s] - abandoned[s]) for s in range(6, 9)):.2e}")
+
+
+def test_metrics_hold_one_trajectory_whatever_runs_share_the_folder(tmp_path):
+    """Sequences of runs in one dump folder that spliced two trajectories into one metrics.jsonl:
+    (a) a run without checkpoints (another seed) between a run and its resume; (b) an older
+    checkpoint loaded without saving (load_step + load_only, another weight decay, which the
+    trainer's own refusal suggests), then a plain resume of the newest checkpoint. Each resume's
+    metrics.jsonl is its own trajectory from step 1: the saved run's steps, then the new ones;
+    every other curve stays whole in previous/. All runs in one process (tests/workers/run_many.py)."""
+    dump = tmp_path / "run"
+    base = [*TINY_JOB, "--checkpoint.interval", "3", "--checkpoint.no_last_save_model_only", "--job.dump_folder",
+            str(dump)]
+    saving = ["--checkpoint.enable"]
+    runs = {
+        "first": [*saving, "--training.steps", "6"],
+        "(a) no checkpoints, another seed": ["--training.steps", "2", "--debug.seed", "7"],
+        "(a) resume": [*saving, "--training.steps", "8"],
+        "(b) step 3, load_only": [*saving, "--training.steps", "6", "--checkpoint.load_step", "3",
+                                  "--checkpoint.load_only", "--optimizer.weight_decay", "0.05"],
+        "(b) resume": [*saving, "--training.steps", "10"],
+    }
+    results, _ = run_many(1, base, runs, tmp_path)
+    losses = {name: {row["step"]: row["loss"] for row in result["metrics"]} for name, result in results.items()}
+    first, branch = losses["first"], losses["(b) step 3, load_only"]
+    assert sorted(losses["(a) resume"]) == list(range(1, 9))
+    assert all(losses["(a) resume"][s] == first[s] for s in range(1, 7)), "steps 1-6 are not the saved run's"
+    assert sorted(branch) == list(range(1, 7))
+    assert all(branch[s] == first[s] for s in range(1, 4)) and all(branch[s] != first[s] for s in range(5, 7))
+    final = losses["(b) resume"]
+    assert sorted(final) == list(range(1, 11))
+    assert all(final[s] == losses["(a) resume"][s] for s in range(1, 9)), "the load_only branch was spliced in"
+    # Every curve written is kept whole in previous/: the first run's, the other seed's, the branch's.
+    kept = sorted(tuple(row["step"] for row in read_metrics(folder))
+                  for folder in (dump / "previous").iterdir() if (folder / "run_meta.json").is_file())
+    assert (1, 2) in kept and (1, 2, 3, 4, 5, 6) in kept
+    record = json.loads((dump / "run_meta.json").read_text())
+    assert record["trajectory"]["lineage"] == json.loads((dump / "checkpoint" / "step-10" / "checkpoint.json")
+                                                         .read_text())["lineage"]
+    assert [start["start"]["step"] for start in record["history"]] == [0, 6]  # the trajectory's own starts
 
 
 def test_a_crash_while_exporting_keeps_the_final_checkpoint(tmp_path):

@@ -77,3 +77,63 @@ def test_record_is_written_atomically_and_read_back(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [RECORD_FILE]
     (tmp_path / "out" / RECORD_FILE).write_text("{not json")
     assert read_record(tmp_path / "out") is None and read_record(tmp_path / "nowhere") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequences of starts in one folder: metrics.jsonl holds one trajectory whatever came before.
+
+
+def start(folder, name: str, lineage: str, resumed_step: int, last_step: int, ancestors=()) -> None:
+    """A start of trajectory `lineage` from step `resumed_step` that logs steps up to
+    `last_step`, each line tagged with `name`."""
+    trajectory = {"lineage": lineage, "ancestors": [{"lineage": a, "until_step": s} for a, s in ancestors]}
+    record = begin(folder, {"name": name}, resumed_step, trajectory)
+    with open(folder / METRICS_FILE, "a") as f:
+        f.writelines(json.dumps({"step": s, "run": name}) + "\n" for s in range(resumed_step + 1, last_step + 1))
+    finish(folder, record, "completed", last_step)
+
+
+def curve(folder) -> list[tuple[int, str]]:
+    return [(r["step"], r["run"]) for r in map(json.loads, (folder / METRICS_FILE).read_text().splitlines())]
+
+
+def kept_curves(folder) -> list[list[tuple[int, str]]]:
+    return sorted(curve(p) for p in (folder / "previous").iterdir() if (p / RECORD_FILE).is_file())
+
+
+def steps(name: str, first: int, last: int) -> list[tuple[int, str]]:
+    return [(s, name) for s in range(first, last + 1)]
+
+
+def test_a_run_without_checkpoints_between_a_run_and_its_resume(tmp_path):
+    start(tmp_path, "A", "L1", 0, 6)
+    start(tmp_path, "B", "L2", 0, 2)  # another run (no checkpoints: its own lineage)
+    start(tmp_path, "A'", "L1", 6, 9)  # resumes A's checkpoint of step 6
+    assert curve(tmp_path) == steps("A", 1, 6) + steps("A'", 7, 9)
+    assert kept_curves(tmp_path) == [steps("A", 1, 6), steps("B", 1, 2)]
+    assert [r["name"] for r in read_record(tmp_path)["history"]] == ["A"]
+
+
+def test_a_branch_that_saves_nothing_then_a_resume_of_the_newest_checkpoint(tmp_path):
+    start(tmp_path, "A", "L1", 0, 6)
+    start(tmp_path, "C", "L3", 3, 6, ancestors=[("L1", 3)])  # load_step 3, load_only
+    assert curve(tmp_path) == steps("A", 1, 3) + steps("C", 4, 6)
+    start(tmp_path, "A'", "L1", 6, 9)
+    assert curve(tmp_path) == steps("A", 1, 6) + steps("A'", 7, 9)
+    assert steps("A", 1, 3) + steps("C", 4, 6) in kept_curves(tmp_path)
+
+
+def test_a_rewind_and_a_restart_continue_their_own_curve(tmp_path):
+    start(tmp_path, "A", "L1", 0, 8)
+    start(tmp_path, "D", "L4", 4, 6, ancestors=[("L1", 4)])  # load_step 4 --overwrite: a new lineage
+    assert curve(tmp_path) == steps("A", 1, 4) + steps("D", 5, 6)
+    start(tmp_path, "D'", "L4", 5, 7)  # restarted after a crash at step 6, from its step-5 checkpoint
+    assert curve(tmp_path) == steps("A", 1, 4) + steps("D", 5, 5) + steps("D'", 6, 7)
+    assert [r["name"] for r in read_record(tmp_path)["history"]] == ["A", "D"]
+
+
+def test_a_start_from_a_checkpoint_recorded_elsewhere_starts_its_curve_after_it(tmp_path):
+    start(tmp_path, "A", "L1", 0, 4)
+    start(tmp_path, "E", "L9", 10, 12, ancestors=[("L8", 10)])  # initial_load_path of another folder's step-10
+    assert curve(tmp_path) == steps("E", 11, 12)
+    assert read_record(tmp_path)["metrics_from_step"] == 11 and kept_curves(tmp_path) == [steps("A", 1, 4)]
