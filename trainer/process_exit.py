@@ -16,6 +16,9 @@ from typing import NoReturn
 # The file torch's elastic agent (trainer/launcher.py, torchrun) gives each process it starts for
 # its error; the agent reads it back into ChildFailedError.failures (ProcessFailure).
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# A rank's exit code when training diverged (a non-finite loss, gradient norm or parameter): from
+# the same checkpoint, a restart would diverge the same way, so the launcher does not restart.
+DIVERGED = 3
 _reported = False
 
 

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
 from trainer.failure_report import RankFailure, root_cause
+from trainer.process_exit import DIVERGED
 from trainer.stop_request import SAVED_AND_STOPPED, catches, received
 
 USER_MISTAKE = 2  # a rank's exit code for a mistake in the config, the data or a checkpoint
@@ -48,8 +49,9 @@ def retryable(cause: RankFailure) -> bool:
     """Whether a restart can help: not after a user's mistake (exit 2), unless that error came
     from a peer that stopped answering or vanished (a checkpoint that could not be written because
     a collective timed out is reported with exit 2, but the next attempt can write it); not after
-    a stop on request either."""
-    if cause.exitcode == SAVED_AND_STOPPED:  # asked to stop (trainer/stop_request.py): it saved, it is done
+    a stop on request, nor after training diverged (exit 3: it would again, from the same
+    checkpoint)."""
+    if cause.exitcode in (SAVED_AND_STOPPED, DIVERGED):  # it saved and is done; it would diverge again
         return False
     return cause.exitcode != USER_MISTAKE or cause.timed_out or cause.peer_lost
 

@@ -43,7 +43,7 @@ from trainer.hf.model_io import HFWeights
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.fingerprints import FingerprintRecorder, parameter_names
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, local_squared_norm
 from trainer.parent_watch import watch_launcher
 from trainer.model_build import build_on_meta, materialize, training_model_args
 from trainer.parallel import ParallelModel
@@ -51,7 +51,7 @@ from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.perturbation import perturb_weights
 from trainer.preflight import RunPlan, check_device_options, plan_run
 from trainer.seed_checkpoint import create_seed_checkpoint
-from trainer.process_exit import report_error, run_process
+from trainer.process_exit import DIVERGED, report_error, run_process
 from trainer.profiling import StepProfiler
 from trainer.safe_writes import LinkRefused
 from trainer.step import StepRunner
@@ -62,7 +62,7 @@ logger = logging.getLogger("trainer")
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN or infinite."""
+    """The loss, the gradient norm or a parameter became NaN or infinite."""
 
 
 @dataclass
@@ -359,7 +359,7 @@ class Trainer:
             if evaluating:
                 self.metrics.log_scalars(step, {"loss": self.validation_loss()}, prefix="validation")
             if saving:
-                self.checkpointer.save(step, last=step == cfg.training.steps)
+                self._save(step, last=step == cfg.training.steps)
             last_log_time += time.perf_counter() - paused
             if profiler is not None:
                 profiler.step(step)
@@ -373,7 +373,28 @@ class Trainer:
             if self.val_loader is not None and self.state.step % cfg.validation.freq:
                 self.metrics.log_scalars(self.state.step, {"loss": self.validation_loss()}, prefix="validation")
             if self.checkpointer.saves and self.checkpointer.last_saved != self.state.step:
-                self.checkpointer.save(self.state.step, last=True)
+                self._save(self.state.step, last=True)
+
+    def _save(self, step: int, last: bool) -> None:
+        """Save step `step`, once every parameter is found finite on every rank: an update can make
+        weights non-finite while the gradient norm was finite (a learning rate far too high), and
+        such weights must never be published as a checkpoint to resume or start from."""
+        reduction = self.runner.norm_reduction()
+        # .to(device): parameters offloaded to the CPU (training.enable_cpu_offload) sum there
+        squares = local_squared_norm([p.detach() for p in self.model.parameters()],
+                                     reduction.ranks_per_stage).to(self.device)
+        if reduction.group is not None:
+            dist.all_reduce(squares, group=reduction.group)
+        if not torch.isfinite(squares).item():
+            newest = self.checkpointer.last_saved
+            if newest is None and self.checkpointer.start["kind"] == "resume":
+                newest = self.checkpointer.start["step"]
+            raise NonFiniteLossError(
+                f"step {step}: the parameters are not finite after the update (their norm is {squares.sqrt().item()}); "
+                f"stopped before saving step-{step}, so that no checkpoint holds them ("
+                + (f"step-{newest} is the newest" if newest is not None else "no checkpoint of this run was saved")
+                + "). Lower optimizer.lr, or enable training.max_norm clipping")
+        self.checkpointer.save(step, last=last)
 
     def _counted_step(self, step: int) -> StepResult:
         """A training step whose collectives are counted and logged (metrics.count_collectives)."""
@@ -428,8 +449,9 @@ def configure_logging(stream=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def stop(error: Exception, code: int = 2) -> int:
-        """A user's mistake (2) or a non-finite loss (1): one message, printed by the launcher when
-        there is one (it is in the rank's error.json beside its log), else logged here."""
+        """A user's mistake (2) or a diverged run (3: a non-finite loss, norm or parameter): one
+        message, printed by the launcher when there is one (it is in the rank's error.json beside
+        its log), else logged here."""
         if not report_error(str(error), code):
             logger.error("%s", error)
         return code
@@ -470,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                          "start the same command again to resume from it", stop_request.SAVED_AND_STOPPED)
             return stop_request.SAVED_AND_STOPPED
     except (NonFiniteLossError, LossScaleError) as e:
-        return stop(e, 1)
+        return stop(e, DIVERGED)
     except (ConfigError, DataError, CheckpointError, LinkRefused) as e:  # a stream that cannot be opened, a step folder in the way
         return stop(e)
     finally:

@@ -212,6 +212,54 @@ def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_older_checkpo
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-6"]  # keep_latest_k 1, after the save worked
 
 
+POISON = """
+import os
+if os.environ.get("RANK") == os.environ.get("POISON_RANK") and os.environ.get("POISON_AT_STEP"):
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = []
+
+    def poison(optimizer, args, kwargs):  # one weight becomes infinite in the update of step N
+        if optimizer.param_groups[0]["lr"] == 0:  # the state's creation (trainer.optim.initialize_state)
+            return
+        steps.append(1)
+        if len(steps) == int(os.environ["POISON_AT_STEP"]):
+            p = optimizer.param_groups[0]["params"][0]
+            with torch.no_grad():
+                (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = float("inf")
+
+    register_optimizer_step_post_hook(poison)
+"""
+
+
+def test_non_finite_weights_are_never_published_and_not_restarted(tmp_path):
+    """An update that leaves a weight infinite while the step's loss and gradient norm were finite
+    (a learning rate far too high does it): the save of that step is refused on every rank, the
+    run stops with exit 3 (it would diverge again from the same checkpoint: no restart), and the
+    newest checkpoint is the one before."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(POISON)
+    dump = tmp_path / "run"
+    args = [*TINY_JOB, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--job.dump_folder", str(dump)]
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "POISON_RANK", "POISON_AT_STEP")}
+    os.environ.update(PYTHONPATH=f"{hooks}:{REPO}", POISON_RANK="1", POISON_AT_STEP="6")
+    try:
+        result = launch(2, args)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    assert result.returncode == 3, describe(result)
+    assert ("step 6: the parameters are not finite after the update (their norm is inf); stopped before saving "
+            "step-6, so that no checkpoint holds them (step-3 is the newest)") in result.stderr
+    assert "restart" not in result.stderr
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir() if "step" in p.name) == ["step-3"]
+    record = json.loads((dump / "run_meta.json").read_text())
+    assert record["status"] == "failed" and "not finite" in record["error"]
+
+
 def test_a_checkpoint_of_another_model_variant_is_refused(tmp_path):
     dump = tmp_path / "grouped"
     trained = launch(2, [*TINY_JOB, "--training.steps", "2", "--checkpoint.enable", "--parallelism.tensor_parallel_degree",
