@@ -7,6 +7,8 @@ import logging
 import subprocess
 import sys
 import textwrap
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -176,7 +178,7 @@ def test_wrong_types(tmp_path):
         (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio: must be in [0, 1]"),
         (["--optimizer.beta2", "1.0"], "optimizer.beta2: must be in [0, 1)"),
         (["--model.flavor", "9B"], "model.flavor: '9B' is unknown; choose one of"),
-        (["--parallelism.data_parallel_shard_degree", "0"], "data_parallel_shard_degree: must be -1"),
+        (["--parallelism.data_parallel_shard_degree", "0"], "data_parallel_shard_degree: must be >= 1 or -1 (the rest of the world), got 0"),
         (["--checkpoint.exclude_from_loading", "weights"], "'weights' is unknown"),
         (["--activation_checkpoint.selective_ac_option", "x"], "selective_ac_option"),
     ],
@@ -378,7 +380,7 @@ def test_training_dtype_values():
 def test_schedule_horizon_and_whole_split_values():
     assert load_config(["--lr_scheduler.total_steps", "200"]).lr_scheduler.total_steps == 200
     assert load_config(["--lr_scheduler.total_steps", "none"]).lr_scheduler.total_steps is None
-    assert "lr_scheduler.total_steps: must be >= 1, or unset" in error_of(["--lr_scheduler.total_steps", "0"])
+    assert "lr_scheduler.total_steps: must be >= 1 or unset (the schedule spans training.steps), got 0" in error_of(["--lr_scheduler.total_steps", "0"])
     assert load_config(["--validation.steps", "-1"]).validation.steps == -1
     assert ("validation.steps: must be >= 1 (batches per evaluation) or -1 (the whole validation split), got 0"
             in error_of(["--validation.steps", "0"]))
@@ -399,3 +401,137 @@ def test_a_saved_config_file_stays_a_file_of_its_own_in_the_dump_folder(name, fr
     assert f"job.save_config_file: {name!r}" in message and fragment in message
     assert load_config(["--job.save_config_file", "configs/job.toml"]).job.save_config_file == "configs/job.toml"
     assert load_config(["--job.save_config_file", "job_config.json"]).job.save_config_file == "job_config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers: every float key refuses nan and +-inf, every numeric key its impossible values
+
+
+def numeric_keys(kind: type) -> list[tuple[str, type, str]]:
+    """(dotted key, section or table class, field name) of every `kind` key of the schema, found
+    from the dataclasses themselves so that a new key is covered without editing this test. Keys
+    of [[...]] tables are named "section.key[].field"."""
+    found = []
+
+    def scalar(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return scalar(args[0]) if typing.get_origin(tp) in (typing.Union, types.UnionType) else tp
+
+    for section, cls in sections().items():
+        for f in dataclasses.fields(cls):
+            tp = scalar(typing.get_type_hints(cls)[f.name])
+            if tp is kind:
+                found.append((f"{section}.{f.name}", cls, f.name))
+            elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+                entry = typing.get_args(tp)[0]
+                found += [(f"{section}.{f.name}[].{g.name}", entry, g.name) for g in dataclasses.fields(entry)
+                          if scalar(typing.get_type_hints(entry)[g.name]) is kind]
+    return found
+
+
+FLOAT_KEYS = [key for key, _, _ in numeric_keys(float)]
+
+
+def test_the_schema_has_float_keys_in_sections_and_tables():
+    assert {"optimizer.lr", "training.max_norm", "lr_scheduler.decay_ratio", "training.datasets[].weight",
+            "activation_checkpoint.memory_budget"} <= set(FLOAT_KEYS)
+
+
+def mixture_toml(weight: str) -> str:
+    return f'[[training.datasets]]\npath = "/data/web"\nweight = {weight}\n'
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_a_value_that_is_not_finite(tmp_path, key, value):
+    """From a TOML file and from the command line, one message naming the key, the value and
+    what is valid: `optimizer.lr = inf` would train to a checkpoint of non-finite tensors,
+    `training.max_norm = nan` would silently turn clipping off."""
+    if "[]" in key:
+        section, name = key.split("[].")
+        messages = [error_of(["--job.config_file", write(tmp_path, mixture_toml(value))])]
+        key = f"{section}[0].{name}"
+    else:
+        section, name = key.split(".")
+        messages = [error_of(["--job.config_file", write(tmp_path, f"[{section}]\n{name} = {value}\n")]),
+                    error_of([f"--{key}", value]), error_of([f"--{key}={value}"])]
+    for message in messages:
+        assert message.count(f"{key}: must be ") == 1, message
+        assert f", got {value} (not a finite number)" in message, message
+
+
+def test_every_numeric_key_declares_what_it_accepts():
+    """A float key (and an int key) says which values are valid, in its field's metadata: the
+    loader checks it, --help and docs/configuration.md show it."""
+    from trainer.config.ranges import Valid
+
+    undeclared = [key for kind in (float, int) for key, cls, name in numeric_keys(kind)
+                  if not isinstance({f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("valid"), Valid)]
+    assert undeclared == []
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--optimizer.lr", "-1e-3"], "optimizer.lr: must be >= 0 (0 keeps the weights as they are), got -0.001"),
+    (["--optimizer.eps", "0"], "optimizer.eps: must be > 0, got 0.0"),
+    (["--optimizer.beta1", "-0.1"], "optimizer.beta1: must be in [0, 1), got -0.1"),
+    (["--optimizer.beta1", "1"], "optimizer.beta1: must be in [0, 1), got 1.0"),
+    (["--optimizer.weight_decay", "-0.01"], "optimizer.weight_decay: must be >= 0, got -0.01"),
+    (["--lr_scheduler.min_lr_factor", "1.5"], "lr_scheduler.min_lr_factor: must be in [0, 1], got 1.5"),
+    (["--training.validation_fraction", "1"], "training.validation_fraction: must be in [0, 1)"),
+    (["--training.validation_fraction", "-0.5"], "training.validation_fraction: must be in [0, 1)"),
+    (["--activation_checkpoint.memory_budget", "1.5"], "activation_checkpoint.memory_budget: must be in [0, 1]"),
+    (["--metrics.peak_flops", "-1"], "metrics.peak_flops: must be >= 0"),
+    (["--debug.init_perturbation", "65"], "debug.init_perturbation: must be in [0, 64]"),
+    (["--training.loss_scale_initial", "3"], "training.loss_scale_initial: must be a power of two"),
+    (["--debug.seed", "-1"], "debug.seed: must be in [0, 4294967295], got -1"),
+    (["--training.data_seed", "4294967296"], "training.data_seed: must be in [0, 4294967295]"),
+    (["--comm.trace_buf_size", "-1"], "comm.trace_buf_size: must be >= 0"),
+    (["--parallelism.tensor_parallel_sync_group", "-2"], "parallelism.tensor_parallel_sync_group: must be >= 0"),
+    (["--parallelism.pipeline_parallel_first_stage_less_layers", "-1"],
+     "parallelism.pipeline_parallel_first_stage_less_layers: must be >= 0"),
+    (["--parallelism.pipeline_parallel_layers_per_stage", "0"],
+     "parallelism.pipeline_parallel_layers_per_stage: must be >= 1"),
+    (["--validation.local_batch_size", "0"], "validation.local_batch_size: must be >= 1"),
+    (["--training.steps", "1" + "0" * 40], "training.steps: must be >= 1 and fit in 64 bits, got an integer of 133 bits"),
+    (["--training.seq_len", "-" + "9" * 40], "training.seq_len: must be >= 2 and fit in 64 bits"),
+])
+def test_out_of_range_values_are_refused_naming_the_key_and_what_is_valid(argv, fragment):
+    assert fragment in error_of(argv)
+
+
+def test_out_of_range_values_from_toml(tmp_path):
+    assert "training.datasets[0].weight: must be > 0, got 0.0" in error_of(
+        ["--job.config_file", write(tmp_path, mixture_toml("0"))])
+    huge = write(tmp_path, "[optimizer]\nlr = 1" + "0" * 400 + "\n", "huge.toml")
+    assert "optimizer.lr: expected a number, got an integer too large for a float" in error_of(
+        ["--job.config_file", huge])
+    steps = write(tmp_path, f"[training]\nsteps = {2**63}\n", "steps.toml")
+    assert "training.steps: must be >= 1 and fit in 64 bits, got 9223372036854775808" in error_of(
+        ["--job.config_file", steps])
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--optimizer.lr", "0"], "optimizer.lr", 0.0),  # a run that checks what it loaded
+    (["--training.max_norm", "0"], "training.max_norm", 0.0),  # documented: <= 0 turns clipping off
+    (["--training.max_norm", "-1"], "training.max_norm", -1.0),
+    (["--optimizer.beta1", "0"], "optimizer.beta1", 0.0),
+    (["--optimizer.weight_decay", "0"], "optimizer.weight_decay", 0.0),
+    (["--lr_scheduler.decay_ratio", "1"], "lr_scheduler.decay_ratio", 1.0),
+    (["--lr_scheduler.min_lr_factor", "1"], "lr_scheduler.min_lr_factor", 1.0),
+    (["--training.validation_fraction", "0"], "training.validation_fraction", 0.0),
+    (["--debug.seed", "4294967295"], "debug.seed", 4294967295),
+    (["--training.global_batch_size", "-1"], "training.global_batch_size", -1),
+    (["--checkpoint.load_step", "-1"], "checkpoint.load_step", -1),
+])
+def test_the_edges_of_each_range_load(argv, key, value):
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(argv), section), name) == value
+
+
+def test_help_and_reference_show_what_each_number_accepts():
+    lines = help_text().splitlines()
+    assert lines[lines.index("  --optimizer.lr  (float, default 0.0008)") + 1] == "      valid: >= 0"
+    assert lines[lines.index("  --optimizer.beta2  (float, default 0.95)") + 1] == "      valid: in [0, 1)"
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    assert "| `lr` | float | >= 0 | `0.0008` |" in reference
+    assert "| `max_norm` | float | finite | `1.0` |" in reference

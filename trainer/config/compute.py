@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.config.ranges import valid
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -22,7 +24,7 @@ class ActivationCheckpoint:
     selective_ac_option: str = "2"
     """With mode selective: an integer N checkpoints every N-th block; 'op' saves selected ops."""
 
-    memory_budget: float = 0.5
+    memory_budget: float = valid(0.5, ge=0, le=1)
     """With mode memory_budget: the share of a compiled block's activations its forward keeps
     for backward, from 0.0 (about what mode full keeps) to 1.0 (what no checkpointing keeps);
     torch's partitioner recomputes the cheapest rest."""

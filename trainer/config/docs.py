@@ -14,6 +14,7 @@ import typing
 from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import field_docs, field_types, sections, type_name
+from trainer.config.ranges import declared
 from trainer.config.torchtitan_keys import OWN_KEYS, TORCHTITAN_KEYS, TORCHTITAN_VERSION, table
 
 INTRO = """\
@@ -29,7 +30,9 @@ A job is configured by a TOML file (`--job.config_file`, looked up in the workin
 ```
 
 Unknown sections and keys, wrong types and invalid values stop the launch with one message naming
-the key, where it came from, and what is valid (exit code 2). `--help` prints this table;
+the key, where it came from, and what is valid (exit code 2). The *valid* column says what a
+number accepts; every float must also be finite (nan and inf are refused) and every integer fit
+in 64 bits. `--help` prints this table;
 `--job.print_config` prints the resolved configuration as TOML that loads back to the same config
 (optional keys left unset, such as `lr_scheduler.total_steps`, are left out: TOML has no null).
 torchtitan's configs and command-line flags load as they are: [Coming from
@@ -37,6 +40,9 @@ torchtitan](#coming-from-torchtitan) says what each of its keys does here.
 
 This file is generated: `python -m trainer.config.docs > docs/configuration.md`.
 """
+
+
+TABLE_HEAD = ["| key | type | valid | default | description |", "| --- | --- | --- | --- | --- |"]
 
 
 def escape(text: str) -> str:
@@ -47,13 +53,11 @@ def render() -> str:
     defaults = JobConfig()
     out = [INTRO]
     for section, cls in sections().items():
-        out += [f"## [{section}]", "", inspect.cleandoc(cls.__doc__ or ""), "",
-                "| key | type | default | description |", "| --- | --- | --- | --- |"]
+        out += [f"## [{section}]", "", inspect.cleandoc(cls.__doc__ or ""), "", *TABLE_HEAD]
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
-            out.append(f"| `{f.name}` | {escape(type_name(field_types(cls)[f.name]))} | `{default!r}` | "
-                       f"{escape(docs.get(f.name, ''))} |")
+            out.append(row(cls, f.name, default, docs))
         out.append("")
         for f in dataclasses.fields(cls):
             entry = table_entry_type(field_types(cls)[f.name])
@@ -69,13 +73,18 @@ def table_entry_type(tp) -> type | None:
 
 
 def render_entry(name: str, cls: type) -> list[str]:
-    out = [f"### [[{name}]]", "", inspect.cleandoc(cls.__doc__ or ""), "",
-           "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    out = [f"### [[{name}]]", "", inspect.cleandoc(cls.__doc__ or ""), "", *TABLE_HEAD]
     docs, defaults = field_docs(cls), cls()
-    for f in dataclasses.fields(cls):
-        out.append(f"| `{f.name}` | {escape(type_name(field_types(cls)[f.name]))} | `{getattr(defaults, f.name)!r}` | "
-                   f"{escape(docs.get(f.name, ''))} |")
+    out += [row(cls, f.name, getattr(defaults, f.name), docs) for f in dataclasses.fields(cls)]
     return out + [""]
+
+
+def row(cls: type, name: str, default, docs: dict[str, str]) -> str:
+    """One key's table row; `valid` is what a numeric key accepts (trainer.config.ranges)."""
+    rule = declared(cls, name)
+    accepted = escape(rule.text(short=True)) if rule is not None else ""
+    return (f"| `{name}` | {escape(type_name(field_types(cls)[name]))} | {accepted} | `{default!r}` | "
+            f"{escape(docs.get(name, ''))} |")
 
 
 def render_torchtitan(out: list[str]) -> str:

@@ -3,8 +3,9 @@ trainer/config/observability.py, [activation_checkpoint] and [compile] in traine
 [validation] in trainer/config/validation.py).
 
 Section and key names follow the torchtitan v0.2.2 TOML format so that its configs load here.
-Every field carries a docstring (the string literal right below it); `--help` and
-docs/configuration.md are generated from those docstrings, so they are the reference.
+Every field carries a docstring (the string literal right below it), and every number declares
+the values it accepts (`valid(default, ...)`, trainer/config/ranges.py); `--help` and
+docs/configuration.md are generated from both, so they are the reference.
 
 This module imports nothing heavy: the launcher validates a config before any process starts.
 """
@@ -16,10 +17,12 @@ from typing import Literal, Optional
 
 from trainer.config.compute import ActivationCheckpoint, Compile
 from trainer.config.observability import Metrics, Profiling
+from trainer.config.ranges import SEED_MAX, valid
 from trainer.config.validation import Validation
 from trainer.stop_request import DEFAULT_SIGNAL
 
 DType = Literal["float32", "bfloat16", "float16"]
+EXACT_UNSCALING = "so that unscaling is exact, e.g. 65536 or 1"
 
 
 @dataclass
@@ -77,19 +80,19 @@ class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class from torch.optim."""
 
-    lr: float = 8e-4
+    lr: float = valid(8e-4, ge=0, note="0 keeps the weights as they are")
     """Peak learning rate, reached at the end of warmup."""
 
-    beta1: float = 0.9
+    beta1: float = valid(0.9, ge=0, lt=1)
     """Adam first-moment decay."""
 
-    beta2: float = 0.95
+    beta2: float = valid(0.95, ge=0, lt=1)
     """Adam second-moment decay."""
 
-    eps: float = 1e-8
+    eps: float = valid(1e-8, gt=0)
     """Adam epsilon, added to the denominator."""
 
-    weight_decay: float = 0.1
+    weight_decay: float = valid(0.1, ge=0)
     """Decoupled weight decay (AdamW); L2 penalty for Adam."""
 
     weight_decay_exclude: list[Literal["norm", "embedding", "output", "bias"]] = field(default_factory=list)
@@ -104,25 +107,27 @@ class Optimizer:
 class LRScheduler:
     """Learning-rate schedule: linear warmup, an optional stable phase, then decay."""
 
-    warmup_steps: int = 200
+    warmup_steps: int = valid(200, ge=0)
     """Steps of linear warmup from lr/warmup_steps to lr. Longer than the schedule (total_steps,
     else training.steps): the peak is never reached."""
 
-    total_steps: Optional[int] = None
+    total_steps: Optional[int] = valid(None, ge=1, also=((None, "the schedule spans training.steps"),))
     """Steps of the schedule, when they differ from training.steps: warmup, stable phase and decay
     are laid out over this many steps, whatever training.steps is, and steps past it train at
     lr x min_lr_factor. A run that sets it can be stopped early and later extended (raising
     training.steps, up to total_steps) on exactly the learning rates of one long run. Unset:
     training.steps."""
 
-    decay_ratio: Optional[float] = None
+    decay_ratio: Optional[float] = valid(
+        None, ge=0, le=1, note="the share of the steps after warmup spent decaying; 0 keeps the peak learning rate",
+        also=((None, "decay over all of them"),))
     """Fraction of the post-warmup steps spent decaying; the rest is a stable phase at peak lr.
     Unset: decay over all steps after warmup."""
 
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay from lr to lr * min_lr_factor."""
 
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = valid(0.0, ge=0, le=1)
     """Final learning rate as a fraction of the peak."""
 
 
@@ -136,7 +141,7 @@ class MixtureSource:
     path: str = ""
     """Its location, as training.dataset_path."""
 
-    weight: float = 1.0
+    weight: float = valid(1.0, gt=0)
     """Share of the training sequences drawn from it, relative to the other sources' weights."""
 
     name: str = ""
@@ -197,7 +202,7 @@ class Training:
     lane's data files for streamed datasets (documents within a file stay in file order).
     false: in file order, every epoch alike."""
 
-    stream_lanes: int = 1
+    stream_lanes: int = valid(1, ge=1)
     """Streamed datasets: the number of lanes, independent streams over disjoint sets of the
     dataset's data files (file i in lane i mod lanes). Lane j fills rows [j*G/lanes,
     (j+1)*G/lanes) of every global batch of G rows, so each data-parallel rank reads and
@@ -205,37 +210,37 @@ class Training:
     work evenly (1: every rank reads the whole stream). Must divide the global batch size, be at
     most the number of data files, and stay the same for a whole run (it decides the rows)."""
 
-    stream_workers: int = 1
+    stream_workers: int = valid(1, ge=0)
     """Streamed datasets: tokenizer processes per lane (each rank runs them for its own lanes),
     fed by a reading thread. 0: tokenize in the training process, as rows are needed."""
 
-    stream_prefetch: int = 4
+    stream_prefetch: int = valid(4, ge=1)
     """Streamed datasets: chunks (~256 KB of text each) per lane held tokenized ahead of use."""
 
-    data_seed: Optional[int] = None
+    data_seed: Optional[int] = valid(None, ge=0, le=SEED_MAX)
     """Seed of the data: the shuffled order of files and shards, and the synthetic source's chain
     and walks. Unset: debug.seed."""
 
-    validation_fraction: Optional[float] = None
+    validation_fraction: Optional[float] = valid(None, ge=0, lt=1)
     """'files': share of documents held out as the validation split, chosen by a hash of each
     document's text, whether validation is enabled or not (so training reads the same documents
     either way, and adding files never moves a document between splits). Unset: 0.05. 'shards':
     fixed when the folder was prepared (--validation-fraction); a different value here is an error."""
 
-    local_batch_size: int = 8
+    local_batch_size: int = valid(8, ge=1)
     """Sequences per data-parallel rank per forward/backward pass (microbatch of gradient accumulation)."""
 
-    global_batch_size: int = -1
+    global_batch_size: int = valid(-1, ge=1, also=((-1, "local_batch_size x data-parallel degree"),))
     """Sequences per optimizer step over all ranks. -1: local_batch_size x data-parallel degree.
     Larger values accumulate gradients over several local batches."""
 
-    seq_len: int = 2048
+    seq_len: int = valid(2048, ge=2)
     """Tokens per sequence."""
 
-    max_norm: float = 1.0
+    max_norm: float = valid(1.0, note="<= 0 turns clipping off")
     """Clip the global gradient norm to this value. <= 0 disables clipping (the norm is still logged)."""
 
-    steps: int = 10000
+    steps: int = valid(10000, ge=1)
     """Optimizer steps to train."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -255,22 +260,22 @@ class Training:
     """Dtype of every gradient reduction: FSDP's reduce-scatter and all-reduce, the TP all-reduce
     of the norm weights' gradients and the CP reduce-scatter of key/value gradients."""
 
-    loss_scale_initial: float = 65536.0
+    loss_scale_initial: float = valid(65536.0, power_of_two=True, note=EXACT_UNSCALING)
     """float16 compute only (mixed_precision_param = "float16"): the first dynamic loss scale, a
     power of two. The loss is multiplied by the scale before backward so that small gradients
     do not flush to zero in float16; a step whose gradients overflow is skipped and halves it."""
 
-    loss_scale_growth_interval: int = 1000
+    loss_scale_growth_interval: int = valid(1000, ge=1)
     """float16 only: double the loss scale after this many steps in a row without an overflow."""
 
-    loss_scale_min: float = 1.0
+    loss_scale_min: float = valid(1.0, power_of_two=True, note=EXACT_UNSCALING)
     """float16 only: the smallest loss scale, a power of two; an overflow at this scale stops the
     run as a diverged loss."""
 
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state in CPU memory."""
 
-    gc_freq: int = 50
+    gc_freq: int = valid(50, ge=1)
     """Run Python's garbage collector every this many steps (automatic collection is disabled
     during training so that all ranks pause together)."""
 
@@ -279,18 +284,18 @@ class Training:
 class Parallelism:
     """Parallel degrees and their options. The product of the degrees must equal the world size."""
 
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = valid(1, ge=1)
     """Replicas of the model. With data_parallel_shard_degree = 1 (and no context parallelism)
     this is DDP; with shard degree > 1 it is HSDP (sharded within, replicated across groups)."""
 
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: int = valid(-1, ge=1, also=((-1, "the rest of the world"),))
     """FSDP shard group size. -1: whatever the other degrees leave of the world size."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free unsharded parameters after forward (ZeRO-3-like) or keep them to backward (ZeRO-2-like).
     default: always, except never under pipeline parallelism."""
 
-    tensor_parallel_degree: int = 1
+    tensor_parallel_degree: int = valid(1, ge=1)
     """Tensor parallel degree, with sequence parallelism for norms and the residual stream. Must
     divide the model's heads, KV heads and vocabulary, and seq_len / context_parallel_degree."""
 
@@ -306,7 +311,7 @@ class Parallelism:
     residual in between. The reduced variants change the model (a technique, not a layout) and
     need tensor_parallel_degree > 1."""
 
-    tensor_parallel_sync_group: int = 0
+    tensor_parallel_sync_group: int = valid(0, ge=0)
     """Blocks per synchronization with tensor_parallel_sync = "grouped" (1 is per_block's model);
     0 (unset) otherwise. Under pipeline parallelism a group may not span two stages."""
 
@@ -314,7 +319,7 @@ class Parallelism:
     """Overlap tensor-parallel communication with the neighbouring matmuls (a compiler pass: needs
     compile.enable and CUDA)."""
 
-    pipeline_parallel_degree: int = 1
+    pipeline_parallel_degree: int = valid(1, ge=1)
     """Ranks along the pipeline; each runs one or more stages (see pipeline_parallel_schedule)."""
 
     pipeline_parallel_schedule: Literal[
@@ -324,23 +329,23 @@ class Parallelism:
     Interleaved1F1B, LoopedBFS and InterleavedZeroBubble two or more (stage s on rank s % degree);
     ZBVZeroBubble and DualPipeV exactly two, in a V (rank r runs stages r and 2 x degree - 1 - r)."""
 
-    pipeline_parallel_layers_per_stage: Optional[int] = None
+    pipeline_parallel_layers_per_stage: Optional[int] = valid(None, ge=1)
     """Layers per pipeline stage, the embedding and the output counted as first/last_stage_less_layers
     layers; sets the number of stages. Unset: one stage per PP rank (two for multi-stage schedules)."""
 
-    pipeline_parallel_first_stage_less_layers: int = 1
+    pipeline_parallel_first_stage_less_layers: int = valid(1, ge=0)
     """Layers fewer on the first stage, to make room for the token embedding."""
 
-    pipeline_parallel_last_stage_less_layers: int = 1
+    pipeline_parallel_last_stage_less_layers: int = valid(1, ge=0)
     """Layers fewer on the last stage, to make room for the output projection and loss."""
 
-    pipeline_parallel_microbatch_size: int = 1
+    pipeline_parallel_microbatch_size: int = valid(1, ge=1)
     """Sequences per pipeline microbatch; local_batch_size must be a multiple. The microbatches of
     all gradient-accumulation steps run in one schedule step: 1F1B and the interleaved schedules
     need at least pipeline_parallel_degree of them per step, the V schedules at least 2 x
     pipeline_parallel_degree."""
 
-    context_parallel_degree: int = 1
+    context_parallel_degree: int = valid(1, ge=1)
     """Context parallel degree: each rank holds 1/degree of every sequence (two chunks of
     2 x degree, head and tail, for an even causal workload). seq_len must be a multiple of 2 x degree."""
 
@@ -361,7 +366,7 @@ class Checkpoint:
     folder: str = "checkpoint"
     """Checkpoint folder, relative to job.dump_folder."""
 
-    interval: int = 500
+    interval: int = valid(500, ge=1)
     """Save every this many steps (and at the last step)."""
 
     initial_load_path: str = ""
@@ -393,10 +398,10 @@ class Checkpoint:
     into CPU buffers kept for the whole run (pinned with CUDA; on CPU only reused). The last save
     is always synchronous (docs/checkpoints.md)."""
 
-    keep_latest_k: int = 10
+    keep_latest_k: int = valid(10, ge=0, note="0 keeps all")
     """Keep this many newest checkpoints; 0 keeps all."""
 
-    load_step: int = -1
+    load_step: int = valid(-1, ge=0, also=((-1, "the newest"),))
     """Resume from this step's checkpoint. -1: the newest complete one."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
@@ -439,15 +444,15 @@ class Checkpoint:
 class Comm:
     """Collective communication."""
 
-    init_timeout_seconds: int = 300
+    init_timeout_seconds: int = valid(300, ge=1, note="seconds")
     """Timeout for process-group creation and the first collectives."""
 
-    train_timeout_seconds: int = 100
+    train_timeout_seconds: int = valid(100, ge=1, note="seconds")
     """Timeout for collectives once the first step has run, on every process group (mesh
     subgroups included); synchronous checkpoint saves after that step run under it too,
     asynchronous ones keep init_timeout_seconds."""
 
-    trace_buf_size: int = 20000
+    trace_buf_size: int = valid(20000, ge=0, note="0 disables it")
     """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""
 
 
@@ -455,7 +460,7 @@ class Comm:
 class Debug:
     """Reproducibility."""
 
-    seed: int = 0
+    seed: int = valid(0, ge=0, le=SEED_MAX)
     """Seed of the initial weights, and of the data unless training.data_seed is set."""
 
     deterministic: bool = False
@@ -464,7 +469,7 @@ class Debug:
     deterministic_warn_only: bool = False
     """With deterministic: warn instead of failing on an op without a deterministic implementation."""
 
-    init_perturbation: float = 0.0
+    init_perturbation: float = valid(0.0, ge=0, le=64, note="rounding errors of the compute dtype; 0 is off")
     """Multiply every initial weight matrix by (1 + x), x uniform in +-init_perturbation rounding
     errors of the compute dtype (half its machine epsilon: 2^-8 for bfloat16, 2^-24 for float32),
     drawn from (init_perturbation_seed, parameter name), so the same in every layout; norm gains
@@ -473,7 +478,7 @@ class Debug:
     convergence protocol's noise controls use 1: runs that differ from the control only in
     rounding, not in data or initial weights."""
 
-    init_perturbation_seed: int = 1
+    init_perturbation_seed: int = valid(1, ge=0)
     """Seed of init_perturbation's noise; each noise control of the protocol uses its own."""
 
 

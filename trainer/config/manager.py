@@ -29,6 +29,7 @@ from trainer.config.checks import validate
 from trainer.config.errors import ConfigError
 from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
 from trainer.config.job_config import JobConfig
+from trainer.config.ranges import declared, shown
 from trainer.config.torchtitan_keys import REFUSED
 
 if sys.version_info >= (3, 11):
@@ -112,21 +113,21 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{where}: {value!r} is not valid; choose one of {', '.join(map(repr, args))}{hint}")
+            raise ConfigError(f"{where}: {shown(value)} is not valid; choose one of {', '.join(map(repr, args))}{hint}")
         return value
     if origin is list and dataclasses.is_dataclass(args[0]):
         return convert_tables(value, args[0], where, from_text)
     if origin is list:
         items = [v.strip() for v in value.split(",") if v.strip()] if from_text else value
         if not isinstance(items, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         return [convert(v, args[0], where, from_text) for v in items]
     if tp is bool:
         if isinstance(value, bool):
             return value
         if from_text and value.strip().lower() in BOOL_WORDS:
             return BOOL_WORDS[value.strip().lower()]
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {shown(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -135,20 +136,23 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
                 return int(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # a TOML integer beyond 1.8e308
+                raise ConfigError(f"{where}: expected a number, got an integer too large for a float") from None
         if from_text:
             try:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {shown(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {shown(value)}")
     raise TypeError(f"unsupported config field type {tp!r}")  # a bug in job_config.py, not a user error
 
 
@@ -158,7 +162,7 @@ def convert_tables(value: Any, cls: type, where: str, from_text: bool) -> list:
         name = where.removeprefix("argument --")
         raise ConfigError(f"{where}: a list of tables, set in the TOML file as [[{name}]] tables, not on the command line")
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise ConfigError(f"{where}: expected [[...]] tables, got {value!r}")
+        raise ConfigError(f"{where}: expected [[...]] tables, got {shown(value)}")
     types_ = field_types(cls)
     entries = []
     for index, table in enumerate(value):
@@ -395,5 +399,8 @@ def help_text(config: JobConfig | None = None) -> str:
             if config is not None and getattr(getattr(config, section), f.name) != default:
                 head += f"  [config: {getattr(getattr(config, section), f.name)!r}]"
             lines.append(head)
+            rule = declared(cls, f.name)
+            if rule is not None:
+                lines.append(f"      valid: {rule.text(short=True)}")
             lines += [f"      {line}" for line in docs.get(f.name, "").splitlines()]
     return "\n".join(lines)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.config.ranges import valid
+
 
 @dataclass
 class Metrics:
     """Console, metrics.jsonl and TensorBoard logging."""
 
-    log_freq: int = 10
+    log_freq: int = valid(10, ge=1)
     """Log every this many steps (and step 1 and the last step)."""
 
     enable_tensorboard: bool = False
@@ -52,13 +54,13 @@ class Metrics:
     The convergence protocol compares them to say where two layouts part. Which steps:
     fingerprint_first and fingerprint_every."""
 
-    fingerprint_first: int = 4
+    fingerprint_first: int = valid(4, ge=0)
     """With fingerprints: record every step from 1 to this one (>= 0)."""
 
-    fingerprint_every: int = 50
+    fingerprint_every: int = valid(50, ge=0, note="0: only the first steps")
     """With fingerprints: after the first ones, record every this many steps (0: no more)."""
 
-    peak_flops: float = 0.0
+    peak_flops: float = valid(0.0, ge=0, note="0: looked up")
     """Peak FLOP/s of one device for MFU. 0: look the GPU up in the built-in table; on CPU MFU is omitted."""
 
 
@@ -75,16 +77,16 @@ class Profiling:
     save_traces_folder: str = "profile_traces"
     """Trace folder, relative to job.dump_folder."""
 
-    profile_freq: int = 10
+    profile_freq: int = valid(10, ge=1)
     """Profile once every this many steps: traces end at steps profile_freq, 2 x profile_freq, ...
     (counted from step 0, also after a resume); memory snapshots are written at those steps. Must
     be >= profiler_warmup + profiler_active, so that one window ends before the next starts."""
 
-    profiler_warmup: int = 3
+    profiler_warmup: int = valid(3, ge=0)
     """Steps the profiler runs unrecorded before each recorded window (its start-up cost stays
     out of the trace); >= 0."""
 
-    profiler_active: int = 1
+    profiler_active: int = valid(1, ge=1)
     """Steps recorded in each trace, the last one a multiple of profile_freq; >= 1."""
 
     enable_memory_snapshot: bool = False

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from trainer.config.ranges import valid
+
 # validation.steps = WHOLE_SPLIT: every sequence of the validation split, once.
 WHOLE_SPLIT = -1
 
@@ -29,22 +31,23 @@ class Validation:
     dataset_path: str = ""
     """Local path for the validation source (as training.dataset_path)."""
 
-    global_batch_size: int = 64
+    global_batch_size: int = valid(64, ge=1)
     """Sequences per validation batch over all ranks: the same rows, and so the same loss, in
     every parallel layout. Each data-parallel rank evaluates its share (the last ranks' shares
     padded with sequences that count for nothing when it does not divide evenly)."""
 
-    local_batch_size: Optional[int] = None
+    local_batch_size: Optional[int] = valid(None, ge=1)
     """Sequences per forward pass of a data-parallel rank in validation (a memory bound, not a
     batch definition). Unset: training.local_batch_size."""
 
-    seq_len: Optional[int] = None
+    seq_len: Optional[int] = valid(None, ge=1)
     """Tokens per validation sequence. Unset: training.seq_len."""
 
-    freq: int = 500
+    freq: int = valid(500, ge=1)
     """Validate every this many training steps."""
 
-    steps: int = 10
+    steps: int = valid(10, ge=1, note="batches per evaluation",
+                       also=((WHOLE_SPLIT, "the whole validation split"),))
     """Validation batches per evaluation (the same batches every time). -1: the whole validation
     split, every sequence once (the tail of the split shorter than one sequence is not read), in
     batches of global_batch_size whose last one is padded with sequences that count for nothing;
