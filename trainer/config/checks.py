@@ -14,7 +14,8 @@ from trainer.config.ranges import range_problems
 
 def validate(config: JobConfig) -> None:
     """Check values every run needs; raise ConfigError listing every problem found."""
-    from trainer.models.llama3.hf_config import HFConfigError, configured_model_args, flavor_names  # light: no torch
+    from trainer.hf.config_json import read_checked_config  # light: no torch
+    from trainer.models.llama3.hf_config import HFConfigError, configured_model_args, flavor_names
 
     c = config
     problems = range_problems(c)  # every numeric key against what it declares (trainer.config.ranges)
@@ -28,6 +29,8 @@ def validate(config: JobConfig) -> None:
          f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
     if c.model.flavor == "hf" or c.model.hf_assets_path:
         try:
+            if c.model.flavor == "hf" and c.model.hf_assets_path:
+                read_checked_config(c.model.hf_assets_path)  # each field's type, before the shapes are built
             configured_model_args(c.model)  # the folder itself is checked before launch (preflight.check_data)
         except (HFConfigError, ValueError) as e:
             problems.append(str(e))

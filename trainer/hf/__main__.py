@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from trainer.hf.config_json import read_checked_config
 from trainer.hf.export import export_hf_folder, parse_size
 from trainer.hf.folder import read_hf_folder
 from trainer.hf.weights import HFCheckpointError
+from trainer.models.llama3.args import LlamaModelArgs
 from trainer.models.llama3.hf_config import flavor_names, model_args
 
 
@@ -70,6 +72,14 @@ def refuse_model_change(dcp_dir: Path, accepted: bool) -> None:
             return
 
 
+def shapes(flavor: str, folder: str, option: str) -> LlamaModelArgs:
+    """The model's shapes: a shipped flavor's, or with --flavor hf those of the folder's
+    config.json, every field checked first (it may come from anywhere)."""
+    if flavor == "hf" and folder:
+        read_checked_config(folder, option)
+    return model_args(flavor, folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
 
@@ -81,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             raise HFCheckpointError("--flavor hf takes the shapes from a config.json: give --hf-assets FOLDER (the "
                                     "Hugging Face folder the checkpoint was imported from, or any with its shapes)")
         if a.command == "import":
-            args = model_args(a.flavor, a.hf)
+            args = shapes(a.flavor, a.hf, "--hf")
             with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
         else:
             refuse_model_change(Path(a.dcp), a.accept_model_change)
-            args = model_args(a.flavor, a.hf_assets)
+            args = shapes(a.flavor, a.hf_assets, "--hf-assets")
             export_hf_folder(Path(a.dcp), Path(a.out), args, getattr(torch, a.dtype), a.max_shard_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,39 +12,54 @@ from typing import Callable
 
 import torch
 
+from trainer.hf.config_json import read_checked_config
+from trainer.hf.headers import INDEX_FILE, SINGLE_FILE, check_entry, read_header, shard_files
 from trainer.hf.weights import HFCheckpointError, from_hf, key_map, to_hf_tensor
 from trainer.models.llama3.args import LlamaModelArgs
-from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, hf_config, read_config_json
+from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, hf_config
 
 # transformers' save_pretrained default, max_shard_size="5GB" (powers of 1000).
 DEFAULT_SHARD_BYTES = 5 * 10**9
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-
-def _safetensors_files(folder: Path) -> list[str]:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return [SINGLE_FILE]
 
 
 def read_hf_folder(path: str | Path, args: LlamaModelArgs) -> dict[str, torch.Tensor]:
     """Our state dict (full tensors, CPU) from a save_pretrained folder whose config.json
-    matches `args` (the configured model)."""
-    from safetensors.torch import load_file
-
+    matches `args` (the configured model). The folder is untrusted: its config.json, index and
+    safetensors headers are checked before a tensor is read (trainer.hf.headers), and only the
+    tensors the model takes are read."""
     folder = Path(path)
     try:
-        check_hf_config(read_config_json(folder, "checkpoint.initial_load_path"), args, f"{folder}/config.json")
+        check_hf_config(read_checked_config(folder, "checkpoint.initial_load_path"), args, f"{folder}/config.json")
     except HFConfigError as e:
         raise HFCheckpointError(str(e)) from None
-    state = {}
-    for name in _safetensors_files(folder):
-        if not (folder / name).is_file():
-            raise HFCheckpointError(f"{folder}: missing {name}")
-        state.update(load_file(str(folder / name)))
+    shapes = {t.theirs: t.shape for t in hf_tensors(args)}
+    shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])  # a tied model's alias, compared
+    state: dict[str, torch.Tensor] = {}
+    found_in: dict[str, Path] = {}
+    for name, placed in shard_files(folder).items():
+        file = folder / name
+        header = read_header(file)
+        for tensor in placed:
+            if tensor not in header:
+                raise HFCheckpointError(f"{file}: holds no tensor {tensor} (the index places it there)")
+        wanted = [tensor for tensor in header if tensor in shapes]
+        for tensor in wanted:
+            check_entry(file, tensor, header[tensor], shapes[tensor])
+            if tensor in found_in:
+                raise HFCheckpointError(f"{file}: tensor {tensor} is also in {found_in[tensor]}")
+            found_in[tensor] = file
+        state.update(_read_tensors(file, wanted))
     return from_hf(state, args, str(folder))
+
+
+def _read_tensors(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as e:  # what the header check cannot see, e.g. bytes between tensors
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
