@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.async_checkpoint import AsyncSaver
+from trainer.checkpoint_exports import LastSaveExports
 from trainer.checkpoint_files import (  # noqa: F401 (the errors and seed checkpoints are used from here)
     CheckpointError,
     CheckpointWriteError,
@@ -34,9 +35,11 @@ from trainer.checkpoint_files import (  # noqa: F401 (the errors and seed checkp
     is_resumable,
     refuse_overwrite,
     save_error_text,
+    every_rank_of,
     save_seed_checkpoint,
     write_checkpoint_record,
 )
+from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.checkpoint_items import ModelState, OptimizerState, SchedulerState, optimizer_state_is_nested
 from trainer.checkpoint_layout import (
     HF_EXPORT_DIR,
@@ -59,7 +62,6 @@ from trainer.config.manager import to_dict
 from trainer.dcp_files import incomplete_reason, saved_items, saved_keys
 from trainer.dcp_metadata import CheckedReader, UnsafeCheckpointError
 from trainer.optim import schedule_change, set_schedule_position, settings_changed
-from trainer.parallel.fsdp import DTYPES
 from trainer.train_state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ logger = logging.getLogger(__name__)
 ITEMS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
-class CheckpointManager:
+class CheckpointManager(LastSaveExports):
     """Decides what to load at start and when to save, following the [checkpoint] section."""
 
     def __init__(self, config, *, model, optimizer, scheduler, loader, train_state: TrainState, rank: int,
@@ -119,7 +121,7 @@ class CheckpointManager:
         if self.saves:  # every rank must see the same folder below
             if self.rank == 0:
                 self._publish_finished_partials()
-                self._remove_unfinished_exports()
+                self._settle_exports()
             dist.barrier()
         found = complete_checkpoints(self.folder) if self.cfg.enable else {}
         items = list(ITEMS)
@@ -209,7 +211,7 @@ class CheckpointManager:
             if newest > self.total_steps and is_resumable(path):
                 raise CheckpointError(past_steps_message(path, newest, self.total_steps))
             written = self._complete_exports(path, newest)
-            raise TrainingComplete(complete_message(path, self.total_steps, written))
+            raise TrainingComplete(complete_message(path, self.total_steps, written), wrote_exports=bool(written))
         if is_resumable(path):
             return path
         # Only earlier versions of this trainer wrote a model-only last save.
@@ -223,17 +225,6 @@ class CheckpointManager:
             f"{path} holds the model weights only (a final export): without its optimizer state and data position "
             f"this run cannot continue from step {newest} exactly. Either " + ", or ".join(options))
 
-    def _complete_exports(self, path: Path, step: int) -> str:
-        """Write the exports the final checkpoint lacks (the run stopped while writing them);
-        returns what to add to the message."""
-        missing = missing_exports(path, self.config) if self.saves else []
-        if not missing:
-            return ""
-        logger.info("%s: writing the exports the run stopped before writing: %s", path, ", ".join(missing))
-        self._load(path, ["model"])
-        self.last_saved = step
-        self._write_exports(path, missing)
-        return f" but its exports, written now ({', '.join(missing)})"
 
     def _named_step(self, found: dict[int, Path], step: int) -> Path:
         try:
@@ -348,15 +339,6 @@ class CheckpointManager:
             logger.warning("removing %s: a save that never completed", path)
             shutil.rmtree(path, ignore_errors=True)
 
-    def _remove_unfinished_exports(self) -> None:
-        """Exports the run stopped writing. Their checkpoint is whole: it was published before
-        its exports were started."""
-        for path in self.folder.glob("step-*/.*.partial"):
-            logger.warning("removing %s: an export that never completed (%s itself is complete; a run that finds it "
-                           "final writes the missing exports again)", path, path.parent)
-            shutil.rmtree(path, ignore_errors=True)
-
-    # ---- saving
 
     @property
     def saves(self) -> bool:
@@ -386,12 +368,15 @@ class CheckpointManager:
         state = self._stateful(ITEMS)
         kind = "final" if last else "periodic"
         if self.rank == 0:  # first, so that a save found complete after a crash has its record
-            write_checkpoint_record(partial, self._record(step, kind))
+            try:
+                write_checkpoint_record(partial, self._record(step, kind))
+            except OSError as e:
+                self._save_failed(step, partial, e)
         if self.async_saver is not None and not last:
             self.async_saver.start(state, step, partial)
             return
         try:
-            dcp.save(state, checkpoint_id=str(partial))
+            dcp.save(state, storage_writer=ChecksumWriter(partial))  # with checksums.json
         except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP raises it on every rank)
             self._save_failed(step, partial, e)
         self._finish(step, partial)
@@ -402,58 +387,37 @@ class CheckpointManager:
         return checkpoint_record(self.config, step, list(ITEMS), kind, lineage=self.lineage, parent=self.parent,
                                  **extra)
 
-    def _write_exports(self, final: Path, names: list[str]) -> None:
-        """The exports of the last save, written after the full checkpoint is published: a crash
-        here costs only the export. Each is written to a hidden folder beside its place and
-        renamed into place when complete (the rename is its completion mark); a restart removes
-        the unfinished ones (_remove_unfinished_exports)."""
-        dtype = DTYPES[self.cfg.export_dtype]
-        if MODEL_ONLY_DIR in names:
-            folder = self._unfinished_export(final, MODEL_ONLY_DIR)
-            dcp.save(self._stateful(["model"], export_dtype=dtype), checkpoint_id=str(folder))
-            self._publish_export(final, MODEL_ONLY_DIR)
-        if HF_EXPORT_DIR in names:
-            name = self.external_weights.folder_name
-            self._unfinished_export(final, name)
-            dist.barrier()  # every rank's shard of the checkpoint is on disk
-            if self.rank == 0:
-                self.external_weights.export(final, final / f".{name}.partial", dtype)
-            self._publish_export(final, name)
 
-    def _unfinished_export(self, final: Path, name: str) -> Path:
-        folder = final / f".{name}.partial"
-        self._make_folder(folder, fresh=True)
-        return folder
 
-    def _publish_export(self, final: Path, name: str) -> None:
-        """Rank 0, once every rank has written its part: rename the export into place and list it
-        in checkpoint.json."""
-        dist.barrier()
-        if self.rank == 0:
-            (final / f".{name}.partial").rename(final / name)
-            record = read_checkpoint_record(final) or self._record(self.last_saved, "final")
-            exports = [*record.get("exports", []), name]
-            write_checkpoint_record(final, {**record, "exports": exports, "export_dtype": self.cfg.export_dtype})
-            logger.info("exported %s", final / name)
-        dist.barrier()
+
 
     def _save_failed(self, step: int, partial: Path, error: BaseException) -> None:
-        """A save that could not be written (a full disk, a quota, a file-size limit, on any
-        rank): stop the run with one message; the checkpoints before it are untouched."""
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # its part-written files take space
+        """A save that could not be written (a full disk, a quota, a file-size limit, a folder
+        that became read-only, on any rank): stop the run with one message; the checkpoints before
+        it are untouched."""
+        text = save_error_text(error, partial.parent)  # before its files are removed: is the disk full?
+        with every_rank_of(error):  # each rank has looked at the disk, then waits for the space freed here
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # its part-written files take space
         found = [s for s in complete_checkpoints(self.folder) if s < step]
         kept = (f"step-{found[-1]}, the newest complete checkpoint, is intact: the run resumes from it once the "
                 "problem is fixed" if found else "no earlier checkpoint of this run exists")
         raise CheckpointWriteError(f"checkpoint step-{step} could not be written to {partial.parent}: "
-                                   f"{save_error_text(error)}. Nothing older was removed; {kept}") from error
+                                   f"{text}. Nothing older was removed; {kept}") from error
+
 
     def _make_folder(self, path: Path, fresh: bool) -> None:
-        """Rank 0 creates the folder (emptied first when `fresh`); every rank waits for it."""
+        """Rank 0 creates the folder (emptied first when `fresh`); every rank waits for it. A
+        folder that cannot be created (read-only, full, no permission) stops the run with one
+        message, which a restart would not change."""
         if self.rank == 0:
-            if fresh:
-                shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True, exist_ok=not fresh)
+            try:
+                if fresh:
+                    shutil.rmtree(path, ignore_errors=True)
+                path.mkdir(parents=True, exist_ok=not fresh)
+            except OSError as e:
+                raise CheckpointWriteError(f"{path} cannot be created: {save_error_text(e, path.parent)}; the "
+                                           "checkpoint folder must be writable") from None
         dist.barrier()
 
     def wait(self) -> None:
@@ -481,7 +445,11 @@ class CheckpointManager:
         """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
         dist.barrier()
         if self.rank == 0:
-            self._rename_into_place(step, partial)
+            try:
+                self._rename_into_place(step, partial)
+            except OSError as e:  # lineage.json on a disk that filled up meanwhile: the checkpoint is whole
+                raise CheckpointWriteError(f"{self.folder / f'step-{step}'} was saved, but the checkpoint folder's "
+                                           f"record could not be written: {save_error_text(e, self.folder)}") from None
             self._apply_retention()
         dist.barrier()
 

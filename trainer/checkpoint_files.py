@@ -4,15 +4,19 @@ the errors of checkpoint handling. (trainer/checkpoint.py decides what a run loa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.checkpoint_items import ModelState, aliased_names
 from trainer.checkpoint_layout import CHECKPOINT_RECORD, is_full_checkpoint, partial_path
 from trainer.config.manager import to_dict
@@ -31,17 +35,60 @@ class CheckpointWriteError(CheckpointError):
     stops the run like one (exit 2, no automatic restart)."""
 
 
-def save_error_text(error: BaseException) -> str:
-    """The OS error under DCP's CheckpointException (one per failed rank), as a short text."""
+def save_error_text(error: BaseException, folder: Path | None = None) -> str:
+    """The OS error under DCP's CheckpointException (one per failed rank), as a short text, and,
+    when the filesystem of `folder` is full, that: torch's writer reports a write cut short by a
+    full disk as "unexpected pos 704 vs 598", which names no cause."""
     if isinstance(error, CheckpointException):
         failures = {rank: failure[0] if isinstance(failure, tuple) else failure
                     for rank, failure in error.failures.items()}
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(failures.items()))
-    return f"{type(error).__name__}: {error}"
+        text = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(failures.items()))
+    else:
+        text = f"{type(error).__name__}: {error}"
+    full = no_space_note(folder) if folder is not None else None
+    return f"{full} ({text})" if full else text
+
+
+@contextmanager
+def every_rank_of(error: BaseException):
+    """Around freeing the space a failed save took: when DCP raised `error` on every rank (a
+    CheckpointException), all ranks meet before (each has looked at the disk for its message)
+    and after (each writes its error report, for the launcher, once there is space for it)."""
+    everyone = isinstance(error, CheckpointException)
+    if everyone:
+        dist.barrier()
+    yield
+    if everyone:
+        dist.barrier()
+
+
+# Less than this free on a filesystem after a failed write: it ran out of space.
+FULL_BELOW_BYTES = 16 * 2**20
+
+
+def no_space_note(folder: Path) -> str | None:
+    """'no space left on device: N bytes free on the filesystem of <folder>' when it is (almost)
+    full, else None (also when it cannot be asked)."""
+    existing = Path(folder)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        stats = os.statvfs(existing)
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    if free >= min(FULL_BELOW_BYTES, stats.f_blocks * stats.f_frsize // 100):
+        return None
+    return f"no space left on device: {free} bytes free on the filesystem of {existing}"
 
 
 class TrainingComplete(Exception):
-    """The checkpoint folder already holds the final checkpoint of this run."""
+    """The checkpoint folder already holds the final checkpoint of this run; `wrote_exports`: this
+    start wrote the exports the run had stopped before writing (the run is complete only now)."""
+
+    def __init__(self, message: str, wrote_exports: bool = False):
+        super().__init__(message)
+        self.wrote_exports = wrote_exports
 
 
 def check_model_shapes(path: Path, model: torch.nn.Module, flavor: str) -> None:
@@ -94,7 +141,7 @@ def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool, 
     shutil.rmtree(partial, ignore_errors=True)
     with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial), no_dist=True)
+        dcp.save({"model": ModelState(model)}, storage_writer=ChecksumWriter(partial), no_dist=True)
     if record is not None:
         write_checkpoint_record(partial, record)
     if final.exists():

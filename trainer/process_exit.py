@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from trainer.safe_writes import write_atomic
+
 # The file torch's elastic agent (trainer/launcher.py, torchrun) gives each process it starts for
 # its error; the agent reads it back into ChildFailedError.failures (ProcessFailure).
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -44,9 +46,8 @@ def report_error(message: str, exit_code: int, callstack: str | None = None) -> 
                     "extraInfo": {"py_callstack": callstack or message, "timestamp": str(int(now))}},
         "trainer": {"message": message, "exit_code": exit_code, "time": now},
     }
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
+    try:  # whole or not at all: torch's agent fails on a half-written report (a full disk)
+        write_atomic(path, json.dumps(data))
     except OSError as e:  # the launcher then falls back on the exit code and the log
         print(f"could not write the error report {path}: {e}", file=sys.stderr)
         return False

@@ -37,6 +37,9 @@ Record fields (format 2), written by the rank that logs:
                   record's moves the record aside instead of continuing it (see `begin`)
     metrics_from_step   set when metrics.jsonl starts after step 1: a start from a checkpoint at
                   step S whose steps 1..S are not recorded in this folder (it came from elsewhere)
+    completed_at_restart, error_before_restart   set when a later start found the run complete
+                  (it stopped after its final save, or its exports could not be written then and
+                  were written by that start; the error of then is kept)
     restart       which automatic restart of the launcher this start is: 0 for the job's first
                   start, K for its K-th restart after a failure (TORCHELASTIC_RESTART_COUNT); a
                   restart resumes from the latest checkpoint, so the start it replaced is the
@@ -188,13 +191,17 @@ def finish(folder: Path, record: dict, status: str, last_step: int, error: str |
     return record
 
 
-def complete_after_final_save(folder: Path, last_step: int) -> bool:
+def complete_after_final_save(folder: Path, last_step: int, exports_written: bool = False) -> bool:
     """A run killed after its final checkpoint but before its record said so ("running"), found
     complete at its next start: its record says "completed" now (with "completed_at_restart"),
-    when metrics.jsonl holds its last step. Returns whether the record changed."""
+    when metrics.jsonl holds its last step. `exports_written`: that start wrote the exports the
+    run stopped before writing, so a record that says "failed" (an export that could not be
+    written, a full disk) is completed too. Returns whether the record changed."""
     folder = Path(folder)
     record = read_record(folder)
-    if record is None or record.get("status") in FINAL_STATUSES:
+    if record is None or record.get("status") == "completed":
+        return False
+    if record.get("status") in FINAL_STATUSES and not (exports_written and record.get("status") == "failed"):
         return False
     try:
         steps = [line_step(line) for line in (folder / METRICS_FILE).read_text().splitlines() if line.strip()]
@@ -202,7 +209,10 @@ def complete_after_final_save(folder: Path, last_step: int) -> bool:
         return False
     if last_step not in steps:
         return False
-    finish(folder, {**record, "completed_at_restart": True}, "completed", last_step)
+    completed = {k: v for k, v in record.items() if k != "error"}
+    if record.get("error"):  # what stopped the start before: kept, no longer the run's outcome
+        completed["error_before_restart"] = record["error"]
+    finish(folder, {**completed, "completed_at_restart": True}, "completed", last_step)
     return True
 
 

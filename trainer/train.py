@@ -92,7 +92,8 @@ class Trainer:
             self._build(config, plan, world_size)
         except BaseException as e:
             if isinstance(e, TrainingComplete) and self.rank == 0:  # a run that stopped after its final save
-                run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps)
+                run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps,
+                                                     exports_written=e.wrote_exports)
             run_lock.release_all(self.locks)
             raise
 
@@ -435,7 +436,11 @@ class Trainer:
         self.metrics.close(failed=self.error is not None)  # a failed run's W&B run is marked failed
         if self.record is not None:
             status = "failed" if self.error else self.status
-            run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
+            try:
+                run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
+            except OSError as e:  # a full or read-only disk: the run's own error says more, keep it
+                logger.error("could not write the run's record %s/run_meta.json (status %s): %s",
+                             self.config.job.dump_folder, status, e)
         run_lock.release_all(self.locks)
         if end_process_group and dist.is_initialized():
             dist.destroy_process_group()
