@@ -202,6 +202,9 @@ def route_torch_logs(folder: Path) -> None:
     SIGTERM', its failure report) and Python warnings go to <logs>/launcher.log, not to the
     console. Called once torch is imported: torch._logging gives many `torch.*` loggers their own
     console handler then."""
+    # launcher.log is a second copy of what matters: on a full disk its writes fail, and the
+    # console must show the run's one error block, not a "--- Logging error ---" per line.
+    logging.raiseExceptions = False
     handler = logging.FileHandler(folder / "launcher.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("py.warnings", "trainer.launcher"):
