@@ -143,7 +143,7 @@ def output_folder(path: Path, what: str) -> Path:
 
 def cmd_plan(args) -> int:
     from protocol.run.render import render
-    from protocol.run.sbatch import write_slurm
+    from protocol.run.sbatch import check_scripts_folder, write_slurm
 
     if args.out is not None and args.format != "slurm":
         raise UsageError(f"--out is the folder of --format slurm's scripts; --format {args.format} prints to "
@@ -153,6 +153,7 @@ def cmd_plan(args) -> int:
     if args.format == "slurm":
         if args.out is None:
             raise UsageError("--format slurm writes one sbatch script per run: give the folder with --out DIR")
+        check_scripts_folder(args.out)  # before the folder is made
         for path in write_slurm(plan, launches, output_folder(args.out, "--out"),
                                 lambda note: print(f"note: {note}", file=sys.stderr)):
             print(path)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint_checksums import ChecksumWriter
+
 logger = logging.getLogger(__name__)
 
 ASYNC_MODES = ("async", "async_with_pinned_mem")
@@ -88,7 +90,7 @@ class AsyncSaver:
         previous save first (`wait`): reused staging buffers must not change while being written."""
         assert self.pending is None, "wait() for the previous save first"
         options = {"async_stager": self.stager} if self.stager is not None else {}
-        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group, **options)
+        future = dcp.async_save(state, storage_writer=ChecksumWriter(partial), process_group=self.group, **options)
         pending = _Pending(future, step)
         self.pending = pending
         future.add_done_callback(lambda done: self._on_done(done, pending, partial))

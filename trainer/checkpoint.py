@@ -261,7 +261,7 @@ class CheckpointManager(LastSaveExports):
         if "dataloader" in items:
             self.loader.expect_saved_keys({key.split(".", 1)[1] for key in keys if key.startswith("dataloader.")})
         state = self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys))
-        dcp.load(state, storage_reader=CheckedReader(path))  # admits no code from the files (trainer/dcp_metadata.py)
+        dcp.load(state, storage_reader=CheckedReader(path, self.cfg.verify_checksums))  # admits no code from the files (trainer/dcp_metadata.py)
         if "lr_scheduler" in items:
             self._continue_schedule(path)
         kind = "resume" if "train_state" in items else "checkpoint"
@@ -297,7 +297,7 @@ class CheckpointManager(LastSaveExports):
         the steps already trained followed a different schedule."""
         set_schedule_position(self.scheduler, self.scheduler.last_epoch)
         record = read_checkpoint_record(path)
-        if record is None:
+        if record is None or "config" not in record:
             return
         changed = schedule_change(record["config"], self.config, self.train_state.step)
         if changed:

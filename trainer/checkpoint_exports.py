@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.checkpoint_files import CheckpointWriteError, every_rank_of, save_error_text, write_checkpoint_record
 from trainer.checkpoint_layout import (HF_EXPORT_DIR, MODEL_ONLY_DIR, complete_checkpoints, missing_exports,
                                       read_checkpoint_record)
@@ -67,7 +68,7 @@ class LastSaveExports:
         if MODEL_ONLY_DIR in names:
             folder = self._unfinished_export(final, MODEL_ONLY_DIR)
             try:
-                dcp.save(self._stateful(["model"], export_dtype=dtype), checkpoint_id=str(folder))
+                dcp.save(self._stateful(["model"], export_dtype=dtype), storage_writer=ChecksumWriter(folder))
             except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP raises it on every rank)
                 self._export_failed(final, MODEL_ONLY_DIR, e)
             self._publish_export(final, MODEL_ONLY_DIR)

@@ -7,9 +7,10 @@ before any process starts. (trainer/checkpoint.py does the loading and saving.)
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
+
+from trainer.json_records import check_checkpoint_record, read_object
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_FOLDER = re.compile(r"^\.step-(\d+)\.partial$")
@@ -164,13 +165,12 @@ def fingerprint(path: Path) -> str | None:
 
 def read_checkpoint_record(path: Path) -> dict | None:
     """The checkpoint.json written beside a checkpoint's .metadata: {"step", "items", "kind"
-    ("seed", "periodic" or "final"), "exports", "config", "code", "torch", "saved"}; None when
-    absent or unreadable (checkpoints of older versions have none)."""
-    try:
-        record = json.loads((Path(path) / CHECKPOINT_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    ("seed", "periodic" or "final"), "exports", "config", "code", "torch", "saved", "lineage",
+    "parent"}; None when absent (checkpoints of older versions have none). RecordError, naming
+    the file and the field, when it is not what this trainer writes (trainer/json_records.py)."""
+    file = Path(path) / CHECKPOINT_RECORD
+    record = read_object(file)
+    return None if record is None else check_checkpoint_record(file, record)
 
 
 def missing_exports(path: Path, config) -> list[str]:

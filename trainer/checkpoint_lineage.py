@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.checkpoint_layout import read_checkpoint_record
+from trainer.json_records import check_lineage_head, read_object
 from trainer.safe_writes import write_atomic
 
 LINEAGE_FILE = "lineage.json"
@@ -42,12 +43,10 @@ def new_lineage() -> str:
 
 def read_head(folder: Path) -> dict | None:
     """The folder's lineage.json: {"lineage", "step", "ancestors": [{"lineage", "until_step"}]}
-    of its newest save, or None."""
-    try:
-        head = json.loads((Path(folder) / LINEAGE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return head if isinstance(head, dict) and isinstance(head.get("lineage"), str) else None
+    of its newest save, or None; RecordError when it is not what this trainer writes."""
+    file = Path(folder) / LINEAGE_FILE
+    head = read_object(file)
+    return None if head is None else check_lineage_head(file, head)
 
 
 def write_head(folder: Path, lineage: str, step: int, ancestors: list[dict]) -> None:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from trainer import run_record
 from trainer.checkpoint_layout import (checkpoint_folder, complete_checkpoints, complete_message, finished_partials,
-                                      is_full_checkpoint, missing_exports, past_steps_message)
+                                      is_full_checkpoint, missing_exports, past_steps_message,
+                                      read_checkpoint_record)
+from trainer.checkpoint_lineage import read_head
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError
+from trainer.json_records import RecordError
 
 
 
@@ -50,7 +53,14 @@ def check_resume(config: JobConfig) -> None:
     """The ranks' refusals of the newest checkpoint against training.steps, decided here first
     with their messages: one past training.steps is a ConfigError; this run's final checkpoint
     raises RunComplete with the ranks' note (whoever catches it prints it; this writes nothing)."""
-    candidate = resume_candidate(config)
+    try:
+        candidate = resume_candidate(config)
+        if candidate is not None:  # what the ranks read to continue the run: damaged is refused now
+            read_checkpoint_record(candidate[1])
+            read_head(candidate[1].parent)
+            run_record.load_record(Path(config.job.dump_folder))
+    except RecordError as e:
+        raise ConfigError(str(e)) from None
     total = config.training.steps
     if candidate is None or candidate[0] == 0 or candidate[0] < total:
         return  # the seed, or a step to continue from

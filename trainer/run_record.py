@@ -57,6 +57,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from trainer.json_records import RecordError, check_run_record, read_object
 from trainer.safe_writes import refuse_link, write_atomic
 
 RECORD_FILE = "run_meta.json"
@@ -83,12 +84,20 @@ def now() -> str:
 
 
 def read_record(folder: Path) -> dict | None:
-    """The run record of a dump folder, or None when there is none (or it cannot be read)."""
+    """The run record of a dump folder, or None when there is none or it is not one this trainer
+    wrote (for readers of many folders: the protocol)."""
     try:
-        record = json.loads((Path(folder) / RECORD_FILE).read_text())
-    except (OSError, ValueError):
+        return load_record(folder)
+    except RecordError:
         return None
-    return record if isinstance(record, dict) else None
+
+
+def load_record(folder: Path) -> dict | None:
+    """The run record of a dump folder, or None when there is none; RecordError, naming the file
+    and the field, when it is not what this trainer writes (the trainer, which continues it)."""
+    file = Path(folder) / RECORD_FILE
+    record = read_object(file)
+    return None if record is None else check_run_record(file, record)
 
 
 def write_record(folder: Path, record: dict) -> None:
@@ -113,7 +122,7 @@ def begin(folder: Path, record: dict, resumed_step: int, trajectory: dict | None
     previous/ (`trajectory_source`), so that it never holds two trajectories.
     """
     folder = Path(folder)
-    earlier = read_record(folder)
+    earlier = load_record(folder) if resumed_step else None  # a new run moves it aside unread
     history: list = []
     if continues(earlier, resumed_step, trajectory):
         drop_metrics_after(folder, resumed_step)
@@ -198,7 +207,7 @@ def complete_after_final_save(folder: Path, last_step: int, exports_written: boo
     run stopped before writing, so a record that says "failed" (an export that could not be
     written, a full disk) is completed too. Returns whether the record changed."""
     folder = Path(folder)
-    record = read_record(folder)
+    record = load_record(folder)
     if record is None or record.get("status") == "completed":
         return False
     if record.get("status") in FINAL_STATUSES and not (exports_written and record.get("status") == "failed"):
@@ -256,7 +265,7 @@ def line_step(line: str) -> int:
     """The step of a metrics.jsonl line; a line cut by a crash counts as after every step."""
     try:
         return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return 1 << 62
 
 

@@ -40,6 +40,7 @@ from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.hf.model_io import HFWeights
+from trainer.json_records import RecordError
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.fingerprints import FingerprintRecorder, parameter_names
@@ -187,7 +188,7 @@ class Trainer:
         stay in one folder; a new run, or one on another trajectory, gets the current time."""
         if not self.config.metrics.enable_tensorboard or self.rank != 0:
             return None
-        earlier = run_record.read_record(Path(self.config.job.dump_folder))
+        earlier = run_record.load_record(Path(self.config.job.dump_folder))
         if not run_record.continues(earlier, self.state.step, self.checkpointer.trajectory):
             earlier = None  # another trajectory's events must not mix with this one's
         folder = (earlier or {}).get("tensorboard")
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         return stop(e)
     try:
         trainer = Trainer(config, plan)
-    except (ConfigError, DataError, CheckpointError, LinkRefused) as e:  # found on the device, or reading files
+    except (ConfigError, DataError, CheckpointError, LinkRefused, RecordError) as e:  # found on the device, or reading files
         return stop(e)
     except TrainingComplete as e:
         logger.info("%s", e)
@@ -498,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             return stop_request.SAVED_AND_STOPPED
     except (NonFiniteLossError, LossScaleError) as e:
         return stop(e, DIVERGED)
-    except (ConfigError, DataError, CheckpointError, LinkRefused) as e:  # a stream that cannot be opened, a step folder in the way
+    except (ConfigError, DataError, CheckpointError, LinkRefused, RecordError) as e:  # a stream that cannot be opened, a step folder in the way
         return stop(e)
     finally:
         trainer.close()

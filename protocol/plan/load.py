@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,13 @@ from typing import Any
 from protocol.plan.checks import name_problems, run_names, spec_problems, trainer_problems
 from protocol.plan.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
 from protocol.plan.model import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
-from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED, SBATCH_OWNED,
-                                  SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, SLURM_JOB_KEYS,
-                                  SLURM_DEVICES, SLURM_KEYS, SLURM_KINDS, SLURM_LIST_KEYS, SLURM_MEM, SLURM_TIME,
-                                  SLURM_TRAIN_KEYS, TABLES, Key, check_choice,
-                                  check_minimum, closest, flatten, read_table)
+from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED,
+                                  SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, TABLES, Key,
+                                  check_choice, check_minimum, closest, flatten, read_table)
+from protocol.plan.slurm_tables import read_slurm
 from protocol.plan.sweeps import Sweep, expand_sweeps
-from protocol.plan.tolerance import REPLACED, Tolerance, tolerance_keys
+from protocol.plan.text import without_control_characters
+from protocol.plan.tolerance import MAX_NOISE_CONTROLS, REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,7 +77,11 @@ def load_plan(path: Path | str) -> Plan:
         raise PlanError(f"{path}: cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise PlanError(f"{path}: not valid TOML: {e}") from None
-    problems: list[str] = []
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{path}: not UTF-8 text (byte {e.start}); a plan is a TOML file, which is UTF-8") from None
+    except RecursionError:
+        raise PlanError(f"{path}: arrays or tables nested too deeply to read; a plan nests a few levels") from None
+    data, problems = without_control_characters(data)
     plan = read_plan(path, data, problems)
     if problems or plan is None:
         listed = "\n".join(f"  - {p}" for p in problems)
@@ -212,6 +217,8 @@ def read_tolerance(data: Any, problems: list[str]) -> Tolerance:
         values["observables"] = tuple(values["observables"])
     tolerance = Tolerance(**values)
     problems += tolerance.problems()
+    if not 2 <= tolerance.noise_controls <= MAX_NOISE_CONTROLS:  # reported; the launches are built with the default
+        tolerance = dataclasses.replace(tolerance, noise_controls=Tolerance.noise_controls)
     return tolerance
 
 
@@ -303,6 +310,9 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
             problems.append(f"{at}: decides the model or the data, which must be the same in every run; "
                             "set it in plan.overrides")
             continue
+        if any(isinstance(item, float) and math.isnan(item) for item in (value if isinstance(value, list) else [value])):
+            problems.append(f"{at}: nan (not a number) passes no range check of the trainer; give a number")
+            continue
         try:
             convert(value, types_[name], at)
         except ConfigError as e:
@@ -310,67 +320,3 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
             continue
         valid[key] = value
     return valid
-
-
-# ---------------------------------------------------------------------------------------------
-# [slurm]
-
-
-def read_slurm(data: Any, problems: list[str]) -> dict[str, SlurmJob]:
-    """[slurm] options apply to every job; [slurm.seed] and [slurm.train] to one kind, over them
-    (their list options, extra, prologue and srun_options, come after the common ones). The keys
-    of training jobs only (SLURM_TRAIN_KEYS) are refused in [slurm.seed], and the seed job does not
-    take them from [slurm]."""
-    every_key = {**SLURM_JOB_KEYS, **SLURM_TRAIN_KEYS}
-    values = read_table(data, SLURM_KEYS, "slurm", problems)
-    common = read_slurm_job(values, "slurm", problems)
-    jobs = {}
-    for kind in SLURM_KINDS:
-        table, inherited = values.get(kind, {}), common
-        if kind == "seed":
-            for key in SLURM_TRAIN_KEYS.keys() & table.keys():
-                problems.append(f"slurm.seed.{key}: only training jobs have it (the seed is one process on the CPU); "
-                                "set it under [slurm] or [slurm.train]")
-            table = {key: value for key, value in table.items() if key not in SLURM_TRAIN_KEYS}
-            inherited = {key: value for key, value in common.items() if key not in SLURM_TRAIN_KEYS}
-        own = read_slurm_job(read_table(table, every_key, f"slurm.{kind}", problems), f"slurm.{kind}", problems)
-        lists = {key: (*inherited.get(key, ()), *own.get(key, ())) for key in SLURM_LIST_KEYS}
-        jobs[kind] = SlurmJob(**{**inherited, **own, **lists})
-    return jobs
-
-
-def read_slurm_job(values: dict, where: str, problems: list[str]) -> dict[str, Any]:
-    """The job keys of one table, checked; returns the valid ones."""
-    job = {key: value for key, value in values.items() if key in SLURM_JOB_KEYS or key in SLURM_TRAIN_KEYS}
-    check_minimum(job, "cpus_per_task", 1, where, problems)
-    check_choice(job, "device", SLURM_DEVICES, where, problems)
-    check_minimum(job, "save_before_limit", 0, where, problems)
-    check_minimum(job, "max_requeues", 0, where, problems)
-    if "rdzv_port" in job and not 1 <= job["rdzv_port"] <= 65535:
-        problems.append(f"{where}.rdzv_port: {job['rdzv_port']} is not a port (1-65535)")
-        del job["rdzv_port"]
-    for key in ("prologue", "srun_options"):
-        bad = [item for item in job.get(key, ()) if not isinstance(item, str)]
-        if bad:
-            problems.append(f"{where}.{key}: expected a list of strings, got {bad[0]!r}")
-            del job[key]
-        elif key in job:
-            job[key] = tuple(job[key])
-    for key, pattern, example in (("time", SLURM_TIME, '"90" (minutes), "4:00:00" or "2-00:00:00"'),
-                                  ("mem", SLURM_MEM, '"64G" or "500M"')):
-        if key in job and not pattern.match(job[key]):
-            problems.append(f"{where}.{key}: {job[key]!r} is not a SLURM {key}; write it like {example}")
-            del job[key]
-    extra = []
-    for option in job.pop("extra", []):
-        flag = option.split("=", 1)[0].split()[0] if option.strip() else option
-        if not flag.startswith("-"):
-            problems.append(f"{where}.extra: {option!r} is not an sbatch option; write it as after #SBATCH, "
-                            "e.g. \"--constraint=h100\"")
-        elif flag in SBATCH_OWNED:
-            problems.append(f"{where}.extra: {option!r} is set by {SBATCH_OWNED[flag]}; remove it")
-        else:
-            extra.append(option)
-    if extra:
-        job["extra"] = tuple(extra)
-    return job

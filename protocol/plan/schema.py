@@ -9,6 +9,7 @@ pass over a plan lists every problem it has.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -268,6 +269,8 @@ def read_table(data: Any, schema: dict[str, Key], where: str, problems: list[str
                             f"(valid: {', '.join(schema)})")
         elif not type_ok(value, schema[key].kind):
             problems.append(f"{where}.{key}: expected {type_word(schema[key].kind)}, got {value!r}")
+        elif schema[key].kind is float and not math.isfinite(value):  # nan passes every bound check
+            problems.append(f"{where}.{key}: expected a finite number, got {value}")
         else:
             values[key] = value
     for key, spec in schema.items():

@@ -26,12 +26,14 @@ communication first; protocol.plan.search, protocol.run.searches): only the poin
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.plan.schema import SEARCHES, SWEEP_KEYS, check_choice, flatten, read_table
 
 OWN_KEYS = ("name", "grid", "points", "search")  # the sweep's own keys; the others are its sets'
+MAX_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ def sweep_points(values: dict, where: str, problems: list[str]) -> list[tuple[di
     if grid is not None:
         axes = _axes(grid, where, problems)
         if axes is None:
+            return None
+        count = math.prod(len(values) for values in axes.values())
+        if count > MAX_POINTS:  # each is a run: a mistake, and expanding it would take as long
+            problems.append(f"{where}.grid: {count} combinations of values; a sweep has at most {MAX_POINTS} points")
             return None
         written = {key: f'{where}.grid."{key}"' for key in axes}
         return [(dict(zip(axes, combination)), written, None) for combination in itertools.product(*axes.values())]

@@ -16,6 +16,8 @@ MODES = ("exact", "statistical")
 # What a statistical verdict can judge: per-step outcomes of training, as metrics.jsonl logs them.
 # The learning rate is an input (the schedule), compared as configuration, not judged.
 OBSERVABLES = ("loss", "grad_norm")
+# More noise controls than this would only be a mistake (a plan of thousands of runs of the control).
+MAX_NOISE_CONTROLS = 100
 # Keys of earlier versions, and what replaced them: a plan that still has them gets this hint.
 REPLACED = {
     "control_repeats": "noise_controls (repeats of the control that differ only in rounding; every run now trains "
@@ -102,6 +104,9 @@ class Tolerance:
         if self.noise_controls < 2:
             found.append(f"tolerance.noise_controls: the noise is measured by the spread of the control and its noise "
                          f"controls; give at least 2, got {self.noise_controls}")
+        elif self.noise_controls > MAX_NOISE_CONTROLS:
+            found.append(f"tolerance.noise_controls: each is a run of the control; give at most {MAX_NOISE_CONTROLS}, "
+                         f"got {self.noise_controls}")
         unknown = [o for o in self.observables if o not in OBSERVABLES]
         if unknown or not self.observables:
             found.append(f"tolerance.observables: {list(self.observables)!r}: choose one or more of "

@@ -7,6 +7,10 @@ out (use the SLURM scripts for those). A seed checkpoint that exists already is 
 script can run again; whether it is still the plan's is what `protocol run` checks. The points
 of a searched sweep are all in the script (it cannot bisect); the table names them, and the plan's
 criterion and early-stop rules, below the launches.
+
+Every value in the script is quoted (shlex.quote); a value shown in a comment has its control
+characters escaped, so that no value can end a line (the plan's loader refuses them as well:
+protocol.plan.text).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import shlex
 from collections.abc import Sequence
 
 from protocol.plan.model import REPO_ROOT, Launch, Plan, describe_degrees
+from protocol.plan.text import escaped
 from protocol.run.folders import CLAIM_FUNCTION, claim_command
 
 FORMATS = ("table", "json", "shell")
@@ -77,17 +82,23 @@ def render_shell(plan: Plan, launches: Sequence[Launch]) -> str:
     for i, launch in enumerate(launches, 1):
         head = f"[{i}/{len(launches)}] {launch.name}"
         if launch.nodes > 1:
-            out += [f"# {head}: needs {launch.nodes} nodes of {launch.procs_per_node}; run this on every node with "
-                    "HEAD_NODE set, or use the SLURM scripts (protocol plan --format slurm):",
-                    f"# {launch.command()}",
+            out += [comment(f"{head}: needs {launch.nodes} nodes of {launch.procs_per_node}; run this on every node "
+                            "with HEAD_NODE set, or use the SLURM scripts (protocol plan --format slurm):"),
+                    comment(launch.command()),
                     f"echo {shlex.quote(head + ': skipped here, needs ' + str(launch.nodes) + ' nodes')}", ""]
         else:
             run = [f"echo {shlex.quote(head)}", claim_command(plan, launch), launch.command()]
             if launch.search:  # a script cannot bisect: it runs every point
-                out.append(f"# {head}: a point of searched sweep {launch.sweep!r}; `protocol run` runs it only when "
-                           "the search needs it")
+                out.append(comment(f"{head}: a point of searched sweep {launch.sweep!r}; `protocol run` runs it only "
+                                   "when the search needs it"))
             out += [*unless_seed_exists(launch, run, head), ""]
     return "\n".join(out)
+
+
+def comment(text: str) -> str:
+    """A comment line showing `text`, its control characters escaped: a line break in a value must
+    not end the comment and make the rest of the value a command."""
+    return f"# {escaped(text)}"
 
 
 def unless_seed_exists(launch: Launch, lines: list[str], head: str) -> list[str]:

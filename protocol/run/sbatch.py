@@ -13,10 +13,15 @@ A training job survives its time limit: SLURM signals it `save_before_limit` sec
 script requeues its own job (at most `max_requeues` times), which resumes from that checkpoint.
 Its log is appended to (`--open-mode=append`), one attempt after the other. A script edited by
 hand is never overwritten (protocol.run.script_files).
+
+Every value in a script is quoted (shlex.quote), but on the #SBATCH lines, which sbatch reads
+itself: what goes there is checked when the plan is loaded (protocol.plan.text), a control
+character is refused again here, and so is a scripts' folder that a log path cannot hold.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -24,12 +29,14 @@ from pathlib import Path
 
 from protocol.plan.model import REPO_ROOT, Launch, Plan, SlurmJob, slugify
 from protocol.plan.select import LaunchError
+from protocol.plan.text import CONTROL, SBATCH_RULE, describe
 from protocol.run.folders import CLAIM_FUNCTION, claim_command
 from protocol.run.render import unless_seed_exists
 from protocol.run.script_files import write_script
 from trainer.stop_request import DEFAULT_SIGNAL, SAVED_AND_STOPPED
 
 SUBMIT_ALL = "submit_all.sh"
+LOG_FOLDER_SPECIAL = re.compile(r"""[\s'"\\#%\x00-\x1f\x7f-\x9f\u2028\u2029]""")
 STOP_SIGNAL_KEY = "checkpoint.save_on_signal"
 
 
@@ -40,20 +47,42 @@ def sbatch_script(plan: Plan, launch: Launch, log_path: Path) -> str:
 
 def sbatch_header(plan: Plan, launch: Launch, log_path: Path) -> list[str]:
     job = plan.slurm_job(launch)
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={slugify(plan.name)}-{launch.slug}", f"#SBATCH --nodes={launch.nodes}"]
+    options = [f"--job-name={slugify(plan.name)}-{launch.slug}", f"--nodes={launch.nodes}"]
     if launch.role == "seed":
-        lines.append("#SBATCH --ntasks=1")  # and no GPU: the seed is made on the CPU
+        options.append("--ntasks=1")  # and no GPU: the seed is made on the CPU
     else:
-        lines.append("#SBATCH --ntasks-per-node=1")  # the launcher, which starts the node's ranks
+        options.append("--ntasks-per-node=1")  # the launcher, which starts the node's ranks
         if job.device == "cuda":
-            lines.append(f"#SBATCH --gpus-per-node={launch.procs_per_node}")
+            options.append(f"--gpus-per-node={launch.procs_per_node}")
         elif job.cpus_per_task is None:
-            lines.append(f"#SBATCH --cpus-per-task={launch.procs_per_node}")  # a CPU per rank
-    lines += [f"#SBATCH --output={log_path}", "#SBATCH --open-mode=append"]
+            options.append(f"--cpus-per-task={launch.procs_per_node}")  # a CPU per rank
+    options += [f"--output={log_path}", "--open-mode=append"]
     if requeues(plan, launch):
-        lines += [f"#SBATCH --signal={stop_signal(plan, launch).removeprefix('SIG')}@{job.save_before_limit}",
-                  "#SBATCH --requeue"]
-    return lines + [f"#SBATCH {option}" for option in job.sbatch_options()]
+        options += [f"--signal={stop_signal(plan, launch).removeprefix('SIG')}@{job.save_before_limit}", "--requeue"]
+    return ["#!/bin/bash", *(sbatch_line(option) for option in [*options, *job.sbatch_options()])]
+
+
+def sbatch_line(option: str) -> str:
+    """`#SBATCH option`. sbatch reads these lines itself, so nothing can be quoted there: a line break
+    would end the comment and start a command (the plan's loader refuses them; this does not count on it)."""
+    found = CONTROL.search(option)
+    if found:
+        raise LaunchError(f"#SBATCH {option!r} holds a control character ({describe(found.group())}), which would end "
+                          "the line; remove it from the plan")
+    return f"#SBATCH {option}"
+
+
+def check_scripts_folder(out_dir: Path) -> None:
+    """Refuse a folder whose path #SBATCH --output cannot hold (the jobs' logs are written there):
+    sbatch splits its lines at whitespace and reads quotes, backslashes and # itself, and SLURM
+    reads % in a log path as a pattern (%j: the job id)."""
+    found = LOG_FOLDER_SPECIAL.search(str(Path(out_dir).absolute()))
+    if found:
+        char = found.group()
+        what = "a space" if char == " " else describe(char) if char.isspace() or CONTROL.match(char) else repr(char)
+        raise LaunchError(f"{Path(out_dir).absolute()}: the SLURM scripts' folder holds {what}, which #SBATCH --output "
+                          f"cannot hold ({SBATCH_RULE}, and % begins a pattern); choose a folder without it (plan.output, "
+                          "or --out)")
 
 
 def stop_signal(plan: Plan, launch: Launch) -> str | None:
@@ -160,10 +189,11 @@ def write_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path,
     script edited by hand is kept, or refused when the plan's script changed
     (protocol.run.script_files); `report` is told of each one kept."""
     out_dir = Path(out_dir).absolute()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_scripts_folder(out_dir)
     texts = {script_path(out_dir, launch): sbatch_script(plan, launch, slurm_log_pattern(out_dir, launch))
              for launch in launches}
     texts[out_dir / SUBMIT_ALL] = submit_all_script(launches, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     refused = []
     for path, text in texts.items():
         try:

@@ -26,7 +26,7 @@ from protocol.run.folders import claim_folder, clear_stopped, mark_stopped
 from protocol.run.outcome import Progress, RunResult, summarize
 from protocol.run.prepare import prepare, resume_note, settled
 from protocol.run.reuse import RUN, Decision, completion_problem
-from protocol.run.sbatch import job_log, requeues, script_path, write_slurm
+from protocol.run.sbatch import check_scripts_folder, job_log, requeues, script_path, write_slurm
 from protocol.run.searches import run_searches
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def run_slurm(plan: Plan, launches: Sequence[Launch], out_dir: Path, only: Seque
     sweeps are submitted last, one at a time, those the search needs.
     """
     report = on_progress or logger.info
+    check_scripts_folder(out_dir)  # before any run folder is touched
     selected = select(launches, only)
     decisions = prepare(plan, selected, rerun_stale, report)
     out_dir = Path(out_dir).absolute()

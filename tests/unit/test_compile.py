@@ -110,7 +110,7 @@ def test_fully_recomputed_blocks_compile_their_computation_and_checkpoint_outsid
     (["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--compile.backend", "aot_eager"],
      "applied by inductor's partitioner, and compile.backend is 'aot_eager'; use 'inductor'"),
     (["--activation_checkpoint.mode", "memory_budget", "--compile.enable", "--activation_checkpoint.memory_budget",
-      "1.5"], "must be between 0.0 .* got 1.5"),
+      "1.5"], r"memory_budget: must be in \[0, 1\], got 1.5"),
     (["--compile.backend", "tvm"], "compile.backend"),
 ])
 def test_compile_and_recompute_options_that_cannot_work_are_refused(args, message):

@@ -209,3 +209,258 @@ def test_a_crafted_non_tensor_item_is_refused_without_running_it(tmp_path):
         assert not marker.exists()
         dcp.load({"train_state": {"step": 0}}, storage_reader=FileSystemReader(str(folder)), no_dist=True)
     assert marker.exists()  # torch's own reader runs it
+
+
+# Crafted metadata that changes the process through BUILD, SETITEMS, APPENDS and the like: each
+# is refused before its opcode runs, and every admitted class and function is unchanged after.
+
+def admitted_objects() -> list:
+    """The classes (with their bases) and functions a metadata file may name, and the members
+    of the admitted enums: what a crafted file would try to change."""
+    from trainer.dcp_unpickle import _ADMITTED, _ADMITTED_ENUMS
+
+    found = {}
+    for value in _ADMITTED.values():
+        for obj in (value.__mro__ if isinstance(value, type) else (value,)):
+            found[id(obj)] = obj
+    for enum_class in _ADMITTED_ENUMS:
+        found |= {id(member): member for member in enum_class}
+    return list(found.values())
+
+
+def snapshot() -> dict:
+    """id -> (object, its attributes): each class's and member's __dict__ items, each function's
+    __code__, __defaults__, __kwdefaults__ and __dict__ (with the items of dicts held there, such
+    as _get_layout's cache)."""
+    state = {}
+    for obj in admitted_objects():
+        attributes = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        if callable(obj) and not isinstance(obj, type):
+            attributes |= {"__code__": obj.__code__, "__defaults__": obj.__defaults__,
+                           "__kwdefaults__": obj.__kwdefaults__}
+        attributes = {k: (v, dict(v) if type(v) is dict else None) for k, v in attributes.items()}
+        state[id(obj)] = (obj, attributes)
+    return state
+
+
+def changes(before: dict) -> list[str]:
+    after = snapshot()
+    found = []
+    for key, (obj, attributes) in before.items():
+        now = after[key][1]
+        for name in attributes.keys() | now.keys():
+            old, new = attributes.get(name), now.get(name)
+            if old is None or new is None or old[0] is not new[0] or old[1] != new[1]:
+                found.append(f"{getattr(obj, '__qualname__', obj)}.{name}")
+    return found
+
+
+def restore(before: dict) -> None:
+    """Undo what a crafted file changed (so that a failing test leaves the process usable)."""
+    for obj, attributes in before.values():
+        current = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        for name in current.keys() - attributes.keys():
+            delattr(obj, name) if isinstance(obj, type) else vars(obj).pop(name)
+        for name, (value, items) in attributes.items():
+            if items is not None:
+                value.clear()
+                value.update(items)
+            if name in ("__code__", "__defaults__", "__kwdefaults__") or current.get(name) is not value:
+                type.__setattr__(obj, name, value) if isinstance(obj, type) else object.__setattr__(obj, name, value)
+
+
+@pytest.fixture
+def guarded():
+    """Fails the test when the process's admitted classes or functions changed, and undoes it."""
+    before = snapshot()
+    yield
+    changed = changes(before)
+    restore(before)
+    assert not changed, f"the crafted file changed {changed}"
+
+
+class Ops:
+    """Pickle opcodes, to write crafted files by hand (protocol 2 and later opcodes mixed freely,
+    as an unpickler accepts them)."""
+
+    @staticmethod
+    def glob(obj) -> bytes:
+        return b"c" + f"{obj.__module__}\n{obj.__qualname__}\n".encode() if not isinstance(obj, tuple) else \
+            b"c" + f"{obj[0]}\n{obj[1]}\n".encode()
+
+    @staticmethod
+    def text(value: str) -> bytes:
+        return b"X" + len(value.encode()).to_bytes(4, "little") + value.encode()
+
+    @staticmethod
+    def int1(value: int) -> bytes:
+        return b"K" + bytes([value])
+
+    NONE, EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE, EMPTY_SET = b"N", b"}", b"]", b")", b"\x8f"
+    MARK, POP, SETITEM, SETITEMS, APPEND, APPENDS, ADDITEMS = b"(", b"0", b"s", b"u", b"a", b"e", b"\x90"
+    TUPLE1, TUPLE2, BUILD, REDUCE, NEWOBJ, OBJ, BINPERSID = b"\x85", b"\x86", b"b", b"R", b"\x81", b"o", b"Q"
+
+
+def genuine_metadata() -> bytes:
+    properties = TensorProperties(dtype=torch.float32)
+    metadata = Metadata(state_dict_metadata={"x": TensorStorageMetadata(properties, torch.Size([2]), [])},
+                        storage_data={})
+    return pickle.dumps(metadata, protocol=4)
+
+
+def rename_attack() -> bytes:
+    """The BUILD attack: PosixPath.rename becomes PosixPath (a save then never publishes)."""
+    o = Ops
+    return (o.glob(pathlib.PosixPath) + o.NONE + o.EMPTY_DICT + o.text("rename") + o.glob(pathlib.PosixPath)
+            + o.SETITEM + o.TUPLE2 + o.BUILD + o.POP)
+
+
+def build(target: bytes, field: str = "marker", value: bytes = Ops.int1(1), slots: bool = True) -> bytes:
+    """`target` (opcodes that push an object), then BUILD with {field: value} as its state (as
+    slot state: setattr, or as the instance dict)."""
+    o = Ops
+    state = o.EMPTY_DICT + o.text(field) + value + o.SETITEM
+    return target + ((o.NONE + state + o.TUPLE2) if slots else state) + o.BUILD + o.POP
+
+
+def member(enum_class, value) -> bytes:
+    return Ops.glob(enum_class) + Ops.int1(value) + Ops.TUPLE1 + Ops.REDUCE
+
+
+def _crafted_prefixes() -> dict[str, bytes]:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       StorageMeta, _MEM_FORMAT_ENCODING)
+    o = Ops
+    classes = [Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+               MetadataIndex, StorageMeta, _StorageInfo, _MEM_FORMAT_ENCODING, torch.Size, pathlib.PosixPath]
+    crafted = {"rename": rename_attack(),
+               "redirect paths": build(o.glob(pathlib.PosixPath), "_str", o.text("/tmp/elsewhere")),
+               "get_layout cache": build(o.glob(torch.serialization._get_layout), "cache", o.EMPTY_DICT, slots=False),
+               "get_layout code": build(o.glob(torch.serialization._get_layout), "__code__",
+                                        o.glob(("torch.serialization", "_get_layout"))),
+               "dtype": build(o.glob(("torch", "float32")), "is_floating_point", o.NONE),
+               "enum member": build(member(_MEM_FORMAT_ENCODING, 1), "_value_", o.int1(2), slots=False),
+               "enum member by getattr": build(o.glob(("builtins", "getattr")) + o.glob(_MEM_FORMAT_ENCODING)
+                                               + o.text("TORCH_CONTIGUOUS_FORMAT") + o.TUPLE2 + o.REDUCE, "_name_",
+                                               o.text("x")),
+               "class from the memo": o.glob(pathlib.PosixPath) + b"p0\n" + o.POP + o.NONE + b"g0\n"
+               + build(b"", "touch", o.NONE),
+               "class from the memo by BINGET": o.glob(TensorProperties) + b"q\x05" + o.POP + build(b"h\x05"),
+               "setitems onto a class": o.glob(pathlib.PosixPath) + o.MARK + o.text("rename") + o.NONE + o.SETITEMS
+               + o.POP,
+               "setitem onto a function": o.glob(torch.serialization._get_layout) + o.text("cache") + o.NONE
+               + o.SETITEM + o.POP,
+               "setitems onto an enum member": member(_MEM_FORMAT_ENCODING, 1) + o.MARK + o.text("_value_")
+               + o.int1(3) + o.SETITEMS + o.POP,
+               "setitems onto a new instance": o.glob(TensorProperties) + o.EMPTY_TUPLE + o.NEWOBJ + o.MARK
+               + o.text("dtype") + o.NONE + o.SETITEMS + o.POP,
+               "append onto a class": o.glob(torch.Size) + o.int1(1) + o.APPEND + o.POP,
+               "appends onto a new instance": o.glob(pathlib.PosixPath) + o.text("/x") + o.TUPLE1 + o.REDUCE + o.MARK
+               + o.int1(1) + o.APPENDS + o.POP,
+               "additems onto a class": o.glob(pathlib.PosixPath) + o.MARK + o.int1(1) + o.ADDITEMS + o.POP,
+               "newobj of a function": o.glob(torch.serialization._get_layout) + o.EMPTY_TUPLE + o.NEWOBJ + o.POP,
+               "reduce of a dtype": o.glob(("torch", "float32")) + o.EMPTY_TUPLE + o.REDUCE + o.POP,
+               "enum functional API": o.glob(_MEM_FORMAT_ENCODING) + o.text("E") + o.text("A B") + o.TUPLE2
+               + o.REDUCE + o.POP,
+               "obj": o.MARK + o.glob(pathlib.PosixPath) + o.text("/x") + o.OBJ + o.POP,
+               "inst": b"(X\x02\x00\x00\x00/xipathlib\nPosixPath\n" + o.POP,
+               "extension code": b"\x82\x01" + o.POP,
+               "persistent id": b"Pabc\n" + o.POP,
+               "binary persistent id": o.text("abc") + o.BINPERSID + o.POP,
+               "build with dunder keys on a new instance": build(o.glob(TensorStorageMetadata) + o.EMPTY_TUPLE + o.NEWOBJ,
+                                                                 "__class__", o.glob(Metadata))}
+    for cls in classes:
+        crafted[f"build on {cls.__qualname__}"] = build(o.glob(cls))
+        crafted[f"instance dict build on {cls.__qualname__}"] = build(o.glob(cls), slots=False)
+    return crafted
+
+
+CRAFTED = _crafted_prefixes()
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_metadata_that_would_change_the_process_is_refused_before_it_runs(tmp_path, guarded, name):
+    """Each crafted prefix before a genuine .metadata: torch's unpickler (and this reader before it
+    checked opcodes) loads the genuine metadata after running it, the class patched for good."""
+    from trainer.dcp_metadata import load_metadata
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(CRAFTED[name] + genuine_metadata())
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_metadata(path)
+    assert str(refused.value).startswith(f"{path}: refusing to "), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_rename_attack_names_what_it_tried(tmp_path, guarded):
+    from trainer.dcp_metadata import load_metadata
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(rename_attack() + genuine_metadata())
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_metadata(path)
+    assert str(refused.value) == (f"{path}: refusing to apply BUILD to the class PosixPath, which this file did not create: a "
+                                  "DCP metadata file only builds new values; this file was crafted or is not a DCP "
+                                  "checkpoint")
+    assert pathlib.PosixPath.rename is not pathlib.PosixPath and str(pathlib.Path("/a")) == "/a"
+
+
+def test_torch_plain_reader_runs_the_build_attack(tmp_path, guarded):
+    """Why the reader checks opcodes: torch's reader loads the file, and PosixPath.rename is gone."""
+    folder = tmp_path / "step-1"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"x": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
+    raw = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(rename_attack() + raw)
+    before = snapshot()
+    try:
+        assert isinstance(FileSystemReader(str(folder)).read_metadata(), Metadata)
+        assert pathlib.PosixPath.rename is pathlib.PosixPath
+    finally:
+        restore(before)
+
+
+def opcode_mutations(raw: bytes, count: int, seed: int) -> list[bytes]:
+    """`count` variants of a pickle: an opcode replaced by another, an opcode (with a harmless
+    argument) inserted, or one removed, at an opcode boundary."""
+    import pickletools
+    import random
+
+    rng = random.Random(seed)
+    starts = [pos for _, _, pos in pickletools.genops(raw)]
+    codes = [bytes([op.code.encode("latin-1")[0]]) for op in pickletools.opcodes]
+    inserts = [*codes, *(c for c in CRAFTED.values() if len(c) < 40), Ops.text("x"), Ops.int1(7), b"h\x01",
+               b"j\x02\x00\x00\x00", b"q\x03", b"\x94"]
+    variants = []
+    for _ in range(count):
+        at = rng.choice(starts)
+        kind = rng.randrange(3)
+        if kind == 0:
+            variants.append(raw[:at] + rng.choice(codes) + raw[at + 1:])
+        elif kind == 1:
+            variants.append(raw[:at] + rng.choice(inserts) + raw[at:])
+        else:
+            nxt = min((s for s in starts if s > at), default=len(raw))
+            variants.append(raw[:at] + raw[nxt:])
+    return variants
+
+
+def test_random_opcode_changes_to_a_genuine_file_load_or_are_refused(tmp_path, guarded):
+    from trainer.dcp_metadata import load_metadata
+
+    genuine = tmp_path / "genuine"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"x": torch.ones(2), "y": {"step": 3}}, checkpoint_id=str(genuine), no_dist=True)
+    path = tmp_path / ".metadata"
+    outcomes = {"loaded": 0, "refused": 0}
+    for variant in opcode_mutations((genuine / ".metadata").read_bytes(), count=400, seed=0):
+        path.write_bytes(variant)
+        try:
+            outcomes["loaded" if isinstance(load_metadata(path), Metadata) else "?"] += 1
+        except UnsafeCheckpointError as e:
+            assert str(e).startswith(f"{path}: ") and "\n" not in str(e), str(e)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 100 and outcomes["loaded"] > 0, outcomes

@@ -111,17 +111,17 @@ def test_skip_variable(tmp_path, monkeypatch):
 
 def test_seed_process_refuses_before_building_the_model(tmp_path, monkeypatch):
     """create_seed_checkpoint itself (what `python -m trainer.train` runs) refuses before any allocation."""
-    import trainer.train as train
+    import trainer.seed_checkpoint as seed
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(preflight, "MEMINFO", str(meminfo(tmp_path, GB16)))
-    monkeypatch.setattr(train, "Transformer", no_model)
+    monkeypatch.setattr(seed, "Transformer", no_model)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config = load_config(["--model.flavor", "8B", "--job.dump_folder", str(tmp_path / "seed")])
     with pytest.raises(ConfigError, match="model.flavor 8B: creating the seed checkpoint"):
-        train.create_seed_checkpoint(config)
+        seed.create_seed_checkpoint(config)
 
 
 def test_launcher_refuses_the_8b_seed_with_one_message(tmp_path, monkeypatch, capsys):

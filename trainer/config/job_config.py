@@ -418,6 +418,12 @@ class Checkpoint:
     group size or TP degree, or the reverse), and export such weights to Hugging Face (an exact
     Llama, which computes another function than the one trained). Refused without it."""
 
+    verify_checksums: bool = True
+    """Check every item a load reads, and `.metadata`, against the checksums the checkpoint
+    recorded when it was saved (checksums.json): a flipped bit or a changed file is refused,
+    naming the file and tensor. false loads a damaged checkpoint anyway (a checkpoint saved
+    without checksums loads unchecked either way)."""
+
     create_seed_checkpoint: bool = False
     """Write a step-0 model-only checkpoint from one process and exit."""
 

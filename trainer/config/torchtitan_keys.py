@@ -151,6 +151,7 @@ OWN_KEYS: tuple[str, ...] = (
     "training.loss_scale_growth_interval", "training.loss_scale_min",
     "parallelism.tensor_parallel_sync", "parallelism.tensor_parallel_sync_group",
     "checkpoint.accept_data_change", "checkpoint.accept_model_change", "checkpoint.overwrite", "checkpoint.save_on_signal",
+    "checkpoint.verify_checksums",
     "metrics.count_collectives", "metrics.peak_flops",
     "metrics.fingerprints", "metrics.fingerprint_first", "metrics.fingerprint_every",
     "debug.init_perturbation", "debug.init_perturbation_seed",

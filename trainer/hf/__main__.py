@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.hf.config_json import read_checked_config
 from trainer.hf.export import export_hf_folder, parse_size
 from trainer.hf.folder import read_hf_folder
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             args = shapes(a.flavor, a.hf, "--hf")
             with warnings.catch_warnings():  # DCP notes that it saves without a process group: intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save({"model": read_hf_folder(a.hf, args)}, checkpoint_id=a.out, no_dist=True)
+                dcp.save({"model": read_hf_folder(a.hf, args)}, storage_writer=ChecksumWriter(a.out), no_dist=True)
         else:
             refuse_model_change(Path(a.dcp), a.accept_model_change)
             args = shapes(a.flavor, a.hf_assets, "--hf-assets")
