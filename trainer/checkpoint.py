@@ -55,6 +55,7 @@ from trainer.checkpoint_layout import (
     partial_path,
     past_steps_message,
     read_checkpoint_record,
+    remove_checkpoint,
 )
 from trainer.checkpoint_lineage import (foreign_checkpoint, forked_ancestors, lineage_of, model_change,
                                         move_newer_aside, new_lineage, read_head, write_head)
@@ -457,8 +458,8 @@ class CheckpointManager(LastSaveExports):
         """Rank 0: publish a complete save under its final name; it becomes the parent of the
         next save and the head of the folder's lineage."""
         final = self.folder / f"step-{step}"
-        if final.exists():  # only reachable with checkpoint.overwrite: the partial is the newer save
-            shutil.rmtree(final)
+        if final.exists() or final.is_symlink():  # only with checkpoint.overwrite: the partial is the newer save
+            remove_checkpoint(final)
         partial.rename(final)
         self.parent = {"step": step, "path": str(final.resolve()), "fingerprint": fingerprint(final)}
         write_head(self.folder, self.lineage, step, self.ancestors)
@@ -476,5 +477,5 @@ class CheckpointManager(LastSaveExports):
         keep = set(steps[-k:]) | set(full[-1:])
         for step in steps:
             if step not in keep:
-                shutil.rmtree(found[step])
+                remove_checkpoint(found[step])
                 logger.info("removed checkpoint step-%d (keep_latest_k=%d)", step, k)

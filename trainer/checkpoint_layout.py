@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 from pathlib import Path
 
 from trainer.json_records import check_checkpoint_record, read_object
@@ -21,6 +22,15 @@ HF_EXPORT_DIR = "hf"  # inside the last step-N with checkpoint.last_save_in_hf: 
 
 def checkpoint_folder(config) -> Path:
     return Path(config.job.dump_folder) / config.checkpoint.folder
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove a step folder of the checkpoint folder; one that is a link (to a checkpoint kept
+    elsewhere, linked in to resume it) loses the link only, never what it points to."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def partial_path(folder: Path, step: int) -> Path:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from trainer.checkpoint_checksums import CHECKSUMS_FILE, Checksums, bytes_checksum, parse_checksums, tensor_checksum
+from trainer.checkpoint_checksums import (CHECKSUMS_FILE, HASHING_THREADS, Checksums, bytes_checksum, parse_checksums,
+                                         tensor_checksum)
 from trainer.dcp_unpickle import CorruptCheckpointError, UnsafeCheckpointError, metadata_from_bytes
 
 __all__ = ["CheckedReader", "CorruptCheckpointError", "UnsafeCheckpointError", "load_metadata"]
@@ -108,12 +111,17 @@ _CHANGED = "the file was changed or corrupted after it was saved (checkpoint.ver
 
 class _FileRead:
     """Reads the items of one data file that a load asked for: each is checked against its
-    checksum before it is used; every mismatch in the file is named in one error."""
+    checksum before it is used; every mismatch in the file is named in one error. A tensor is
+    hashed in a thread while the next one is read (zlib releases the GIL), and copied into the
+    state only once its checksum matched; at most PENDING tensors wait for theirs."""
+
+    PENDING = 2
 
     def __init__(self, reader: CheckedReader, file: Path, items: list[ReadItem], planner: LoadPlanner):
         self.reader, self.file, self.items, self.planner = reader, file, items, planner
         self.checksums = reader.checksums()
         self.mismatched: list[str] = []
+        self.pending: deque = deque()  # (item, tensor, recorded crc32, future of its crc32)
 
     def info(self, item: ReadItem) -> _StorageInfo:
         return self.reader.storage_data[item.storage_index]
@@ -124,12 +132,14 @@ class _FileRead:
         except OSError as e:
             raise CorruptCheckpointError(f"{self.file}: cannot be opened ({e.strerror}); .metadata lists "
                                          f"{_names(item.storage_index.fqn for item in self.items)} in it") from None
-        with stream:
+        with stream, ThreadPoolExecutor(HASHING_THREADS, thread_name_prefix="checkpoint-crc32") as self.pool:
             self.check_size(os.fstat(stream.fileno()).st_size)
             for item in self.items:
                 self.read(stream, item)
+            self.settle(0)
         if self.mismatched:
-            kind = "tensors" if all(i.type != LoadItemType.BYTE_IO for i in self.items) else "items"
+            tensors = {i.storage_index.fqn for i in self.items if i.type != LoadItemType.BYTE_IO}
+            kind = "tensors" if set(self.mismatched) <= tensors else "items"
             raise CorruptCheckpointError(f"{self.file}: checksum mismatch in {kind} {_names(self.mismatched)}: "
                                          f"{_CHANGED}")
 
@@ -148,21 +158,40 @@ class _FileRead:
             item, info.transform_descriptors or (), self.reader._slice_file(stream, info))
         if item.type == LoadItemType.BYTE_IO:
             data = view.read()
-            if self.matches(item, info, lambda: bytes_checksum(data)):
+            recorded = self.recorded(item, info)
+            if recorded is None or bytes_checksum(data) == recorded:
                 _check_plain_value(data, self.file, item)
                 self.planner.load_bytes(item, io.BytesIO(data))
+            else:
+                self.mismatched.append(item.storage_index.fqn)
             return
         if not view.seekable():  # a decompressing transform: torch.load seeks
             view = io.BytesIO(view.read())
         tensor = self.load_tensor(view, item)
-        if not self.matches(item, info, lambda: tensor_checksum(tensor)):
+        recorded = self.recorded(item, info)
+        if recorded is None:
+            self.commit(item, tensor)
             return
+        self.pending.append((item, tensor, recorded, self.pool.submit(tensor_checksum, tensor)))
+        self.settle(self.PENDING)
+
+    def settle(self, waiting: int) -> None:
+        """Check the hashed tensors (oldest first) until at most `waiting` wait; commit the matching."""
+        while len(self.pending) > waiting:
+            item, tensor, recorded, checksum = self.pending.popleft()
+            if checksum.result() == recorded:
+                self.commit(item, tensor)
+            else:
+                self.mismatched.append(item.storage_index.fqn)
+
+    def commit(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """Copy the checked tensor (its part this load asked for) into the state being loaded."""
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             tensor = tensor.narrow(dim, start, length)
         target = self.planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
-            raise CorruptCheckpointError(f"{self.file}: tensor {item.storage_index.fqn} at byte {info.offset} has "
-                                         f"shape {list(tensor.shape)}, .metadata says {list(target.shape)}")
+            raise CorruptCheckpointError(f"{self.file}: tensor {item.storage_index.fqn} at byte {self.info(item).offset} "
+                                         f"has shape {list(tensor.shape)}, .metadata says {list(target.shape)}")
         target.copy_(tensor)
         self.planner.commit_tensor(item, target)
 
@@ -179,10 +208,11 @@ class _FileRead:
                                          f"{type(tensor).__name__}, not a tensor")
         return tensor
 
-    def matches(self, item: ReadItem, info: _StorageInfo, checksum) -> bool:
-        """Whether the item read matches its recorded checksum (True without checksums)."""
+    def recorded(self, item: ReadItem, info: _StorageInfo) -> int | None:
+        """The item's recorded checksum (None without checksums); refused when the checkpoint's
+        checksums.json records none for it at its place."""
         if self.checksums is None:
-            return True
+            return None
         recorded = self.checksums.items.get(info.relative_path, {}).get(info.offset)
         index = item.storage_index
         chunk = tuple(index.offset) if index.offset is not None else None
@@ -190,10 +220,7 @@ class _FileRead:
             raise CorruptCheckpointError(
                 f"{self.file}: {CHECKSUMS_FILE} records no checksum for {index.fqn} at byte {info.offset}: it does "
                 "not describe this checkpoint (checkpoint.verify_checksums = false loads it anyway)")
-        if checksum() == recorded.crc32:
-            return True
-        self.mismatched.append(index.fqn)
-        return False
+        return recorded.crc32
 
 
 def _check_plain_value(raw: bytes, file: Path, item: ReadItem) -> None:

@@ -36,6 +36,7 @@ from trainer.parallel.collectives import CollectiveCounter, mesh_group_names
 from trainer.parallel.collectives import describe as describe_collectives
 from trainer.data.build import build_sources, document_eos
 from trainer.data.documents import DataError
+from trainer.divergence import NonFiniteLossError, check_gradient_norm, check_parameters
 from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
 from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
@@ -44,7 +45,7 @@ from trainer.json_records import RecordError
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
 from trainer.fingerprints import FingerprintRecorder, parameter_names
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, local_squared_norm
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from trainer.parent_watch import watch_launcher
 from trainer.model_build import build_on_meta, materialize, training_model_args
 from trainer.parallel import ParallelModel
@@ -60,10 +61,6 @@ from trainer.train_state import TrainState
 from trainer.version import code_version
 
 logger = logging.getLogger("trainer")
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss, the gradient norm or a parameter became NaN or infinite."""
 
 
 @dataclass
@@ -378,24 +375,11 @@ class Trainer:
                 self._save(self.state.step, last=True)
 
     def _save(self, step: int, last: bool) -> None:
-        """Save step `step`, once every parameter is found finite on every rank: an update can make
-        weights non-finite while the gradient norm was finite (a learning rate far too high), and
-        such weights must never be published as a checkpoint to resume or start from."""
-        reduction = self.runner.norm_reduction()
-        # .to(device): parameters offloaded to the CPU (training.enable_cpu_offload) sum there
-        squares = local_squared_norm([p.detach() for p in self.model.parameters()],
-                                     reduction.ranks_per_stage).to(self.device)
-        if reduction.group is not None:
-            dist.all_reduce(squares, group=reduction.group)
-        if not torch.isfinite(squares).item():
-            newest = self.checkpointer.last_saved
-            if newest is None and self.checkpointer.start["kind"] == "resume":
-                newest = self.checkpointer.start["step"]
-            raise NonFiniteLossError(
-                f"step {step}: the parameters are not finite after the update (their norm is {squares.sqrt().item()}); "
-                f"stopped before saving step-{step}, so that no checkpoint holds them ("
-                + (f"step-{newest} is the newest" if newest is not None else "no checkpoint of this run was saved")
-                + "). Lower optimizer.lr, or enable training.max_norm clipping")
+        """Save step `step`, once every parameter is found finite on every rank (divergence.py)."""
+        newest = self.checkpointer.last_saved
+        if newest is None and self.checkpointer.start["kind"] == "resume":
+            newest = self.checkpointer.start["step"]
+        check_parameters(self.model, self.runner.norm_reduction(), self.device, step, newest)
         self.checkpointer.save(step, last=last)
 
     def _counted_step(self, step: int) -> StepResult:
@@ -418,13 +402,9 @@ class Trainer:
         return {f"{name}_tokens": int(rows) * self.config.training.seq_len for name, rows in zip(self.source.names, drawn)}
 
     def _check_finite(self, step: int, result: StepResult) -> None:
-        """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from
-        any rank and all stop together. (A float16 step skipped for an overflow is expected.)"""
-        if not result.skipped and not torch.isfinite(result.grad_norm).item():
-            raise NonFiniteLossError(
-                f"step {step}: loss {self.global_loss(result)}, gradient norm {result.grad_norm.item()}; "
-                "stopping (lower optimizer.lr, check the data, or enable training.max_norm clipping)"
-            )
+        """(A float16 step skipped for an overflow is expected: its norm is not finite.)"""
+        if not result.skipped:
+            check_gradient_norm(step, result.grad_norm, self.global_loss(result))
 
     def close(self, end_process_group: bool = True) -> None:
         """Release what the run holds; `end_process_group` False leaves the process group to

@@ -58,9 +58,9 @@ def read_records(folder: Path) -> Records:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             continue  # a line being written, or not JSON
-        if isinstance(record, dict) and is_number(record.get("step")):
+        if isinstance(record, dict) and type(record.get("step")) is int:
             add(records, record)
     return records
 

@@ -230,7 +230,7 @@ def last_step(launch: Launch) -> int:
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a line being written
             if isinstance(record, dict) and "kind" not in record and isinstance(record.get("step"), int):
                 step = max(step, record["step"])

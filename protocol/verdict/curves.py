@@ -138,7 +138,7 @@ def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str 
         loss[step] = float(_field(record, loss_key, path, lineno))
         skipped[step] = record.get("step_skipped") is True
         if grad_key in record and record[grad_key] is not None:
-            grad[step] = float(record[grad_key])
+            grad[step] = float(_field(record, grad_key, path, lineno))
         for key, value in _extra_figures(record).items():
             extra.setdefault(key, {})[step] = value
     if not loss:
@@ -176,6 +176,8 @@ def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise CurveError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from e
+        except RecursionError:
+            raise CurveError(f"{path}:{lineno}: not a metrics record (nested too deeply)") from None
         if not isinstance(record, dict):
             raise CurveError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
         yield lineno, record
@@ -184,7 +186,8 @@ def _jsonl_records(path: Path) -> Iterable[tuple[int, dict]]:
 def _field(record: dict, key: str, path: Path, lineno: int):
     value = record.get(key)
     if key == "step":
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != int(value):
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                or value != int(value)):
             raise CurveError(f"{path}:{lineno}: 'step' must be an integer, got {value!r}")
         return value
     if not isinstance(value, (int, float)) or isinstance(value, bool):

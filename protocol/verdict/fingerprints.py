@@ -52,9 +52,10 @@ def read_fingerprints(folder: Path) -> Prints | None:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash
-        prints[int(record["step"])] = record
+        if isinstance(record, dict) and type(record.get("step")) is int:  # else not a line the trainer wrote
+            prints[record["step"]] = record
     return prints
 
 

@@ -289,3 +289,30 @@ def test_a_crafted_checkpoint_given_to_a_run_runs_nothing(tmp_path):
     assert refused.returncode == 2, describe(refused)
     assert f"{folder / '.metadata'}: refusing to load 'posix.system'" in refused.stderr, describe(refused)
     assert not marker.exists()
+
+
+def test_a_flipped_bit_in_a_pipeline_stage_shard_is_refused_on_resume(tmp_path):
+    """Two pipeline stages save a checkpoint with its checksums (each stage rank its own file);
+    one bit flipped in the middle of the largest tensor of stage 1's file: the resume stops with
+    one message naming the file and the tensor (exit 2, no restart), and
+    checkpoint.verify_checksums = false loads it anyway."""
+    dump = tmp_path / "run"
+    job = [*TINY_JOB, "--checkpoint.enable", "--checkpoint.interval", "2", "--parallelism.pipeline_parallel_degree",
+           "2", "--job.dump_folder", str(dump)]
+    trained = launch(2, [*job, "--training.steps", "2"])
+    assert trained.returncode == 0, describe(trained)
+    step = dump / "checkpoint" / "step-2"
+    checksums = json.loads((step / "checksums.json").read_text())
+    assert sorted(checksums["files"]) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (step / "model_only" / "checksums.json").is_file()  # the export has its own
+    largest = max(checksums["files"]["__1_0.distcp"]["items"], key=lambda item: item["length"])
+    raw = bytearray((step / "__1_0.distcp").read_bytes())
+    raw[largest["offset"] + largest["length"] // 2] ^= 0x10
+    (step / "__1_0.distcp").write_bytes(bytes(raw))
+    refused = launch(2, [*job, "--training.steps", "3"])
+    assert refused.returncode == 2, describe(refused)
+    assert (f"{step / '__1_0.distcp'}: checksum mismatch in tensors {largest['key']}: the file was changed or "
+            "corrupted after it was saved") in refused.stderr, describe(refused)
+    assert "restart" not in refused.stderr
+    forced = launch(2, [*job, "--training.steps", "3", "--checkpoint.verify_checksums=false"])
+    assert forced.returncode == 0, describe(forced)

@@ -68,6 +68,20 @@ def test_retention_keeps_the_newest_full_checkpoint_and_the_seed(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-0", "step-4", "step-6"]
 
 
+def test_retention_removes_a_linked_step_folder_and_keeps_what_it_links_to(tmp_path):
+    """A step-N that is a link to a checkpoint kept elsewhere (linked in to resume it): retention
+    removes the link, never the checkpoint it points to, and the run goes on."""
+    folder, elsewhere = tmp_path / "checkpoint", tmp_path / "shared"
+    make_checkpoint(elsewhere, 2, FULL)
+    folder.mkdir()
+    (folder / "step-2").symlink_to(elsewhere / "step-2")
+    for step in (4, 6):
+        make_checkpoint(folder, step, FULL)
+    manager(tmp_path, keep=1)._apply_retention()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-6"]
+    assert sorted(p.name for p in (elsewhere / "step-2").iterdir()) == [".metadata", "checkpoint.json"]
+
+
 def test_incomplete_step_folder_stops_the_run(tmp_path):
     (tmp_path / "checkpoint" / "step-3").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="step-3 has no .metadata"):
