@@ -197,15 +197,18 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
 # What a resumed run takes from its configuration, not from the checkpoint it loads: every key of
 # these sections (the moments and step counts come from the checkpoint).
 RESUMED_SETTINGS = ("optimizer", "lr_scheduler", "training.max_norm")
+# Also named when changed on resume: the dtype the checkpoint's weights and optimizer state are
+# cast to when loaded (float32 -> bfloat16 rounds them).
+NAMED_ON_RESUME = (*RESUMED_SETTINGS, "training.dtype")
 
 
 def settings_changed(saved_config: dict, config) -> list[str]:
-    """'key saved -> now' for every setting of RESUMED_SETTINGS whose value in the configuration
+    """'key saved -> now' for every setting of NAMED_ON_RESUME whose value in the configuration
     a checkpoint was saved with (its checkpoint.json) differs from this run's. A key missing
     from the saved configuration (newer than the checkpoint) had its default."""
     now = to_dict(config)
     changed = []
-    for name in RESUMED_SETTINGS:
+    for name in NAMED_ON_RESUME:
         section, _, key = name.partition(".")
         defaults = dataclasses.asdict(type(getattr(config, section))())
         saved = {**defaults, **saved_config.get(section, {})}

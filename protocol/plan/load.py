@@ -34,7 +34,7 @@ from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOU
                                   check_choice, check_minimum, closest, flatten, read_table)
 from protocol.plan.slurm_tables import read_slurm
 from protocol.plan.sweeps import Sweep, expand_sweeps
-from protocol.plan.text import without_control_characters
+from protocol.plan.text import short, without_control_characters
 from protocol.plan.tolerance import MAX_NOISE_CONTROLS, REPLACED, Tolerance, tolerance_keys
 
 if sys.version_info >= (3, 11):
@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Plan keys a launch cannot be built without; the others fall back to a stand-in for the checks.
 LAUNCH_KEYS = ("config", "local_batch_size", "dp_degree")
+MAX_SLUG = 100  # characters of a run's folder name (a file name has at most 255 bytes)
 STAND_INS = {"name": "plan", "steps": 1}
 
 
@@ -81,6 +82,9 @@ def load_plan(path: Path | str) -> Plan:
         raise PlanError(f"{path}: not UTF-8 text (byte {e.start}); a plan is a TOML file, which is UTF-8") from None
     except RecursionError:
         raise PlanError(f"{path}: arrays or tables nested too deeply to read; a plan nests a few levels") from None
+    except ValueError:  # what Python itself refuses to read: an integer of more than 4300 digits
+        raise PlanError(f"{path}: holds an integer of more digits than Python reads (4300); a plan's numbers have a "
+                        "few") from None
     data, problems = without_control_characters(data)
     plan = read_plan(path, data, problems)
     if problems or plan is None:
@@ -184,6 +188,8 @@ def assemble(path: Path, values: dict, tolerance: Tolerance, control: TableRead,
 
 def read_plan_table(data: Any, problems: list[str]) -> dict[str, Any]:
     values = read_table(data, PLAN_KEYS, "plan", problems)
+    if "name" in values and name_too_long(values["name"], "plan.name", problems):
+        del values["name"]
     for key, minimum in (("steps", 1), ("warmup_steps", 0), ("local_batch_size", 1), ("dp_degree", 1),
                          ("gpus_per_node", 1), ("seed", 0), ("checkpoint_interval", 1)):
         check_minimum(values, key, minimum, "plan", problems)
@@ -222,6 +228,17 @@ def read_tolerance(data: Any, problems: list[str]) -> Tolerance:
     return tolerance
 
 
+def name_too_long(name: str, where: str, problems: list[str]) -> bool:
+    """A run's name becomes a folder name (its slug), and the plan's the output folder's: one a
+    file system can hold, and a reader can take in."""
+    slug = slugify(name)
+    if len(slug) <= MAX_SLUG:
+        return False
+    problems.append(f"{where}: {short(name, 60)} makes a folder name of {len(slug)} characters; give a name of at most "
+                    f"{MAX_SLUG} letters and digits")
+    return True
+
+
 def read_degrees(values: dict, where: str, problems: list[str]) -> None:
     from trainer.parallel.stages import SCHEDULES
 
@@ -244,10 +261,13 @@ def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bo
     overrides = check_overrides(values.pop("overrides", {}), f"{where}.overrides", False, seed_checkpoint, problems)
     kind = values.pop("kind", None if "kind" in schema else "control")
     name = values.pop("name", None if schema["name"].required else "control")
+    unusable = name is not None and name_too_long(name, f"{where}.name", problems)
+    if unusable:
+        name = None  # no name check, and no launch check: its folder cannot be made
     if kind == "technique" and not overrides and "overrides" not in (data if isinstance(data, dict) else {}):
         problems.append(f"{where}.overrides: a technique set needs the trainer options that turn the technique on, "
                         "e.g. { \"compile.enable\" = true }")
-    readable = isinstance(data, dict) and all(key in values for key in LAYOUT_KEYS if key in data)
+    readable = isinstance(data, dict) and all(key in values for key in LAYOUT_KEYS if key in data) and not unusable
     spec = None
     if readable:
         spec = RunSpec(name=name or where, kind=kind or "technique", where=where, overrides=overrides, **values)
@@ -292,7 +312,8 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
     known = sections()
     valid = {}
     for key, value in flatten(raw).items():
-        at = f'{where}."{key}"'
+        written = key if len(key) <= 100 else key[:100] + "..."  # a key may be a megabyte long
+        at = f'{where}."{written}"'
         section, _, name = key.partition(".")
         if section not in known or not name:
             problems.append(f"{at}: not a trainer option; write it as \"section.key\" with section one of "
@@ -300,7 +321,7 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
             continue
         types_ = field_types(known[section])
         if name not in types_:
-            problems.append(f"{at}: unknown option {key}{closest(name, list(types_))}")
+            problems.append(f"{at}: unknown option {written}{closest(name, list(types_))}")
             continue
         owner = PLAN_OWNED.get(key) or (SEED_OWNED.get(key) if seed_checkpoint else None)
         if owner:

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.plan.text import short
+
 BATCH_MODES = ("local", "global")
 SET_KINDS = ("parallelism", "technique")
 EXPECTATIONS = ("pass", "fail")
@@ -260,7 +262,7 @@ def closest(name: str, candidates: list[str]) -> str:
 def read_table(data: Any, schema: dict[str, Key], where: str, problems: list[str]) -> dict[str, Any]:
     """Values of the keys that are known and well typed (others are reported)."""
     if not isinstance(data, dict):
-        problems.append(f"{where}: expected a table, got {data!r}")
+        problems.append(f"{where}: expected a table, got {short(data)}")
         return {}
     values = {}
     for key, value in data.items():
@@ -268,7 +270,7 @@ def read_table(data: Any, schema: dict[str, Key], where: str, problems: list[str
             problems.append(f"{where}.{key}: unknown key{closest(key, list(schema))} "
                             f"(valid: {', '.join(schema)})")
         elif not type_ok(value, schema[key].kind):
-            problems.append(f"{where}.{key}: expected {type_word(schema[key].kind)}, got {value!r}")
+            problems.append(f"{where}.{key}: expected {type_word(schema[key].kind)}, got {short(value)}")
         elif schema[key].kind is float and not math.isfinite(value):  # nan passes every bound check
             problems.append(f"{where}.{key}: expected a finite number, got {value}")
         else:
@@ -281,7 +283,7 @@ def read_table(data: Any, schema: dict[str, Key], where: str, problems: list[str
 
 def check_choice(values: dict, key: str, choices: tuple[str, ...], where: str, problems: list[str]) -> None:
     if key in values and values[key] not in choices:
-        problems.append(f"{where}.{key}: {values[key]!r} is not one of {', '.join(map(repr, choices))}"
+        problems.append(f"{where}.{key}: {short(values[key])} is not one of {', '.join(map(repr, choices))}"
                         f"{closest(values[key], list(choices))}")
         del values[key]
 

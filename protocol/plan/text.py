@@ -30,9 +30,15 @@ def describe(char: str) -> str:
     return NAMES.get(char, f"U+{ord(char):04X}")
 
 
-def short(text: str, limit: int = 200) -> str:
-    """The text as Python writes it (every control character escaped), cut after `limit` characters."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
+def short(text: Any, limit: int = 200) -> str:
+    """The text as Python writes it (every control character escaped), cut after `limit` characters;
+    any other value as Python writes it, cut there too (a plan's array may hold thousands of items)."""
+    if isinstance(text, str):
+        return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
+    if isinstance(text, int) and abs(text) > 10**limit:  # Python writes no int of more than 4300 digits
+        return f"an integer of {text.bit_length()} bits"
+    written = repr(text)
+    return written if len(written) <= limit else written[:limit] + "..."
 
 
 def escaped(text: str) -> str:

@@ -471,11 +471,12 @@ def test_every_numeric_key_declares_what_it_accepts():
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--optimizer.lr", "-1e-3"], "optimizer.lr: must be >= 0 (0 keeps the weights as they are), got -0.001"),
-    (["--optimizer.eps", "0"], "optimizer.eps: must be > 0, got 0.0"),
+    (["--optimizer.lr", "-1e-3"], "optimizer.lr: must be in [0, 3.4e+38] (torch takes it as a float32, whose largest "
+                                   "value is 3.4e38; 0 keeps the weights as they are), got -0.001"),
+    (["--optimizer.eps", "0"], "optimizer.eps: must be in (0, 3.4e+38]"),
     (["--optimizer.beta1", "-0.1"], "optimizer.beta1: must be in [0, 1), got -0.1"),
     (["--optimizer.beta1", "1"], "optimizer.beta1: must be in [0, 1), got 1.0"),
-    (["--optimizer.weight_decay", "-0.01"], "optimizer.weight_decay: must be >= 0, got -0.01"),
+    (["--optimizer.weight_decay", "-0.01"], "optimizer.weight_decay: must be in [0, 3.4e+38]"),
     (["--lr_scheduler.min_lr_factor", "1.5"], "lr_scheduler.min_lr_factor: must be in [0, 1], got 1.5"),
     (["--training.validation_fraction", "1"], "training.validation_fraction: must be in [0, 1)"),
     (["--training.validation_fraction", "-0.5"], "training.validation_fraction: must be in [0, 1)"),
@@ -530,8 +531,46 @@ def test_the_edges_of_each_range_load(argv, key, value):
 
 def test_help_and_reference_show_what_each_number_accepts():
     lines = help_text().splitlines()
-    assert lines[lines.index("  --optimizer.lr  (float, default 0.0008)") + 1] == "      valid: >= 0"
+    assert lines[lines.index("  --optimizer.lr  (float, default 0.0008)") + 1] == "      valid: in [0, 3.4e+38]"
     assert lines[lines.index("  --optimizer.beta2  (float, default 0.95)") + 1] == "      valid: in [0, 1)"
     reference = (REPO / "docs" / "configuration.md").read_text()
-    assert "| `lr` | float | >= 0 | `0.0008` |" in reference
+    assert "| `lr` | float | in [0, 3.4e+38] | `0.0008` |" in reference
     assert "| `max_norm` | float | finite | `1.0` |" in reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Floats torch takes as float32: refused at load beyond float32's range, not at the first step
+
+
+@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.eps", "optimizer.weight_decay"])
+def test_a_key_torch_takes_as_a_float32_is_refused_beyond_its_range(key):
+    message = error_of([f"--{key}", "1e39"])
+    assert f"{key}: must be in " in message and "torch takes it as a float32" in message and "got 1e+39" in message
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--optimizer.lr", "1e38"], "optimizer.lr: 1e+38 makes the first step's size lr / (1 - optimizer.beta1) = 1e+39"),
+    (["--optimizer.lr", "2", "--optimizer.weight_decay", "3e38"], "optimizer.lr: 2 x optimizer.weight_decay 3e+38"),
+])
+def test_what_adam_computes_from_the_learning_rate_must_fit_in_float32_too(argv, fragment):
+    assert fragment in error_of(argv)
+
+
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
+def test_adamw_steps_at_the_largest_accepted_learning_rate_and_not_beyond(implementation):
+    """The checks stop where torch does: the largest lr they accept steps (the weights may
+    overflow, which the trainer's non-finite check reports); 1e39 raised at the first step."""
+    import torch
+
+    from trainer.optim import build_optimizer
+
+    largest = 3.4e38 * (1 - 0.9)  # the first step's size, lr / (1 - beta1), at float32's largest
+    config = load_config(["--optimizer.lr", repr(largest), "--optimizer.implementation", implementation])
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = build_optimizer([("w", weight)], config.optimizer)
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    if implementation != "fused":  # torch's fused kernel takes the float without the check
+        weight.grad = torch.ones(4)
+        with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
+            torch.optim.AdamW([weight], lr=1e39, foreach=implementation == "foreach").step()

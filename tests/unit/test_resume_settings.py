@@ -103,6 +103,13 @@ def test_a_setting_changed_on_resume_applies_from_the_next_step(key):
     assert len(changed) == 1 and changed[0].startswith(f"{key} "), changed
 
 
+def test_a_changed_training_dtype_is_named():
+    """The checkpoint's float32 weights and moments are rounded when a run resumes them in bfloat16."""
+    saved = load_config([*TINY_JOB, *BASE])
+    config = load_config([*TINY_JOB, *BASE, "--training.dtype", "bfloat16"])
+    assert settings_changed(to_dict(saved), config) == ["training.dtype 'float32' -> 'bfloat16'"]
+
+
 def test_an_unchanged_resume_reports_nothing():
     config = load_config([*TINY_JOB, *BASE])
     assert settings_changed(to_dict(config), config) == []

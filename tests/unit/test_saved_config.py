@@ -61,3 +61,33 @@ def test_nothing_is_written_without_the_key(tmp_path):
     config = load_config(["--job.dump_folder", str(tmp_path / "run")])
     check_saved_config_file(config)
     assert write_config_file(config) is None and not (tmp_path / "run").exists()
+
+
+def test_a_link_under_that_name_is_refused_and_what_it_points_at_is_kept(tmp_path):
+    """Even a link to a file this trainer wrote: replacing the link, or writing through it, would
+    change another run's file."""
+    elsewhere = tmp_path / "other-run" / "config.toml"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(f"{HEADER}\n[training]\nsteps = 1\n")
+    config = config_in(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="config.toml is a symbolic link, which the trainer does not replace"):
+        plan_run(config, 1)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        write_config_file(config)
+    assert (tmp_path / "run" / "config.toml").is_symlink()
+    assert elsewhere.read_text() == f"{HEADER}\n[training]\nsteps = 1\n"
+
+
+@pytest.mark.parametrize("beside", [".config.toml.tmp", ".config.toml.partial"])
+def test_a_link_at_the_name_written_beside_is_not_followed(tmp_path, beside):
+    """The file is written beside and renamed: a link left (or put) at that name is replaced,
+    never written through."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / beside).symlink_to(victim)
+    path = write_config_file(config_in(tmp_path))
+    assert victim.read_text() == "precious\n"
+    assert not path.is_symlink() and path.read_text().startswith(HEADER)

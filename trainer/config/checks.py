@@ -5,11 +5,12 @@ trainer.preflight). Every problem found is reported in one ConfigError.
 
 from __future__ import annotations
 
+import os
 from pathlib import PurePath
 
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
-from trainer.config.ranges import range_problems
+from trainer.config.ranges import FLOAT32_LARGEST, range_problems, shown
 
 
 def validate(config: JobConfig) -> None:
@@ -19,6 +20,7 @@ def validate(config: JobConfig) -> None:
 
     c = config
     problems = range_problems(c)  # every numeric key against what it declares (trainer.config.ranges)
+    problems += path_problems(c)
     refused = {problem.split(":")[0] for problem in problems}
 
     def need(ok: bool, message: str) -> None:
@@ -26,8 +28,8 @@ def validate(config: JobConfig) -> None:
             problems.append(message)
 
     need(c.model.flavor in flavor_names(),
-         f"model.flavor: {c.model.flavor!r} is unknown; choose one of {', '.join(flavor_names())}")
-    if c.model.flavor == "hf" or c.model.hf_assets_path:
+         f"model.flavor: {shown(c.model.flavor)} is unknown; choose one of {', '.join(flavor_names())}")
+    if (c.model.flavor == "hf" or c.model.hf_assets_path) and "model.hf_assets_path" not in refused:
         try:
             if c.model.flavor == "hf" and c.model.hf_assets_path:
                 read_checked_config(c.model.hf_assets_path)  # each field's type, before the shapes are built
@@ -35,6 +37,7 @@ def validate(config: JobConfig) -> None:
         except (HFConfigError, ValueError) as e:
             problems.append(str(e))
     # Cross-key checks compare values their own keys accept: a key already refused is named once.
+    problems += optimizer_problems(c, refused)
     if not refused & {"training.loss_scale_min", "training.loss_scale_initial"}:
         need(c.training.loss_scale_min <= c.training.loss_scale_initial,
              f"training.loss_scale_min: must be <= training.loss_scale_initial ({c.training.loss_scale_initial}), "
@@ -53,9 +56,10 @@ def validate(config: JobConfig) -> None:
          "checkpoint.initial_load_in_hf: needs checkpoint.initial_load_path (the Hugging Face folder)")
     loadable = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
     for item in c.checkpoint.exclude_from_loading:
-        need(item in loadable, f"checkpoint.exclude_from_loading: {item!r} is unknown; choose from {', '.join(sorted(loadable))}")
+        need(item in loadable,
+             f"checkpoint.exclude_from_loading: {shown(item)} is unknown; choose from {', '.join(sorted(loadable))}")
     for item in c.compile.components:
-        need(item in ("model", "loss"), f"compile.components: {item!r} is unknown; choose from 'model', 'loss'")
+        need(item in ("model", "loss"), f"compile.components: {shown(item)} is unknown; choose from 'model', 'loss'")
     ac = c.activation_checkpoint
     fix = "add 'model' to compile.components" if c.compile.enable else "turn compile.enable on"
     need(ac.mode != "memory_budget" or (c.compile.enable and "model" in c.compile.components),
@@ -68,15 +72,66 @@ def validate(config: JobConfig) -> None:
     # ASCII digits only: int() takes other scripts' digits too, and a number of a few digits at most.
     need(
         option == "op" or (option.isascii() and option.isdigit() and len(option) <= 9 and int(option) >= 1),
-        f"activation_checkpoint.selective_ac_option: must be 'op' or a positive integer, got {option!r}",
+        f"activation_checkpoint.selective_ac_option: must be 'op' or a positive integer, got {shown(option)}",
     )
     p = c.parallelism
     need(p.context_parallel_rotate_method == "allgather",
-         f"parallelism.context_parallel_rotate_method: {p.context_parallel_rotate_method!r} is not available; context "
-         "parallelism here passes keys and values around a ring; leave the default 'allgather'")
+         f"parallelism.context_parallel_rotate_method: {shown(p.context_parallel_rotate_method)} is not available; "
+         "context parallelism here passes keys and values around a ring; leave the default 'allgather'")
     problems += option_problems(c)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def optimizer_problems(c: JobConfig, refused: set[str]) -> list[str]:
+    """What Adam(W) computes from several keys and hands torch as float32 scalars: the first
+    step's size lr / (1 - beta1) (the bias correction is smallest then) and the decay factor
+    1 - lr x weight_decay. Beyond float32's range torch stops the first step with "value cannot
+    be converted to type float without overflow"."""
+    o = c.optimizer
+    if refused & {"optimizer.lr", "optimizer.beta1", "optimizer.weight_decay"}:
+        return []
+    problems = []
+    step = o.lr / (1 - o.beta1)  # beta1 < 1
+    if step > FLOAT32_LARGEST:
+        problems.append(f"optimizer.lr: {o.lr:g} makes the first step's size lr / (1 - optimizer.beta1) = {step:.3g}, "
+                        f"beyond float32's largest value 3.4e38 (torch takes it as a float32); lower optimizer.lr")
+    if o.lr * o.weight_decay > FLOAT32_LARGEST:
+        problems.append(f"optimizer.lr: {o.lr:g} x optimizer.weight_decay {o.weight_decay:g} = "
+                        f"{o.lr * o.weight_decay:.3g}, the weight decay of a step, is beyond float32's largest value "
+                        "3.4e38 (torch takes it as a float32); lower either")
+    return problems
+
+
+# The keys that name a file or folder (and training.datasets[i].path).
+PATH_KEYS = ("job.dump_folder", "job.save_config_file", "model.tokenizer_path", "model.hf_assets_path",
+             "training.dataset_path", "checkpoint.folder", "checkpoint.initial_load_path", "metrics.save_tb_folder",
+             "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder", "validation.dataset_path")
+NAME_MAX, PATH_MAX = 255, 4096  # bytes (Linux)
+
+
+def path_problems(c: JobConfig) -> list[str]:
+    """Each path key whose value no system call takes: checked here, so that it is named, instead
+    of failing in whichever check first looks at the path."""
+    paths = {key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for key in PATH_KEYS}
+    paths.update({f"training.datasets[{i}].path": entry.path for i, entry in enumerate(c.training.datasets)})
+    return [problem for key, value in paths.items() if value and (problem := path_problem(key, value))]
+
+
+def path_problem(key: str, value: str) -> str | None:
+    """Why `value` names no file (None: it can): a NUL, a name longer than NAME_MAX bytes, a path
+    of PATH_MAX bytes, or half of a surrogate pair are refused by every system call."""
+    try:
+        encoded = os.fsencode(value)
+    except UnicodeEncodeError:
+        return f"{key}: {shown(value)} is not valid text (it holds half of a surrogate pair), so it names no file"
+    if b"\0" in encoded:
+        return f"{key}: {shown(value)} holds a NUL character, which no path can"
+    longest = max(len(name) for name in encoded.split(b"/"))
+    if longest > NAME_MAX or len(encoded) >= PATH_MAX:
+        return (f"{key}: {shown(value)} is too long for a path ({len(encoded)} bytes, a name of {longest}); a file or "
+                f"folder name has at most {NAME_MAX} bytes, a path fewer than {PATH_MAX}")
+    return None
 
 
 def option_problems(c: JobConfig) -> list[str]:
@@ -118,7 +173,7 @@ def save_config_file_problems(c: JobConfig) -> list[str]:
     """job.save_config_file must name a file of its own inside the dump folder."""
     name = c.job.save_config_file
     path = PurePath(name)
-    key = f"job.save_config_file: {name!r}"
+    key = f"job.save_config_file: {shown(name)}"
     if not name or name.endswith(("/", "\\")) or path.name in ("", ".", ".."):
         return [f"{key} is not a file name; give one such as 'config.toml' (written in job.dump_folder)"]
     if path.is_absolute() or ".." in path.parts:

@@ -80,7 +80,7 @@ class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class from torch.optim."""
 
-    lr: float = valid(8e-4, ge=0, note="0 keeps the weights as they are")
+    lr: float = valid(8e-4, ge=0, float32=True, note="0 keeps the weights as they are")
     """Peak learning rate, reached at the end of warmup."""
 
     beta1: float = valid(0.9, ge=0, lt=1)
@@ -89,10 +89,10 @@ class Optimizer:
     beta2: float = valid(0.95, ge=0, lt=1)
     """Adam second-moment decay."""
 
-    eps: float = valid(1e-8, gt=0)
+    eps: float = valid(1e-8, gt=0, float32=True)
     """Adam epsilon, added to the denominator."""
 
-    weight_decay: float = valid(0.1, ge=0)
+    weight_decay: float = valid(0.1, ge=0, float32=True)
     """Decoupled weight decay (AdamW); L2 penalty for Adam."""
 
     weight_decay_exclude: list[Literal["norm", "embedding", "output", "bias"]] = field(default_factory=list)

@@ -169,7 +169,7 @@ def convert_tables(value: Any, cls: type, where: str, from_text: bool) -> list:
         entry = cls()
         for key, item in table.items():
             if key not in types_:
-                raise ConfigError(f"{where}[{index}]: unknown key {key!r}{suggestion(key, list(types_))}; "
+                raise ConfigError(f"{where}[{index}]: unknown key {shown(key)}{suggestion(key, list(types_))}; "
                                   f"valid keys: {', '.join(types_)}")
             setattr(entry, key, convert(item, types_[key], f"{where}[{index}].{key}"))
         entries.append(entry)
@@ -185,6 +185,7 @@ def unknown_key(section: str, key: str, candidates: list[str]) -> str:
     """"unknown key" and what may have been meant: the reason a torchtitan key is not
     implemented, or the closest known key."""
     why = REFUSED.get(f"{section}.{key}")
+    key = key if len(key) <= 80 else f"{key[:75]} ..."  # as typed, but not a megabyte of it
     if why:
         return (f"unknown key {section}.{key}: torchtitan's option, refused here: {why} "
                 "(docs/configuration.md, Coming from torchtitan)")
@@ -201,11 +202,16 @@ def resolve_config_file(name: str) -> Path:
     if not Path(name).is_absolute():
         candidates.append(TRAIN_CONFIGS_DIR / name)
     for path in candidates:
-        if path.is_file():
-            return path
-    tried = ", ".join(str(p) for p in candidates)
+        try:
+            if path.is_file():
+                return path
+        except (OSError, ValueError) as e:  # a name too long, or with a NUL or half a surrogate pair
+            raise ConfigError(f"job.config_file: {shown(name)} is not a file name the system takes "
+                              f"({e.__class__.__name__}: {shown(str(e))})") from None
+    tried = ", ".join(shown(str(p)) for p in candidates)
     available = sorted(p.name for p in TRAIN_CONFIGS_DIR.glob("*.toml"))
-    raise ConfigError(f"job.config_file: {name!r} not found (looked at {tried}); shipped configs: {', '.join(available)}")
+    raise ConfigError(f"job.config_file: {shown(name)} not found (looked at {tried}); shipped configs: "
+                      f"{', '.join(available)}")
 
 
 def read_toml(path: Path) -> dict:
@@ -214,6 +220,12 @@ def read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a TOML file is UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply to read; a config nests a few levels") from None
+    except ValueError:  # what Python itself refuses to read: an integer of more than 4300 digits
+        raise ConfigError(f"{path}: holds an integer of more digits than Python reads (4300)") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read: {e.strerror}") from None
 
@@ -228,7 +240,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"argument {arg!r}: expected --section.key [value] (see --help)")
+            raise ConfigError(f"argument {shown(arg)}: expected --section.key [value] (see --help)")
         name, has_value, value = arg[2:].partition("=")
         section, _, key = name.partition(".")
         key = key.replace("-", "_")
@@ -246,19 +258,20 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
                 i += 2
             continue
         if section not in known:
-            raise ConfigError(f"argument {arg!r}: unknown section {section!r}"
+            raise ConfigError(f"argument {shown(arg)}: unknown section {shown(section)}"
                               f"{suggestion(section, [*known, *IGNORED_SECTIONS])}")
         cls = known[section]
         types_ = field_types(cls)
         negated = key.startswith("no_") and key[3:] in types_ and types_[key[3:]] is bool
         if negated:
             if has_value:
-                raise ConfigError(f"argument {arg!r}: --{section}.{key} takes no value")
+                raise ConfigError(f"argument {shown(arg)}: takes no value")
             overrides.append((section, key[3:], False))
             i += 1
             continue
         if key not in types_:
-            raise ConfigError(f"argument {arg!r}: {unknown_key(section, key, [*types_, *IGNORED_KEYS.get(section, ())])}")
+            known_keys = [*types_, *IGNORED_KEYS.get(section, ())]
+            raise ConfigError(f"argument {shown(arg)}: {unknown_key(section, key, known_keys)}")
         if has_value:
             overrides.append((section, key, value))
             i += 1
@@ -273,7 +286,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
                 i += 1
         else:
             if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and "." in argv[i + 1]):
-                raise ConfigError(f"argument {arg!r}: missing value ({type_name(types_[key])})")
+                raise ConfigError(f"argument {shown(arg)}: missing value ({type_name(types_[key])})")
             overrides.append((section, key, argv[i + 1]))
             i += 2
     return overrides
@@ -300,7 +313,7 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
         if section not in known:
             raise ConfigError(f"{path}: unknown section [{section}]{suggestion(section, list(known))}")
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {section} must be a table ([{section}]), got {table!r}")
+            raise ConfigError(f"{path}: {section} must be a table ([{section}]), got {shown(table)}")
         cls = known[section]
         types_ = field_types(cls)
         target = getattr(config, section)

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# The largest value a key that reaches torch as a float32 scalar may take (float32's largest is
+# 3.4028e38): torch refuses a larger Python float in AdamW's step ("value cannot be converted to
+# type float without overflow"), at the first step, long after the config was accepted.
+FLOAT32_LARGEST = 3.4e38
 # Seeds reach numpy's generators, which take non-negative seeds, and are mixed into 64-bit keys.
 SEED_MAX = 2**32 - 1
 
@@ -31,7 +35,8 @@ class Valid:
     """The values a numeric key accepts: bounds (ge, gt, le, lt; None: unbounded), values valid
     besides them with what they mean (`also`: ((-1, "the newest"),); None: what leaving an
     optional key unset means), or a power of two. `note` says what the values mean; it follows
-    the bounds in messages."""
+    the bounds in messages. `float32`: torch takes the value as a float32 scalar, so it is at
+    most FLOAT32_LARGEST (an upper bound of its own when the key declares none)."""
 
     ge: float | None = None
     gt: float | None = None
@@ -40,6 +45,11 @@ class Valid:
     also: tuple[tuple[Any, str], ...] = ()
     power_of_two: bool = False
     note: str = ""
+    float32: bool = False
+
+    def __post_init__(self):
+        if self.float32 and self.le is None and self.lt is None:
+            object.__setattr__(self, "le", FLOAT32_LARGEST)
 
     def admits(self, value) -> bool:
         if any(value == special for special, _ in self.also):
@@ -66,8 +76,10 @@ class Valid:
     def text(self, short: bool = False) -> str:
         """What is valid, as messages say it (short: without the explanations, for the tables)."""
         text = self.bounds() or ("finite" if short else "a finite number")
-        if self.note and not short:
-            text += f" ({self.note})"
+        notes = ["torch takes it as a float32, whose largest value is 3.4e38"] if self.float32 else []
+        notes += [self.note] if self.note else []
+        if notes and not short:
+            text += f" ({'; '.join(notes)})"
         for special, meaning in self.also:
             text += f" or {'unset' if special is None else special}" + ("" if short else f" ({meaning})")
         return text

@@ -7,12 +7,12 @@ its first line. Anything else under that name is refused before launch rather th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_toml
+from trainer.safe_writes import LinkRefused, write_atomic
 
 HEADER = "# Resolved configuration of the run in this folder, written at each start (job.save_config_file)"
 
@@ -27,6 +27,9 @@ def check_saved_config_file(config: JobConfig) -> None:
     path = saved_config_path(config)
     if path is None or not (path.exists() or path.is_symlink()):
         return
+    if path.is_symlink():  # whatever it points at: the trainer writes none of its files through a link
+        raise ConfigError(f"job.save_config_file: {path} is a symbolic link, which the trainer does not replace or "
+                          "write through; remove it, or choose another name")
     if not path.is_file():
         raise ConfigError(f"job.save_config_file: {path} exists and is not a file; choose another name, such as "
                           "'config.toml'")
@@ -43,13 +46,15 @@ def check_saved_config_file(config: JobConfig) -> None:
 
 def write_config_file(config: JobConfig) -> Path | None:
     """Write the resolved configuration (what job.print_config prints) to job.save_config_file;
-    rank 0 calls it. Written beside and renamed, so the file is never seen half written."""
+    rank 0 calls it. Written beside and renamed (trainer.safe_writes.write_atomic), so the file is
+    never seen half written, and neither it nor the file beside it is written through a link."""
     path = saved_config_path(config)
     if path is None:
         return None
     check_saved_config_file(config)  # the preflight checked it too, but the folder may have changed since
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(f"{HEADER}\n{to_toml(config)}", encoding="utf-8")
-    os.replace(partial, path)
+    try:
+        write_atomic(path, f"{HEADER}\n{to_toml(config)}")
+    except LinkRefused as e:  # a link put there since the check
+        raise ConfigError(f"job.save_config_file: {e}") from None
     return path

@@ -33,7 +33,8 @@ import numpy as np
 from trainer.data.documents import (FIELD_KEY, DataError, ReadCounts, file_format, find_data_files, line_start,
                                     read_file, read_jsonl_range, record_text)
 from trainer.data.hashing import document_unit
-from trainer.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, token_dtype
+from trainer.data.shards import (FORMAT, MANIFEST, SPLITS, VERSION, manifest_digest, shard_paths, splits_problem,
+                                  token_dtype)
 from trainer.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -181,19 +182,42 @@ def _done_record(output: Path, task: dict, settings: dict) -> dict | None:
     part = output / "parts" / f"{name}.json"
     if not part.is_file():
         return None
-    record = json.loads(part.read_text())
-    if record.get("settings") != settings:
+    record = _read_json(part)
+    if not isinstance(record, dict) or record.get("settings") != settings:
         return None
-    if any(not p.is_file() for split in SPLITS for p in shard_paths(output, split, name)):
+    skipped = record.get("skipped_records")
+    if (record.get("name") != name or not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0
+            or splits_problem(record.get("splits"), "splits")
+            or not _shards_match(output, name, record["splits"], settings["dtype"])):
+        logger.warning("%s does not match its shards (damaged, or not written by this command): preparing %s again",
+                       part, name)
         return None
     if path is None:
         return record
     size = task["range"][1] - task["range"][0] if "range" in task else os.path.getsize(path)
     if record.get("size") != size or record.get("range") != task.get("range"):
         return None
-    if record["sha256"] != _file_identity(task)["sha256"]:
+    if record.get("sha256") != _file_identity(task)["sha256"]:
         return None
     return record
+
+
+def _shards_match(output: Path, name: str, splits: dict, dtype: str) -> bool:
+    """Whether a part's shards are on disk, its token files of the size its record says."""
+    for split in SPLITS:
+        tokens, docs = shard_paths(output, split, name)
+        expected = splits[split]["tokens"] * np.dtype(dtype).itemsize
+        if not (tokens.is_file() and docs.is_file()) or tokens.stat().st_size != expected:
+            return False
+    return True
+
+
+def _read_json(path: Path):
+    """A file's JSON, or None when it is not readable JSON (the caller prepares again or refuses)."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 def _check_output(output: Path, settings: dict, overwrite: bool) -> None:
@@ -202,7 +226,11 @@ def _check_output(output: Path, settings: dict, overwrite: bool) -> None:
     manifest = output / MANIFEST
     if not manifest.is_file() or overwrite:
         return
-    earlier = json.loads(manifest.read_text()).get("settings")
+    earlier = _read_json(manifest)
+    earlier = earlier.get("settings") if isinstance(earlier, dict) else None
+    if not isinstance(earlier, dict):
+        raise DataError(f"--output: {manifest} is not the manifest of a prepared folder (unreadable, or without "
+                        "settings); choose another --output, or pass --overwrite to prepare the folder again")
     if earlier != settings:
         changed = sorted(k for k in set(settings) | set(earlier or {}) if (earlier or {}).get(k) != settings.get(k))
         raise DataError(f"--output: {output} holds shards prepared with other settings ({', '.join(changed)}); "

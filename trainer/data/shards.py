@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import reprlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -35,6 +36,9 @@ VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 OPEN_FILES = 64  # shard files a reader keeps open
+# How a message quotes a manifest's value: whole, unless it is long (the file may hold anything).
+QUOTE = reprlib.Repr()
+QUOTE.maxstring = QUOTE.maxother = 120
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -46,6 +50,8 @@ def shard_paths(folder: Path, split: str, name: str) -> tuple[Path, Path]:
 
 
 def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> dict:
+    """A prepared folder's manifest, every field its readers use checked (the folder may come
+    from anywhere); DataError naming the file and the field otherwise."""
     path = Path(folder) / MANIFEST
     if not Path(folder).is_dir():
         raise DataError(f"{key}: {str(folder)!r} is not a folder of prepared shards "
@@ -53,14 +59,114 @@ def read_manifest(folder: str | Path, key: str = "training.dataset_path") -> dic
     if not path.is_file():
         raise DataError(f"{key}: {folder} has no {MANIFEST}: not a prepared shard folder, or its preparation did "
                         "not finish (run `python -m trainer.data.prepare` again with the same arguments to complete it)")
+    own_file(path, key)
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: unreadable manifest ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise DataError(f"{path}: not a {FORMAT} v{VERSION} manifest (format {manifest.get('format')!r}, "
-                        f"version {manifest.get('version')!r})")
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, an int of 5000 digits
+        raise DataError(f"{path}: unreadable manifest ({str(e)[:200]})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        found = manifest if isinstance(manifest, dict) else {}
+        raise DataError(f"{path}: not a {FORMAT} v{VERSION} manifest (format {QUOTE.repr(found.get('format'))}, "
+                        f"version {QUOTE.repr(found.get('version'))})")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise DataError(f"{path}: {problem}; the folder is damaged or was not written by trainer.data.prepare "
+                        "(prepare it again)")
     return manifest
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _field(table, name: str, accepts, what: str, where: str) -> str | None:
+    """Why table[name] is not valid (`accepts(value)` fails), or None."""
+    if not isinstance(table, dict):
+        return f"{where} is {QUOTE.repr(table)}, not an object"
+    value = table.get(name, ...)
+    if value is ... or not accepts(value):
+        return f"{where}.{name} is {'missing' if value is ... else QUOTE.repr(value)}; expected {what}"
+    return None
+
+
+def splits_problem(splits, where: str) -> str | None:
+    """Why {"train": {"documents": n, "tokens": n}, "validation": {...}} is not that, or None."""
+    for split in SPLITS:
+        problem = _field(splits, split, lambda v: isinstance(v, dict), "an object", where)
+        for name in ("documents", "tokens"):
+            problem = problem or _field(splits[split], name, _count, "a count >= 0", f"{where}.{split}")
+        if problem:
+            return problem
+    return None
+
+
+def manifest_problem(m: dict) -> str | None:
+    """The first field of a manifest that its readers (the shard reader, the preflight) could
+    not use, or None."""
+    checks = [
+        (m, "dtype", lambda v: v in ("<u2", "<u4"), "'<u2' or '<u4'", "manifest"),
+        (m, "tokenizer", lambda v: isinstance(v, dict), "an object", "manifest"),
+        (m, "validation_fraction", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+         "a number in [0, 1)", "manifest"),
+        (m, "digest", lambda v: isinstance(v, str), "a string", "manifest"),
+        (m, "sources", lambda v: isinstance(v, list), "a list", "manifest"),
+    ]
+    problem = next((p for p in (_field(*check) for check in checks) if p), None)
+    if problem:
+        return problem
+    tokenizer = m["tokenizer"]
+    vocab_limit = 1 << (16 if m["dtype"] == "<u2" else 32)
+    for name, accepts, what in (("file", lambda v: isinstance(v, str), "a string"),
+                                ("sha256", lambda v: isinstance(v, str), "a string"),
+                                ("vocab_size", lambda v: _count(v) and 1 <= v <= vocab_limit,
+                                 f"a count of ids in [1, {vocab_limit}] (dtype {m['dtype']})")):
+        problem = _field(tokenizer, name, accepts, what, "tokenizer")
+        if problem:
+            return problem
+    for name in ("bos_id", "eos_id"):
+        problem = _field(tokenizer, name, lambda v: v is None or (_count(v) and v < tokenizer["vocab_size"]),
+                         f"null or an id below vocab_size {tokenizer['vocab_size']}", "tokenizer")
+        if problem:
+            return problem
+    names = set()
+    for index, source in enumerate(m["sources"]):
+        where = f"sources[{index}]"
+        problem = _field(source, "name", _shard_name, "a file name (no folder, no '..')", where) or splits_problem(
+            source.get("splits"), f"{where}.splits")
+        if problem:
+            return problem
+        if source["name"] in names:
+            return f"{where}.name {QUOTE.repr(source['name'])} names two sources"
+        names.add(source["name"])
+    problem = splits_problem(m.get("totals"), "totals")
+    if problem:
+        return problem
+    for split in SPLITS:  # the preflight reads the totals, the reader the sources: they must agree
+        for name in ("documents", "tokens"):
+            summed = sum(source["splits"][split][name] for source in m["sources"])
+            if m["totals"][split][name] != summed:
+                return f"totals.{split}.{name} is {m['totals'][split][name]}, but its sources hold {summed}"
+    return None
+
+
+def _shard_name(name) -> bool:
+    """A name prepare gives a part: a file name in the split's folder, with room for its suffix."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and name.isprintable()
+            and not any(c in name for c in "/\\") and len(name.encode()) <= 200)
+
+
+def own_file(path: Path, key: str) -> None:
+    """DataError when `path` is a link that leaves the prepared folder (a link to another disk
+    is the folder's, or a split folder's, own: only the file itself is looked at)."""
+    if path.is_symlink():
+        folder = path.parent.parent if path.parent.name in SPLITS else path.parent
+        try:
+            target = path.resolve(strict=True)
+        except (OSError, RuntimeError) as e:  # RuntimeError: links round in a loop
+            raise DataError(f"{key}: {path} is a link that leads to no file ({e})") from None
+        if not target.is_relative_to(folder.resolve()):
+            raise DataError(f"{key}: {path} is a link to {target}, outside the prepared folder {folder}; copy the "
+                            "file there instead")
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -90,6 +196,8 @@ class ShardSet:
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         for index, name in enumerate(self.names):
             tokens_path, docs_path = shard_paths(self.folder, split, name)
+            own_file(tokens_path, key)
+            own_file(docs_path, key)
             expected = counts[index] * self.dtype.itemsize
             if not tokens_path.is_file() or tokens_path.stat().st_size != expected:
                 found = tokens_path.stat().st_size if tokens_path.is_file() else "missing"
@@ -122,7 +230,14 @@ class ShardSet:
             if not chunk:
                 raise DataError(f"shard {self.names[index]} of {self.folder} ended early: the folder is damaged")
             data += chunk
-        return np.frombuffer(data, dtype=self.dtype)
+        tokens = np.frombuffer(data, dtype=self.dtype)
+        # A damaged shard's id past the vocabulary would index past the embedding (a device assert on a GPU).
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            at = int(tokens.argmax())
+            raise DataError(f"shard {shard_paths(self.folder, self.split, self.names[index])[0]} holds token id "
+                            f"{tokens[at]} at token {start + at}, beyond the {self.vocab_size} ids of the tokenizer it "
+                            "was prepared with: the folder is damaged; prepare it again")
+        return tokens
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split, as int64."""

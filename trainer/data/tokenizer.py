@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.ranges import shown
 from trainer.data.shards import token_dtype
 from trainer.data.tokenizer_backends import KINDS, Tokenizer, TokenizerError, backend_class
 from trainer.data.tokenizer_train import train_hf_tokenizer, train_tokenizer
@@ -60,10 +61,10 @@ def tokenizer_file(model, needed_by: str = "") -> tuple[str, str]:
                 return os.path.join(folder, name), "model.hf_assets_path"
         if needed_by:
             raise TokenizerError(f"model.hf_assets_path: {folder} holds neither {' nor '.join(HF_TOKENIZER_FILES)}, "
-                                 f"and dataset {needed_by!r} is text and needs a tokenizer; put one there or set "
+                                 f"and dataset {shown(needed_by)} is text and needs a tokenizer; put one there or set "
                                  "model.tokenizer_path to a tokenizer file")
     elif needed_by:
-        raise TokenizerError(f"model.tokenizer_path: dataset {needed_by!r} is text and needs a tokenizer: set "
+        raise TokenizerError(f"model.tokenizer_path: dataset {shown(needed_by)} is text and needs a tokenizer: set "
                              f"model.tokenizer_path to {KINDS}, or model.hf_assets_path to a folder holding "
                              "tokenizer.json or tokenizer.model (make one: "
                              "python -m trainer.data.tokenizer train --help)")

@@ -27,8 +27,8 @@ import sentencepiece as spm
 import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 
-from trainer.data.tokenizer_specials import (LLAMA3_BOS, LLAMA3_EOS, TokenizerError, add_missing_specials,
-                                             named_specials)
+from trainer.data.tokenizer_specials import (BESIDE, LLAMA3_BOS, LLAMA3_EOS, TokenizerError, add_missing_specials,
+                                             brief, named_specials)
 
 # Llama 3's pre-tokenization: contractions, letter runs, numbers of up to 3 digits, punctuation
 # runs, newline runs and other whitespace.
@@ -145,9 +145,9 @@ class SentencePieceTokenizer(Tokenizer):
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.Load(self.path)
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, ValueError) as e:  # ValueError: its message quotes undecodable bytes
             raise TokenizerError(f"{self.path} is not a tokenizer of a known kind: expected {KINDS} "
-                                 f"(as a SentencePiece model: {e})") from None
+                                 f"(as a SentencePiece model: {brief(e)})") from None
         self.vocab_size = self._sp.GetPieceSize()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
@@ -172,10 +172,14 @@ class HuggingFaceTokenizer(Tokenizer):
             self._tok = HFTokenizer.from_file(self.path)
             spec = json.loads(Path(self.path).read_text())
         except Exception as e:  # the library raises a bare Exception for malformed files
-            raise TokenizerError(f"{self.path} is not a Hugging Face tokenizer.json ({e})") from None
+            raise TokenizerError(f"{self.path} is not a Hugging Face tokenizer.json ({brief(e)})") from None
         self._tok.encode_special_tokens = True  # a special token's spelling in a document stays text
         named = named_specials(self.path, spec)
-        self.added, self.notes = add_missing_specials(self._tok, self.path, named)
+        try:
+            self.added, self.notes = add_missing_specials(self._tok, self.path, named)
+        except UnicodeEncodeError as e:  # JSON can spell half a surrogate pair (\ud800), which is no text
+            raise TokenizerError(f"{self.path}: the special token {brief(repr(e.object), 80)} (named by it or a "
+                                 f"{' or '.join(BESIDE)} beside it) is not valid Unicode: {e.reason}") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1  # the embedding must hold the largest id
         spellings = {role: named.roles.get(role, (None, ""))[0] for role in ("bos", "eos")}
@@ -242,4 +246,9 @@ def read_ranks(path: str) -> dict[bytes, int]:
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise TokenizerError(f"{path}: its {len(ranks)} ranks are not 0..{len(ranks) - 1} once each, so the special "
                              "tokens numbered after them would collide")
+    # Byte-level BPE encodes any text from single bytes up; tiktoken aborts on a byte it lacks.
+    missing = [byte for byte in range(256) if bytes([byte]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: lacks {len(missing)} of the 256 single bytes (the first: {missing[0]:#04x}), "
+                             "which a byte-level BPE needs to encode any text; it is cut short or not a BPE ranks file")
     return ranks

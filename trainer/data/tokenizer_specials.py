@@ -37,6 +37,13 @@ class TokenizerError(ValueError):
     """A problem with a tokenizer file or its training input; the message names the file."""
 
 
+def brief(text, limit: int = 300) -> str:
+    """A library's or a file's text as a message quotes it: one line, cut short (a tokenizer file
+    may hold a megabyte-long token, which a parser's error repeats)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 @dataclass(frozen=True)
 class Declared:
     """A token the folder's files name: its spelling, the id a config gives it (None: none given),
@@ -140,9 +147,9 @@ def _read_beside(path: str) -> list[tuple[str, dict]]:
         beside = Path(path).parent / name
         if beside.is_file():
             try:
-                config = json.loads(beside.read_text())
-            except ValueError as e:
-                raise TokenizerError(f"{beside} is not valid JSON ({e})") from None
+                config = json.loads(beside.read_bytes())
+            except (ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, an int of 5000 digits
+                raise TokenizerError(f"{beside} is not valid JSON ({brief(e)})") from None
             if not isinstance(config, dict):
                 raise TokenizerError(f"{beside} is not a JSON object")
             found.append((str(beside), config))

@@ -9,15 +9,12 @@ No torch import: the config validator reads config.json in a light process.
 from __future__ import annotations
 
 import math
-import reprlib
 from pathlib import Path
 
-from trainer.models.llama3.hf_config import HFConfigError, read_config_json
+from trainer.models.llama3.hf_config import QUOTE, HFConfigError, read_config_json
 
-# How a message quotes a value: whole, unless it is long (a config.json may hold anything).
-QUOTE = reprlib.Repr()
-QUOTE.maxstring = QUOTE.maxother = 160
 SIZE_MAX = 2**31 - 1  # a dimension beyond this is not a model this trainer can hold
+NAME_MAX = 255  # bytes in a file name (Linux)
 SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
          "num_key_value_heads", "head_dim")
 POSITIVE = ("rms_norm_eps", "rope_theta")
@@ -95,10 +92,15 @@ def inside(folder: Path, name, where: str) -> Path:
     folder; else HFConfigError starting with `where`. A Hugging Face cache snapshot
     (models--org--name/snapshots/<revision>/) links each file to its repository's blobs/, which
     is its own."""
-    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+    # isprintable: no NUL, line break or other control character, no lone surrogate (no file can have it)
+    if not (isinstance(name, str) and name not in ("", ".", "..") and name.isprintable()
+            and not any(c in name for c in "/\\") and len(name.encode()) <= NAME_MAX):
         raise HFConfigError(f"{where}: {QUOTE.repr(name)} is not a file name inside the folder {folder}")
     path = folder / name
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: links that lead round in a loop
+        raise HFConfigError(f"{where}: {name!r} cannot be followed to a file ({e})") from None
     homes = [folder.resolve()]
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         homes.append((folder.parent.parent / "blobs").resolve())

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from trainer.hf.config_json import read_checked_config
-from trainer.hf.headers import INDEX_FILE, SINGLE_FILE, check_entry, read_header, shard_files
+from trainer.hf.headers import INDEX_FILE, SINGLE_FILE, check_entry, read_header, shard_files, tensor_name
 from trainer.hf.weights import HFCheckpointError, from_hf, key_map, to_hf_tensor
 from trainer.models.llama3.args import LlamaModelArgs
 from trainer.models.llama3.hf_config import HFConfigError, check_hf_config, hf_config
@@ -32,21 +32,24 @@ def read_hf_folder(path: str | Path, args: LlamaModelArgs) -> dict[str, torch.Te
         check_hf_config(read_checked_config(folder, "checkpoint.initial_load_path"), args, f"{folder}/config.json")
     except HFConfigError as e:
         raise HFCheckpointError(str(e)) from None
+    # The folder's own structure first (index, headers): cheap, and it says what the files hold.
+    headers = {}
+    for name, placed in shard_files(folder).items():
+        file = folder / name
+        header = headers[file] = read_header(file)
+        for tensor in placed:
+            if tensor not in header:
+                raise HFCheckpointError(f"{file}: holds no tensor {tensor_name(tensor)} (the index places it there)")
     shapes = {t.theirs: t.shape for t in hf_tensors(args)}
     shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])  # a tied model's alias, compared
     state: dict[str, torch.Tensor] = {}
     found_in: dict[str, Path] = {}
-    for name, placed in shard_files(folder).items():
-        file = folder / name
-        header = read_header(file)
-        for tensor in placed:
-            if tensor not in header:
-                raise HFCheckpointError(f"{file}: holds no tensor {tensor} (the index places it there)")
+    for file, header in headers.items():
         wanted = [tensor for tensor in header if tensor in shapes]
         for tensor in wanted:
             check_entry(file, tensor, header[tensor], shapes[tensor])
             if tensor in found_in:
-                raise HFCheckpointError(f"{file}: tensor {tensor} is also in {found_in[tensor]}")
+                raise HFCheckpointError(f"{file}: tensor {tensor_name(tensor)} is also in {found_in[tensor]}")
             found_in[tensor] = file
         state.update(_read_tensors(file, wanted))
     return from_hf(state, args, str(folder))

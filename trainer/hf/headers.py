@@ -66,12 +66,20 @@ def shard_files(folder: Path) -> dict[str, list[str]]:
                                 "file names")
     files: dict[str, list[str]] = {}
     for tensor, name in weight_map.items():
-        _member(folder, name, f"{index}: weight_map entry {tensor!r}")
-        if not (folder / name).is_file():
-            raise HFCheckpointError(f"{folder / name} is missing (the weight_map entry of {tensor!r} in {index} "
-                                    "names it)")
+        # Each file is checked once: an 8B model's index names its 4 files 291 times.
+        if not isinstance(name, str) or name not in files:
+            _member(folder, name, f"{index}: weight_map entry {QUOTE.repr(tensor)}")
+            if not (folder / name).is_file():
+                raise HFCheckpointError(f"{folder / name} is missing (the weight_map entry of {QUOTE.repr(tensor)} in "
+                                        f"{index} names it)")
         files.setdefault(name, []).append(tensor)
     return dict(sorted(files.items()))
+
+
+def tensor_name(name: str) -> str:
+    """A tensor's name as a message writes it: as it is, unless a file made it long or gave it
+    control characters (then quoted and cut short, so the message stays one line)."""
+    return name if name.isprintable() and len(name) <= 160 else QUOTE.repr(name)
 
 
 def read_header(path: Path) -> dict[str, HeaderEntry]:
@@ -102,11 +110,11 @@ def read_header(path: Path) -> dict[str, HeaderEntry]:
 
 
 def _entry(path: Path, name: str, entry, data_bytes: int) -> HeaderEntry:
-    where = f"{path}: tensor {name}"
+    where = f"{path}: tensor {tensor_name(name)}"
     if not isinstance(entry, dict):
         raise HFCheckpointError(f"{where}: its header entry {QUOTE.repr(entry)} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in ITEM_BYTES:
+    if not isinstance(dtype, str) or dtype not in ITEM_BYTES:
         raise HFCheckpointError(f"{where}: unknown dtype {QUOTE.repr(dtype)}")
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise HFCheckpointError(f"{where}: shape {QUOTE.repr(shape)} is not a list of sizes")
@@ -125,8 +133,8 @@ def _entry(path: Path, name: str, entry, data_bytes: int) -> HeaderEntry:
 def check_entry(path: Path, name: str, entry: HeaderEntry, shape: tuple[int, ...]) -> None:
     """A tensor the model loads: a floating-point type (cast on loading), the shape config.json's model has."""
     if entry.dtype not in FLOATING:
-        raise HFCheckpointError(f"{path}: tensor {name} has dtype {entry.dtype}; expected a floating-point type "
-                                f"({', '.join(FLOATING)})")
+        raise HFCheckpointError(f"{path}: tensor {tensor_name(name)} has dtype {entry.dtype}; expected a floating-point "
+                                f"type ({', '.join(FLOATING)})")
     if entry.shape != tuple(shape):
-        raise HFCheckpointError(f"{path}: tensor {name} has shape {list(entry.shape)}, but config.json's model "
-                                f"needs {list(shape)}")
+        raise HFCheckpointError(f"{path}: tensor {tensor_name(name)} has shape {list(entry.shape)}, but config.json's "
+                                f"model needs {list(shape)}")

@@ -7,11 +7,15 @@ No torch import: the config validator and the launcher's preflight read shapes i
 from __future__ import annotations
 
 import json
+import reprlib
 from pathlib import Path
 
 from trainer.models.llama3.args import FLAVORS, LlamaModelArgs, RopeScaling, get_flavor
 
 HF_FLAVOR = "hf"  # model.flavor whose shapes come from model.hf_assets_path/config.json
+# How a message quotes a value of config.json: whole, unless it is long (the file may hold anything).
+QUOTE = reprlib.Repr()
+QUOTE.maxstring = QUOTE.maxother = 160
 
 
 class HFConfigError(ValueError):
@@ -25,9 +29,9 @@ def read_config_json(folder: str | Path, key: str = "model.hf_assets_path") -> d
     if not path.is_file():
         raise HFConfigError(f"{key}: {folder} has no config.json (a Hugging Face model folder holds one)")
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFConfigError(f"{path}: not readable JSON ({e})") from None
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, an int of 5000 digits
+        raise HFConfigError(f"{path}: not readable JSON ({str(e)[:200]})") from None
     if not isinstance(config, dict):
         raise HFConfigError(f"{path}: expected a JSON object")
     return config
@@ -60,7 +64,7 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     """(theta, scaling parameters or None) from either transformers layout: v4's rope_theta and
     rope_scaling, or v5's rope_parameters (which holds rope_theta too)."""
     parameters = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta", parameters.get("rope_theta", 10000.0))
+    theta = next((t for t in (config.get("rope_theta"), parameters.get("rope_theta")) if t is not None), 10000.0)
     scaling = config.get("rope_scaling") or None
     if scaling is None and parameters.get("rope_type", "default") != "default":
         scaling = parameters
@@ -75,24 +79,27 @@ def unsupported_fields(config: dict) -> list[str]:
             problems.append(f"{bias} = true (this model's linear layers have no biases)")
     for window in ("sliding_window", "use_sliding_window"):
         if config.get(window) not in (None, False):
-            problems.append(f"{window} = {config[window]!r} (attention here is full causal, no sliding window)")
+            problems.append(f"{window} = {QUOTE.repr(config[window])} (attention here is full causal, no sliding "
+                            "window)")
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        problems.append(f"hidden_act = {act!r} (the FFN is SwiGLU: silu)")
+        problems.append(f"hidden_act = {QUOTE.repr(act)} (the FFN is SwiGLU: silu)")
     if config.get("attention_dropout"):
         problems.append(f"attention_dropout = {config['attention_dropout']} (no dropout here)")
     _, scaling = _rope(config)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ("llama3", "default"):
-            problems.append(f"rope_scaling type {kind!r} (supported: Llama 3's 'llama3' frequency scaling, or none)")
+            problems.append(f"rope_scaling type {QUOTE.repr(kind)} (supported: Llama 3's 'llama3' frequency scaling, "
+                            "or none)")
     heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim")
     if head_dim is not None and heads and dim and head_dim * heads != dim:
         problems.append(f"head_dim = {head_dim} (this model's heads split hidden_size: {dim} / {heads} heads)")
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
-        problems.append(f"model_type = {model_type!r} (supported: 'llama', the LlamaForCausalLM architecture)")
+        problems.append(f"model_type = {QUOTE.repr(model_type)} (supported: 'llama', the LlamaForCausalLM "
+                        "architecture)")
     return problems
 
 
@@ -102,10 +109,16 @@ def args_from_hf_config(config: dict, source: str) -> LlamaModelArgs:
                            "vocab_size") if not isinstance(config.get(k), int)]
     if missing:
         raise HFConfigError(f"{source}: missing or not an integer: {', '.join(missing)}")
+    from trainer.hf.config_json import config_problems  # torch-free too; it imports this module
+
+    wrong = config_problems(config)  # each field's type and range, before a value is read
+    if wrong:
+        raise HFConfigError(f"{source}: " + "; ".join(wrong))
     problems = unsupported_fields(config)
     if problems:
         raise HFConfigError(f"{source}: this trainer's Llama cannot follow " + "; ".join(problems))
     theta, scaling = _rope(config)
+    eps = config.get("rms_norm_eps")  # null: as if absent
     rope_scaling = None
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "llama3":
         rope_scaling = RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
@@ -115,7 +128,7 @@ def args_from_hf_config(config: dict, source: str) -> LlamaModelArgs:
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
         vocab_size=config["vocab_size"], multiple_of=1, ffn_dim=config["intermediate_size"],
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=rope_scaling,
+        norm_eps=float(1e-6 if eps is None else eps), rope_theta=theta, rope_scaling=rope_scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
     try:
