@@ -73,7 +73,8 @@ def generate_shards(folder: Path, gigabytes: float) -> Path:
     manifest = {"format": FORMAT, "version": VERSION, "settings": settings, "dtype": "<u2",
                 "tokenizer": {"file": "generated", "sha256": "0" * 64, "vocab_size": VOCAB, "bos_id": 1, "eos_id": 2},
                 "tokenizer_sha256": "0" * 64, "validation_fraction": 0.0, "text_field": "text", "sources": sources,
-                "totals": {}, "skipped_records": 0}
+                "totals": {split: {key: sum(r["splits"][split][key] for r in sources) for key in ("documents", "tokens")}
+                           for split in ("train", "validation")}, "skipped_records": 0}
     manifest["digest"] = manifest_digest(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest))
     return out

@@ -262,6 +262,9 @@ class CheckpointManager(LastSaveExports):
         if "dataloader" in items:
             self.loader.expect_saved_keys({key.split(".", 1)[1] for key in keys if key.startswith("dataloader.")})
         state = self._stateful(items, nested_optimizer=optimizer_state_is_nested(keys))
+        if not self.cfg.verify_checksums:
+            logger.warning("loading %s without checking its checksums (checkpoint.verify_checksums = false): a damaged "
+                           "file loads as wrong values", path)
         dcp.load(state, storage_reader=CheckedReader(path, self.cfg.verify_checksums))  # admits no code from the files (trainer/dcp_metadata.py)
         if "lr_scheduler" in items:
             self._continue_schedule(path)

@@ -15,15 +15,22 @@ class NonFiniteLossError(RuntimeError):
     """The loss, the gradient norm or a parameter became NaN or infinite."""
 
 
-def check_gradient_norm(step: int, grad_norm: torch.Tensor, loss: float) -> None:
+def remedies(clipping: bool, *more: str) -> str:
+    """What to try, naming clipping only when training.max_norm does not clip already."""
+    found = ["lower optimizer.lr", *more] + ([] if clipping else ["enable training.max_norm clipping"])
+    return ", ".join(found[:-1]) + f" or {found[-1]}" if len(found) > 1 else found[0]
+
+
+def check_gradient_norm(step: int, grad_norm: torch.Tensor, loss: float, clipping: bool) -> None:
     """Stop on a NaN/inf gradient norm. The norm is global, so every rank sees a NaN/inf from any
-    rank and all stop together."""
+    rank and all stop together. `clipping`: training.max_norm clips the gradients."""
     if not torch.isfinite(grad_norm).item():
-        raise NonFiniteLossError(f"step {step}: loss {loss}, gradient norm {grad_norm.item()}; stopping (lower "
-                                 "optimizer.lr, check the data, or enable training.max_norm clipping)")
+        raise NonFiniteLossError(f"step {step}: loss {loss}, gradient norm {grad_norm.item()}; stopping "
+                                 f"({remedies(clipping, 'check the data')})")
 
 
-def check_parameters(model: torch.nn.Module, reduction, device: torch.device, step: int, newest: int | None) -> None:
+def check_parameters(model: torch.nn.Module, reduction, device: torch.device, step: int, newest: int | None,
+                     clipping: bool) -> None:
     """Before saving step `step`: stop unless every parameter is finite on every rank. An update
     can make weights non-finite while the gradient norm was finite (a learning rate far too high),
     and such weights must never be published as a checkpoint to resume or start from. `reduction`
@@ -38,4 +45,4 @@ def check_parameters(model: torch.nn.Module, reduction, device: torch.device, st
             f"step {step}: the parameters are not finite after the update (their norm is {squares.sqrt().item()}); "
             f"stopped before saving step-{step}, so that no checkpoint holds them ("
             + (f"step-{newest} is the newest" if newest is not None else "no checkpoint of this run was saved")
-            + "). Lower optimizer.lr, or enable training.max_norm clipping")
+            + f"). {remedies(clipping).capitalize()}")

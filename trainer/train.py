@@ -51,7 +51,7 @@ from trainer.model_build import build_on_meta, materialize, training_model_args
 from trainer.parallel import ParallelModel
 from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.perturbation import perturb_weights
-from trainer.preflight import RunPlan, check_device_options, plan_run
+from trainer.preflight import RunPlan, check_device_options, plan_run, refuse_record_links
 from trainer.seed_checkpoint import create_seed_checkpoint
 from trainer.process_exit import DIVERGED, report_error, run_process
 from trainer.profiling import StepProfiler
@@ -87,6 +87,7 @@ class Trainer:
             if lock.note:
                 logger.info("%s", lock.note)
         try:
+            refuse_record_links(config)  # as the launcher's preflight, for a trainer started without it
             self._build(config, plan, world_size)
         except BaseException as e:
             if isinstance(e, TrainingComplete) and self.rank == 0:  # a run that stopped after its final save
@@ -379,7 +380,8 @@ class Trainer:
         newest = self.checkpointer.last_saved
         if newest is None and self.checkpointer.start["kind"] == "resume":
             newest = self.checkpointer.start["step"]
-        check_parameters(self.model, self.runner.norm_reduction(), self.device, step, newest)
+        check_parameters(self.model, self.runner.norm_reduction(), self.device, step, newest,
+                         clipping=self.config.training.max_norm > 0)
         self.checkpointer.save(step, last=last)
 
     def _counted_step(self, step: int) -> StepResult:
@@ -404,7 +406,8 @@ class Trainer:
     def _check_finite(self, step: int, result: StepResult) -> None:
         """(A float16 step skipped for an overflow is expected: its norm is not finite.)"""
         if not result.skipped:
-            check_gradient_norm(step, result.grad_norm, self.global_loss(result))
+            check_gradient_norm(step, result.grad_norm, self.global_loss(result),
+                                clipping=self.config.training.max_norm > 0)
 
     def close(self, end_process_group: bool = True) -> None:
         """Release what the run holds; `end_process_group` False leaves the process group to

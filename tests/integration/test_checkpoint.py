@@ -20,6 +20,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
 from trainer.stop_request import catches
 
+
+def listing(folder) -> list[str]:
+    """The names in a checkpoint folder, without its lock: a run's lock is removed when the run
+    ends, but one killed (SIGKILL) leaves it, for the next start to take over."""
+    return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
+
+
 JOB = [*TINY_JOB, "--training.steps", "20", "--lr_scheduler.warmup_steps", "4"]
 
 
@@ -88,7 +95,7 @@ def test_load_only_never_writes_next_to_the_seed(seed, tmp_path):
     assert result.returncode == 0, describe(result)
     assert f"loaded model from {seed}" in result.stdout
     assert not (tmp_path / "checkpoint").exists()
-    assert sorted(p.name for p in seed.parent.iterdir()) == ["step-0"]
+    assert listing(seed.parent) == ["step-0"]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +144,7 @@ def killed_at_10(tmp_path_factory):
     kill_after_checkpoint([*RESUMABLE, "--job.dump_folder", str(dump)], dump, 10)
     assert (dump / "checkpoint" / "step-10" / ".metadata").is_file()
     time.sleep(3)  # a surviving worker would go on to write later checkpoints
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["lineage.json", "step-10"]
+    assert listing(dump / "checkpoint") == ["lineage.json", "step-10"]
     return dump
 
 
@@ -187,7 +194,7 @@ def test_raising_steps_continues_a_finished_run(tmp_path, six_steps, name, optio
     diff = max(abs(losses[s] - six_steps[s]) for s in six_steps)
     measured(f"4 steps raised to 6 ({name}): max |loss diff| against a 6-step run {diff:.1e}")
     assert losses == six_steps  # bitwise: the same run
-    saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    saved = listing(tmp_path / "checkpoint")
     assert saved == ["lineage.json", *(["step-4", "step-6"] if not options else ["step-6"])]
     record = json.loads((tmp_path / "run_meta.json").read_text())
     assert (record["status"], record["last_step"], record["start"]["kind"], record["start"]["step"]) == (
@@ -277,7 +284,7 @@ def async_killed_at_6(tmp_path_factory):
 def test_async_checkpoint_survives_a_crash(tmp_path, async_killed_at_6, uninterrupted):
     """The step-3 save was published as soon as it was written: the restart resumes from it."""
     checkpoints = async_killed_at_6 / "checkpoint"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["lineage.json", "step-3"]  # not left as .step-3.partial
+    assert listing(checkpoints) == ["lineage.json", "step-3"]  # not left as .step-3.partial
     assert json.loads((checkpoints / "step-3" / "checkpoint.json").read_text())["step"] == 3
     shutil.copytree(async_killed_at_6, tmp_path, dirs_exist_ok=True)
     result = launch(2, [*ASYNC_RESUMABLE, "--job.dump_folder", str(tmp_path)])
@@ -309,7 +316,7 @@ def test_restart_publishes_a_finished_partial_save_and_removes_an_unfinished_one
     assert f"removing {checkpoints / '.step-6.partial'}: a save that never completed" in result.stdout
     assert "(step 3)" in result.stdout
     assert losses_by_step(tmp_path)[4] == uninterrupted[4]
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["lineage.json", "step-3", "step-4"]
+    assert listing(checkpoints) == ["lineage.json", "step-3", "step-4"]
     record = json.loads((checkpoints / "step-3" / "checkpoint.json").read_text())
     assert (record["step"], record["published_at_restart"]) == (3, True)
 
@@ -383,7 +390,7 @@ def test_retention_async_save_and_model_only_export(seed, tmp_path):
                         "async", "--checkpoint.export_dtype", "bfloat16", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
     assert f"loaded model from {tmp_path / 'checkpoint' / 'step-0'}" in result.stdout  # the seed in its folder
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["lineage.json", "step-0", "step-6", "step-8"]
+    assert listing(tmp_path / "checkpoint") == ["lineage.json", "step-0", "step-6", "step-8"]
     full = torch.load(dcp_to_torch_save(str(tmp_path / "checkpoint" / "step-6"), str(tmp_path / "6.pt")) or
                       tmp_path / "6.pt", weights_only=False)
     assert set(full) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
@@ -633,7 +640,7 @@ def test_a_stop_signal_saves_stops_with_75_and_the_same_command_resumes_onto_the
     assert proc.returncode == 75, f"{out[-3000:]}\n{err[-3000:]}"
     assert "every rank saves a checkpoint after step 3 and stops" in out
     assert "stopped: saved a checkpoint at step 3 on SIGUSR1 and stopped; start the same command again" in err
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["lineage.json", "step-3"]
+    assert listing(tmp_path / "checkpoint") == ["lineage.json", "step-3"]
     record = json.loads((tmp_path / "run_meta.json").read_text())
     assert (record["status"], record["last_step"]) == ("interrupted", 3)
 

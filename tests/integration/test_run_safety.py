@@ -288,3 +288,21 @@ def test_a_stopped_rank_times_out_is_killed_and_the_job_recovers(tmp_path, measu
             "stopped (SIGSTOP or a debugger) and killed by the launcher)") in result.stderr, describe(result)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
     assert not [pid for pid in processes if alive(pid)]
+
+
+def test_a_trainer_started_without_the_launcher_refuses_a_linked_record(tmp_path):
+    """run_meta.json a link to another file: the trainer started directly refuses it before it
+    builds anything, as the launcher does (not moved aside as an old run's record), and the
+    link's target is untouched."""
+    run, target = tmp_path / "run", tmp_path / "target.json"
+    run.mkdir()
+    target.write_text("someone's file\n")
+    (run / "run_meta.json").symlink_to(target)
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-m", "trainer.train", *TINY_JOB, "--training.steps", "2",
+                             "--job.dump_folder", str(run)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{run / 'run_meta.json'} is a symbolic link" in result.stdout + result.stderr, result.stdout
+    assert (run / "run_meta.json").is_symlink() and target.read_text() == "someone's file\n"
+    assert not (run / "previous").exists() and not (run / "metrics.jsonl").exists()
