@@ -33,6 +33,7 @@ from trainer.checkpoint_files import (  # noqa: F401 (the errors and seed checkp
     check_model_shapes,
     checkpoint_record,
     is_resumable,
+    is_write_failure,
     refuse_overwrite,
     save_error_text,
     every_rank_of,
@@ -391,14 +392,13 @@ class CheckpointManager(LastSaveExports):
         return checkpoint_record(self.config, step, list(ITEMS), kind, lineage=self.lineage, parent=self.parent,
                                  **extra)
 
-
-
-
-
     def _save_failed(self, step: int, partial: Path, error: BaseException) -> None:
         """A save that could not be written (a full disk, a quota, a file-size limit, a folder
         that became read-only, on any rank): stop the run with one message; the checkpoints before
-        it are untouched."""
+        it are untouched. (A peer that died meanwhile is the run's failure as it is: the launcher
+        restarts it, and the next start removes the unfinished save.)"""
+        if not is_write_failure(error):
+            raise error
         text = save_error_text(error, partial.parent)  # before its files are removed: is the disk full?
         with every_rank_of(error):  # each rank has looked at the disk, then waits for the space freed here
             if self.rank == 0:

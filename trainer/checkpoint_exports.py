@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint_checksums import ChecksumWriter
-from trainer.checkpoint_files import CheckpointWriteError, every_rank_of, save_error_text, write_checkpoint_record
+from trainer.checkpoint_files import (CheckpointWriteError, every_rank_of, is_write_failure, save_error_text,
+                                      write_checkpoint_record)
 from trainer.checkpoint_layout import (HF_EXPORT_DIR, MODEL_ONLY_DIR, complete_checkpoints, missing_exports,
                                       read_checkpoint_record)
 from trainer.parallel.fsdp import DTYPES
@@ -105,7 +106,10 @@ class LastSaveExports:
 
     def _export_failed(self, final: Path, name: str, error: BaseException) -> None:
         """An export of the last save that could not be written: stop with one message. The
-        checkpoint is complete and published; the next start writes the missing export."""
+        checkpoint is complete and published; the next start writes the missing export. (A peer
+        that died meanwhile is the run's failure as it is: the launcher restarts it.)"""
+        if not is_write_failure(error):
+            raise error
         text = save_error_text(error, final)
         with every_rank_of(error):  # each rank has looked at the disk, then waits for the space freed here
             if self.rank == 0:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.checkpoint_items import ModelState, aliased_names
-from trainer.checkpoint_layout import CHECKPOINT_RECORD, is_full_checkpoint, partial_path
+from trainer.checkpoint_layout import CHECKPOINT_RECORD, is_full_checkpoint, partial_path, remove_checkpoint
 from trainer.config.manager import to_dict
 from trainer.dcp_files import saved_items, saved_keys
 from trainer.safe_writes import write_atomic
@@ -47,6 +47,16 @@ def save_error_text(error: BaseException, folder: Path | None = None) -> str:
         text = f"{type(error).__name__}: {error}"
     full = no_space_note(folder) if folder is not None else None
     return f"{full} ({text})" if full else text
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """Whether a failed save failed writing (an OSError on some rank: no space, a quota, a
+    read-only folder), not because a peer died or a collective broke: only the first stops the
+    run as a save that cannot be written; the others are the run's failure as they are."""
+    if isinstance(error, CheckpointException):
+        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        return any(isinstance(f, OSError) for f in failures)
+    return isinstance(error, OSError)
 
 
 @contextmanager
@@ -144,7 +154,7 @@ def save_seed_checkpoint(model: torch.nn.Module, folder: Path, overwrite: bool, 
         dcp.save({"model": ModelState(model)}, storage_writer=ChecksumWriter(partial), no_dist=True)
     if record is not None:
         write_checkpoint_record(partial, record)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists() or final.is_symlink():
+        remove_checkpoint(final)  # a link loses only the link
     partial.rename(final)
     return final

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from trainer.optim import local_squared_norm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -29,20 +29,25 @@ def check_gradient_norm(step: int, grad_norm: torch.Tensor, loss: float, clippin
                                  f"({remedies(clipping, 'check the data')})")
 
 
-def check_parameters(model: torch.nn.Module, reduction, device: torch.device, step: int, newest: int | None,
+def check_parameters(model: torch.nn.Module, group, device: torch.device, step: int, newest: int | None,
                      clipping: bool) -> None:
-    """Before saving step `step`: stop unless every parameter is finite on every rank. An update
-    can make weights non-finite while the gradient norm was finite (a learning rate far too high),
-    and such weights must never be published as a checkpoint to resume or start from. `reduction`
-    is the step runner's norm reduction (its group and ranks per pipeline stage); `newest` the
-    newest checkpoint of the run, for the message."""
-    # .to(device): parameters offloaded to the CPU (training.enable_cpu_offload) sum there
-    squares = local_squared_norm([p.detach() for p in model.parameters()], reduction.ranks_per_stage).to(device)
-    if reduction.group is not None:
-        dist.all_reduce(squares, group=reduction.group)
-    if not torch.isfinite(squares).item():
+    """Before saving step `step`: stop unless every parameter is finite on every rank of `group`
+    (None: this process alone). An update can make weights non-finite while the gradient norm was
+    finite (a learning rate far too high), and such weights must never be published as a
+    checkpoint to resume or start from. Each rank sums the norms of the parameter data it holds
+    (a shard, or a whole parameter FSDP left unsharded after a forward pass), and the sums are
+    added over the ranks: finite exactly when every value is, however often a value is counted.
+    `newest`: the newest checkpoint of the run, for the message."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in (q.detach() for q in model.parameters())]
+    local = [t for t in local if t.numel()]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if local:  # .to(device): parameters offloaded to the CPU (training.enable_cpu_offload) sum there
+        total += torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).sum().to(device)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    if not torch.isfinite(total).item():
         raise NonFiniteLossError(
-            f"step {step}: the parameters are not finite after the update (their norm is {squares.sqrt().item()}); "
+            f"step {step}: the parameters are not finite after the update (a value is NaN or infinite); "
             f"stopped before saving step-{step}, so that no checkpoint holds them ("
             + (f"step-{newest} is the newest" if newest is not None else "no checkpoint of this run was saved")
             + f"). {remedies(clipping).capitalize()}")

@@ -380,7 +380,7 @@ class Trainer:
         newest = self.checkpointer.last_saved
         if newest is None and self.checkpointer.start["kind"] == "resume":
             newest = self.checkpointer.start["step"]
-        check_parameters(self.model, self.runner.norm_reduction(), self.device, step, newest,
+        check_parameters(self.model, self.runner.norm_reduction().group, self.device, step, newest,
                          clipping=self.config.training.max_norm > 0)
         self.checkpointer.save(step, last=last)
 
