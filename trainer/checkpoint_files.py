@@ -50,13 +50,13 @@ def save_error_text(error: BaseException, folder: Path | None = None) -> str:
 
 
 def is_write_failure(error: BaseException) -> bool:
-    """Whether a failed save failed writing (an OSError on some rank: no space, a quota, a
-    read-only folder), not because a peer died or a collective broke: only the first stops the
-    run as a save that cannot be written; the others are the run's failure as they are."""
-    if isinstance(error, CheckpointException):
-        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
-        return any(isinstance(f, OSError) for f in failures)
-    return isinstance(error, OSError)
+    """Whether a failed save failed writing (no space, a quota, a read-only folder), not because a
+    peer died or a collective broke: only the first stops the run as a save that cannot be
+    written; the others are the run's failure as they are (the launcher restarts it). DCP gathers
+    what failed on each rank into a CheckpointException (torch's writer reports a full disk as a
+    RuntimeError, "unexpected pos"); a broken collective reaches the surviving ranks as gloo's or
+    NCCL's own error instead."""
+    return isinstance(error, (CheckpointException, OSError))
 
 
 @contextmanager
