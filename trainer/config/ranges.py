@@ -19,7 +19,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # The largest value a key that reaches torch as a float32 scalar may take (float32's largest is
@@ -28,6 +28,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 FLOAT32_LARGEST = 3.4e38
 # Seeds reach numpy's generators, which take non-negative seeds, and are mixed into 64-bit keys.
 SEED_MAX = 2**32 - 1
+
+# The dtype names a key may take (mixed_precision_reduce, export_dtype).
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
