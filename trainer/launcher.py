@@ -8,7 +8,9 @@ process, before torch is imported), then starts `python -m trainer.train` in N p
 torch's elastic agent, as `torchrun --standalone` does (or joins a c10d rendezvous of M machines
 with --nnodes), with the same console: the output of the --log-ranks ranks, each line prefixed
 `[rankR]:`. Every rank's stdout and stderr are written to <job.dump_folder>/logs/<time>/rank<R>/,
-next to the error report the rank writes (`trainer.process_exit.report_error`).
+next to the error report the rank writes (`trainer.process_exit.report_error`). A run that reads
+the built-in `python_stdlib` corpus has it prepared here, after the checks, when no earlier run
+has (trainer/data/python_corpus.py): the ranks find it in the cache and only read it.
 
 When a rank fails, the launcher prints nothing of torch's own failure report; it prints one block
 on stderr and exits:
@@ -76,6 +78,7 @@ from trainer.failure_report import (  # noqa: F401 (the launcher's report, also 
 from trainer.parent_watch import LAUNCHER_PID_ENV
 from trainer.preflight import (RunComplete, check, check_seed, complete_record, describe_run, seed_memory_need,
                                training_memory_need)
+from trainer.preflight_data import prepare_builtin_data
 
 logger = logging.getLogger("trainer.launcher")
 
@@ -143,13 +146,13 @@ def parse_options(argv: list[str]) -> tuple[Options, list[str]]:
 
 def hub_datasets(config: JobConfig) -> list[str]:
     """Datasets the ranks will stream from the Hugging Face hub (not a local copy)."""
-    from trainer.data.build import SYNTHETIC
+    from trainer.data.build import BUILT_IN
 
     names = []
     for section in (config.training, config.validation):
         if section is config.validation and not config.validation.enable:
             continue
-        if section.dataset not in ("", *SYNTHETIC, "files") and not section.dataset_path:
+        if section.dataset not in ("", *BUILT_IN, "files") and not section.dataset_path:
             names.append(section.dataset)
     return names
 
@@ -314,8 +317,9 @@ def restarts_for(opts: Options, config: JobConfig) -> tuple[int, str]:
 
 
 def prepare(opts: Options, config: JobConfig):
-    """The launcher's checks of the configuration before anything starts: what the run needs of
-    host memory, or ConfigError."""
+    """The launcher's checks of the configuration before anything starts, then the built-in
+    corpus prepared when the run reads it and no earlier run has (the ranks only read it): what
+    the run needs of host memory, or ConfigError."""
     world = opts.nproc * opts.nnodes
     if config.checkpoint.create_seed_checkpoint:
         if opts.nnodes > 1:
@@ -328,6 +332,7 @@ def prepare(opts: Options, config: JobConfig):
         return seed_memory_need(config)
     plan = check(config, world, opts.device, local_procs=opts.nproc)
     print(describe_run(config, plan, world, opts.device))
+    prepare_builtin_data(config, say=lambda line: print(line, flush=True))
     return training_memory_need(config, plan.dims, opts.device, opts.nproc)
 
 

@@ -1,6 +1,8 @@
 """The preflight's checks of a run's data, before any process starts: the configured files,
 shards and streams exist and fit the model (vocabulary, tokenizer, sequence length), a held-out
-split is whole, a mixture's weights can be met. (trainer/preflight.py runs them.)"""
+split is whole, a mixture's weights can be met. (trainer/preflight.py runs them.) Also the
+launcher's preparation of the built-in python_stdlib corpus, once, before the ranks start
+(`prepare_builtin_data`): the checks themselves write nothing."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def check_data(config: JobConfig) -> None:
 
 
 def _check_data(c: JobConfig) -> None:
-    from trainer.data.build import SYNTHETIC, check_location, text_dataset
+    from trainer.data.build import BUILT_IN, SYNTHETIC, check_location, text_dataset
     from trainer.data.documents import find_data_files
     from trainer.data.shards import read_manifest
     from trainer.data.tokenizer import configured_tokenizer, tokenizer_file
@@ -46,9 +48,10 @@ def _check_data(c: JobConfig) -> None:
                           "a Hugging Face dataset, or turn it off")
     for key, dataset, path in sections:
         path_key = f"{key}.path" if key.startswith("training.datasets") else f"{key}.dataset_path"
-        if dataset in SYNTHETIC and path:
-            raise ConfigError(f"{path_key}: {path!r} is set but {key}.dataset is {dataset!r}, which reads no "
-                              f"files; set {key}.dataset to 'shards' or 'files', or leave dataset_path empty")
+        if dataset in BUILT_IN and path:
+            raise ConfigError(f"{path_key}: {path!r} is set but {key}.dataset is {dataset!r}, which is built in and "
+                              f"reads no path; leave dataset_path empty, or set {key}.dataset to 'shards' or 'files' "
+                              "to read that path")
         if dataset in ("files", "shards") and not path:
             raise ConfigError(f"{path_key}: required for dataset {dataset!r} "
                               + ("(a file, folder or glob)" if dataset == "files" else
@@ -62,6 +65,32 @@ def _check_data(c: JobConfig) -> None:
             _check_shards(manifest, path, path_key, vocab_size, (tokenizer, tokenizer_key), fraction)
             if key == "training" and c.validation.enable and not c.validation.dataset:
                 _check_held_out(manifest, path, c.validation.seq_len or c.training.seq_len)
+
+
+def prepare_builtin_data(config: JobConfig, say) -> None:
+    """Prepare the python_stdlib corpus the run reads (training or validation), in this process,
+    before any rank starts: the ranks then find it complete and only read it. say: where its
+    one line goes (the launcher's console)."""
+    from trainer.data.build import DEFAULT_VALIDATION_FRACTION, PYTHON_STDLIB
+    from trainer.data.documents import DataError
+    from trainer.data.python_corpus import ensure_prepared
+    from trainer.data.tokenizer import TokenizerError, configured_tokenizer
+    from trainer.models.llama3.hf_config import configured_model_args
+
+    c = config
+    used = [] if c.training.datasets else [c.training.dataset]
+    if c.validation.enable:
+        used.append(c.validation.dataset or c.training.dataset)
+    if PYTHON_STDLIB not in used:
+        return
+    vocab_size = configured_model_args(c.model).vocab_size
+    fraction = c.training.validation_fraction
+    try:
+        tokenizer = configured_tokenizer(c.model, vocab_size, say_unused=False)
+        ensure_prepared(vocab_size, tokenizer=tokenizer, say=say,
+                        validation_fraction=DEFAULT_VALIDATION_FRACTION if fraction is None else fraction)
+    except (DataError, TokenizerError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_whole_split(c: JobConfig) -> None:

@@ -75,7 +75,7 @@ WHOLE = ["--validation.enable", "--validation.steps", "-1"]
 
 @pytest.mark.parametrize("argv, fragment", [
     ([], "validation.steps: -1 (the whole validation split) needs a split of known length ('shards', 'files', "
-         "'c4_test'), but the validation data 'synthetic' is an endless stream; set validation.steps to a number of "
+         "'c4_test', 'python_stdlib'), but the validation data 'synthetic' is an endless stream; set validation.steps to a number of "
          "batches (e.g. 10)"),
     (["--training.dataset", "c4"], "the validation data 'c4' is streamed, so its length is known only once it has "
                                    "been read; set validation.steps to a number of batches"),

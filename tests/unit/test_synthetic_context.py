@@ -63,5 +63,5 @@ def test_the_job_names_it_and_refuses_a_path_for_it(tmp_path):
 
     config = load_config(["--model.flavor", "tiny", "--training.dataset", "synthetic_context",
                           "--training.dataset_path", str(tmp_path)])
-    with pytest.raises(ConfigError, match="training.dataset_path: .* is 'synthetic_context', which reads no files"):
+    with pytest.raises(ConfigError, match="training.dataset_path: .* is 'synthetic_context', which is built in and reads no path"):
         check(config, 1, "cpu")

@@ -334,5 +334,31 @@ def test_command_line_trains_a_tokenizer_json_and_encodes_with_every_kind(built,
     missing = subprocess.run([*command, "encode", "--model", str(tmp_path / "none.json"), "--text", "x"],
                              capture_output=True, text=True, cwd=REPO)
     assert missing.returncode == 2 and missing.stderr == f"error: --model: {tmp_path / 'none.json'} does not exist\n"
-    with pytest.raises(TokenizerError, match="--vocab-size: 200 is too small for a byte-level BPE.*at least 258"):
-        train_hf_tokenizer([str(tmp_path / "c.jsonl")], str(tmp_path / "small"), 200)
+    with pytest.raises(TokenizerError, match="--vocab-size: 3 is too small for a byte-level BPE.*at least 4"):
+        train_hf_tokenizer([str(tmp_path / "c.jsonl")], str(tmp_path / "small"), 3)
+
+
+def test_a_byte_level_bpe_smaller_than_the_bytes_keeps_the_most_frequent_and_an_unknown_token(tmp_path):
+    """Below 256 bytes + BOS + EOS (the tiny model has 256 ids) the alphabet is the input's most
+    frequent bytes; every other byte encodes as <unk>. BOS and EOS stay ids 0 and 1."""
+    text = sentences(800)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in text))
+    distinct = sorted(set("".join(text).encode()))
+    for vocab in (100, 20):
+        tokenizer = load_tokenizer(train_hf_tokenizer([str(tmp_path / "c.jsonl")], str(tmp_path / f"v{vocab}"), vocab))
+        assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == ("huggingface", vocab, 0, 1)
+        assert tokenizer.added == [] and tokenizer._tok.token_to_id("<unk>") == 2
+        ids = tokenizer.encode_document(text[0])
+        assert ids[0] == 0 and ids[-1] == 1 and max(ids) < vocab
+        kept = [b for b in distinct if tokenizer._tok.token_to_id(byte_shown(b)) is not None]
+        if vocab == 100:  # room for every byte of the input (some 40), then merges
+            assert kept == distinct
+            assert all(tokenizer.decode(tokenizer.encode(s)) == s for s in text[:50])
+        else:  # 17 bytes, the most frequent ones: space and 'e' first
+            assert len(kept) == 17 and {ord(" "), ord("e")} <= set(kept)
+        assert tokenizer.decode(tokenizer.encode("a\x01b")) == ("a" if ord("a") in kept else "<unk>") + "<unk>" + (
+            "b" if ord("b") in kept else "<unk>")
+
+
+def byte_shown(byte: int) -> str:
+    return next(c for c, b in byte_level_characters().items() if b == byte)

@@ -154,7 +154,12 @@ class Training:
     dataset: str = "synthetic"
     """Data source: 'synthetic' (built in: a random Markov chain with a known best loss),
     'synthetic_context' (built in: markers at fixed positions and copies at a fixed distance between
-    steps of a Markov chain, so that attention and positions matter; known best loss), 'shards'
+    steps of a Markov chain, so that attention and positions matter; known best loss),
+    'python_stdlib' (built in, real text: the installed Python's standard library, its language
+    reference and top-level modules, about 5 MB; prepared once into token shards in a cache
+    folder, $TRAINER_CACHE_DIR or ~/.cache/llama_pretrain, with a byte-level BPE of
+    min(vocabulary, 8192) pieces trained on it, or with the job's tokenizer when
+    model.tokenizer_path or model.hf_assets_path names one), 'shards'
     (a folder of token shards written by `python -m trainer.data.prepare`, read from disk as needed: the
     format for real corpora), 'files' (local .jsonl/.json/.parquet/.txt at dataset_path,
     tokenized into memory at every start: small corpora), 'c4_test' (torchtitan's name for its
@@ -167,7 +172,7 @@ class Training:
     Hugging Face datasets: a local copy (a folder of data files named by split, as on the hub)
     loaded instead of the hub; without one and without hub access (HF_HUB_OFFLINE=1, or no
     network), a run is refused at start unless the Hugging Face cache holds the dataset.
-    Refused with 'synthetic'."""
+    Refused with the built-in 'synthetic', 'synthetic_context' and 'python_stdlib'."""
 
     dataset_text_field: str = "text"
     """Field holding the document text in .jsonl/.json/.parquet records and Hugging Face datasets."""
@@ -221,9 +226,10 @@ class Training:
     and walks. Unset: debug.seed."""
 
     validation_fraction: Optional[float] = valid(None, ge=0, lt=1)
-    """'files': share of documents held out as the validation split, chosen by a hash of each
-    document's text, whether validation is enabled or not (so training reads the same documents
-    either way, and adding files never moves a document between splits). Unset: 0.05. 'shards':
+    """'files' and 'python_stdlib': share of documents held out as the validation split, chosen by
+    a hash of each document's text, whether validation is enabled or not (so training reads the
+    same documents either way, and adding files never moves a document between splits). Unset:
+    0.05. 'shards':
     fixed when the folder was prepared (--validation-fraction); a different value here is an error."""
 
     local_batch_size: int = valid(8, ge=1)

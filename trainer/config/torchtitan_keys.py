@@ -91,7 +91,7 @@ DIFFERENT: dict[str, str] = {
     "lr_scheduler.decay_ratio": "the fraction of the steps after warmup (torchtitan: of all steps, warmup "
                                 "included); the decay reaches lr x min_lr_factor at the last step (torchtitan stops "
                                 "one step short of it)",
-    "training.dataset": "default synthetic; also synthetic_context, shards, files, c4_test (read as files from dataset_path, which "
+    "training.dataset": "default synthetic; also synthetic_context, python_stdlib (built-in real text), shards, files, c4_test (read as files from dataset_path, which "
                         "it needs) and Hugging Face datasets streamed by name (c4, c4_validation, fineweb, "
                         "fineweb-edu, org/name)",
     "training.dataset_path": "its meaning depends on training.dataset (a prepared shard folder, local files, a "
@@ -125,7 +125,7 @@ DIFFERENT: dict[str, str] = {
                                    "validation.global_batch_size",
     "validation.seq_len": "default: training.seq_len (torchtitan: 2048)",
     "validation.freq": "default 500 (torchtitan: 10)",
-    "validation.steps": "default 10 (torchtitan: -1); -1 needs a files, c4_test or shards split (refused for "
+    "validation.steps": "default 10 (torchtitan: -1); -1 needs a files, c4_test, shards or python_stdlib split (refused for "
                         "synthetic, streamed datasets and mixtures) and gives the same loss in every layout",
     "debug.seed": "always set, default 0 (torchtitan: unset, whatever state torch's generator starts in)",
 }

@@ -24,9 +24,9 @@ class Validation:
 
     dataset: str = ""
     """Validation data source, named as training.dataset. Empty: the held-out split of
-    training.dataset (synthetic: other walks of the same chain; files and shards: the documents
-    of training.validation_fraction, which training never reads; Hugging Face: the 'validation'
-    split)."""
+    training.dataset (synthetic: other walks of the same chain; files, shards and python_stdlib:
+    the documents of training.validation_fraction, which training never reads; Hugging Face: the
+    'validation' split)."""
 
     dataset_path: str = ""
     """Local path for the validation source (as training.dataset_path)."""
@@ -51,7 +51,7 @@ class Validation:
     """Validation batches per evaluation (the same batches every time). -1: the whole validation
     split, every sequence once (the tail of the split shorter than one sequence is not read), in
     batches of global_batch_size whose last one is padded with sequences that count for nothing;
-    the same loss in every parallel layout. -1 needs a split of known length, 'files', 'c4_test'
-    or 'shards' (training.dataset's held-out split, or validation.dataset); it is refused for
+    the same loss in every parallel layout. -1 needs a split of known length, 'files', 'c4_test',
+    'shards' or 'python_stdlib' (training.dataset's held-out split, or validation.dataset); it is refused for
     'synthetic' (endless), a streamed Hugging Face dataset (its length is unknown until read) and
     a [[training.datasets]] mixture (drawn by weight, so it has no single pass)."""

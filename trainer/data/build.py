@@ -14,6 +14,7 @@ raises DataExhausted past the end of a finite source that does not wrap.
 | synthetic_context | synthetic_context.SyntheticContextSource | other rows of the same process        |
 | files, c4_test | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
+| python_stdlib  | finite_sources.ShardSource over python_corpus's cache | its documents whose text hashes below the held-out fraction |
 | hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split (one lane, in order) |
 
 `c4_test` is the name torchtitan's configs give its 2,000-document sample of C4, a JSON-lines
@@ -21,6 +22,10 @@ file in its repository (tests/assets/c4_test/data.json): small local data, so it
 `files` are, from dataset_path (which it requires), with their held-out split. `c4_validation` is
 C4's validation split, streamed like any hub dataset (text_sources.HUB_ALIASES), from the hub or
 a local copy at dataset_path.
+
+`python_stdlib` is built in real text: the installed Python's standard library, prepared once
+into shards in a cache folder (trainer.data.python_corpus) by the launcher, or by the first rank
+to get its lock when the trainer runs without it.
 
 [[training.datasets]] mixes files and shards sources by weight (mixture.MixtureSource); its
 validation split is the same mixture of the sources' validation splits.
@@ -41,16 +46,18 @@ from trainer.data.synthetic_context import SyntheticContextSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_VALIDATION_FRACTION = 0.05
+PYTHON_STDLIB = "python_stdlib"  # built in, real text: the installed Python's standard library
 LOCAL_FILES = ("files", "c4_test")  # names read by files_source, from dataset_path
-FINITE = ("shards", *LOCAL_FILES)
+FINITE = ("shards", *LOCAL_FILES, PYTHON_STDLIB)
 SYNTHETIC = ("synthetic", "synthetic_context")  # built in: no files, endless
+BUILT_IN = (*SYNTHETIC, PYTHON_STDLIB)  # nothing to download, no dataset_path
 C4_TEST = ("a small sample of C4 read from local files: torchtitan keeps it in its repository as "
            "tests/assets/c4_test/data.json, one JSON object per line with the document in \"text\"")
 
 
 def is_streamed(dataset: str) -> bool:
     """A Hugging Face dataset by name or id, read as a stream."""
-    return dataset not in (*SYNTHETIC, "shards", *LOCAL_FILES)
+    return dataset not in (*BUILT_IN, "shards", *LOCAL_FILES)
 
 
 def check_location(dataset: str, dataset_path: str, section: str) -> None:
@@ -95,6 +102,23 @@ def files_source(path: str, split: str, *, tokenizer, text_field: str, wrap: boo
                             skipped_records=sum(counts.skipped.values()))
 
 
+def python_stdlib_source(split: str, *, vocab_size: int, tokenizer, wrap: bool, shuffle_seed: int | None,
+                         validation_fraction: float) -> ShardSource:
+    """A split of the built-in corpus, prepared first when no process has yet. Named and
+    fingerprinted by the corpus (Python version, digest), not by where its cache folder is."""
+    from trainer.data.python_corpus import ensure_prepared
+
+    prepared = ensure_prepared(vocab_size, tokenizer=tokenizer, validation_fraction=validation_fraction)
+    if split == "train":
+        corpus = prepared.identity
+        logger.info("data: %s, %s (%d documents, %.1f MB, SHA-256 %s...), %d pieces, from %s", PYTHON_STDLIB,
+                    corpus["python"], corpus["documents"], corpus["bytes"] / 1e6, corpus["sha256"][:12],
+                    prepared.manifest["tokenizer"]["vocab_size"], prepared.folder)
+    return ShardSource(str(prepared.shards), split, wrap=wrap, shuffle_seed=shuffle_seed, key="training.dataset",
+                       name=f"{PYTHON_STDLIB}:{split}",
+                       identity={"python": prepared.identity["python"], "corpus_sha256": prepared.identity["sha256"]})
+
+
 def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int, seed: int, tokenizer,
                  text_field: str, wrap: bool, shuffle: bool = False, validation_fraction: float | None = None,
                  key: str = "training", stream: dict | None = None, seq_len: int | None = None):
@@ -114,6 +138,10 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
             raise DataError(f"{key}.dataset_path: required for dataset 'shards' (a folder written by "
                             "python -m trainer.data.prepare)")
         return ShardSource(dataset_path, split, wrap=wrap, shuffle_seed=shuffle_seed, key=f"{key}.dataset_path")
+    fraction = DEFAULT_VALIDATION_FRACTION if validation_fraction is None else validation_fraction
+    if dataset == PYTHON_STDLIB:  # tokenizer: the job's own, else one trained on the corpus
+        return python_stdlib_source(split, vocab_size=vocab_size, tokenizer=tokenizer, wrap=wrap,
+                                    shuffle_seed=shuffle_seed, validation_fraction=fraction)
     if tokenizer is None:
         raise DataError(f"{key}.dataset {dataset!r} is text: set model.tokenizer_path to a tokenizer file, or "
                         "model.hf_assets_path to a folder holding one (make one with "
@@ -122,7 +150,6 @@ def build_source(dataset: str, dataset_path: str, *, split: str, vocab_size: int
         check_location(dataset, dataset_path, key)  # c4_test: says what it is and where it comes from
         if not dataset_path:
             raise DataError(f"{key}.dataset_path: required for dataset 'files' (a file, folder or glob)")
-        fraction = DEFAULT_VALIDATION_FRACTION if validation_fraction is None else validation_fraction
         return files_source(dataset_path, split, tokenizer=tokenizer, text_field=text_field, wrap=wrap,
                             shuffle_seed=shuffle_seed, validation_fraction=fraction, key=f"{key}.dataset_path")
     check_location(dataset, dataset_path, key)  # again here: the launcher turns the hub off after its own checks
@@ -161,7 +188,7 @@ def text_dataset(config) -> str:
     datasets = [entry.dataset for entry in t.datasets] or [t.dataset]
     if v.enable and v.dataset:
         datasets.append(v.dataset)
-    return next((d for d in datasets if d not in (*SYNTHETIC, "shards")), "")
+    return next((d for d in datasets if d not in (*BUILT_IN, "shards")), "")
 
 
 def build_sources(config, vocab_size: int):

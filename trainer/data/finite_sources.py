@@ -102,20 +102,25 @@ class TokenArraySource(FiniteTokenSource):
 
 
 class ShardSource(FiniteTokenSource):
-    """A split of a prepared shard folder, read sequence by sequence from disk."""
+    """A split of a prepared shard folder, read sequence by sequence from disk. name: what the
+    run record and messages call it (default: shards:<folder>:<split>); identity: flat fields
+    added to its description and fingerprint (a built-in corpus's version and digest, which
+    stay the same wherever its cache folder is)."""
 
     def __init__(self, folder: str, split: str, *, wrap: bool = True, shuffle_seed: int | None = None,
-                 key: str = "training.dataset_path"):
+                 key: str = "training.dataset_path", name: str = "", identity: dict | None = None):
         self.shards = ShardSet(folder, split, key)
-        super().__init__(name=f"shards:{folder}:{split}", wrap=wrap, shuffle_seed=shuffle_seed,
+        super().__init__(name=name or f"shards:{folder}:{split}", wrap=wrap, shuffle_seed=shuffle_seed,
                          eos_id=self.shards.manifest["tokenizer"]["eos_id"])
         self.token_count = self.shards.token_count
+        self.identity = identity or {}
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         return self.shards.tokens(start, stop)
 
     def fingerprint(self) -> dict:
-        return {**super().fingerprint(), "digest": self.shards.manifest["digest"], "split": self.shards.split}
+        return {**super().fingerprint(), "digest": self.shards.manifest["digest"], "split": self.shards.split,
+                **self.identity}
 
     def describe(self) -> dict:
-        return {"source": self.name, **self.shards.describe(), "shuffle_seed": self.shuffle_seed}
+        return {"source": self.name, **self.shards.describe(), "shuffle_seed": self.shuffle_seed, **self.identity}

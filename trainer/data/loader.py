@@ -263,7 +263,7 @@ def evaluation_batches(loader: BatchLoader, steps: int) -> int:
     if not isinstance(loader.source, FiniteTokenSource) or not loader.pad_uneven:
         # The preflight refuses these (trainer.preflight.check_validation); this is the backstop.
         raise DataError(f"validation.steps = -1: {loader.source.describe()['source']} is not a finite split of "
-                        "known length ('files', 'c4_test' or 'shards'); set validation.steps to a number of batches")
+                        "known length ('files', 'c4_test', 'shards' or 'python_stdlib'); set validation.steps to a number of batches")
     check_not_empty(loader)
     available = loader.source.rows_per_epoch(loader.row_length)
     loader.end_row = available

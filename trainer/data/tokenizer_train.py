@@ -11,6 +11,8 @@ from pathlib import Path
 from trainer.data.tokenizer_backends import LLAMA3_BOS, LLAMA3_EOS, LLAMA3_PATTERN, TokenizerError
 
 BYTES = 256  # a byte-level BPE starts from every byte
+UNK = "<unk>"  # below BYTES + 2 pieces, the bytes left out of the alphabet encode as this
+SPECIALS = 2  # BOS and EOS
 
 
 def _training_documents(inputs: list[str], text_field: str):
@@ -57,24 +59,34 @@ def train_hf_tokenizer(inputs: list[str], output: str, vocab_size: int, *, text_
                        overwrite: bool = False) -> Path:
     """Train a byte-level BPE and write the folder `output` as a model hub folder holds a
     tokenizer: tokenizer.json (BOS <|begin_of_text|> and EOS <|end_of_text|> first, ids 0 and 1)
-    and a tokenizer_config.json naming them. Returns the tokenizer.json path."""
+    and a tokenizer_config.json naming them. Returns the tokenizer.json path.
+
+    A vocabulary smaller than the 256 bytes plus BOS and EOS (the tiny model has 256 ids) holds
+    the most frequent bytes of the input only, and an <unk> token (id 2) that every other byte
+    encodes as: text made of the kept bytes round-trips, a rare byte decodes as '<unk>'."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder = Path(output)
     path = folder / "tokenizer.json"
     if path.exists() and not overwrite:
         raise TokenizerError(f"--output: {path} exists; choose another folder or pass --overwrite")
-    if vocab_size < BYTES + 2:
-        raise TokenizerError(f"--vocab-size: {vocab_size} is too small for a byte-level BPE, which holds the "
-                             f"{BYTES} bytes and BOS and EOS; give at least {BYTES + 2}")
-    tokenizer = Tokenizer(models.BPE())
+    small = vocab_size < BYTES + SPECIALS
+    if vocab_size < SPECIALS + 2:
+        raise TokenizerError(f"--vocab-size: {vocab_size} is too small for a byte-level BPE, which holds BOS, EOS, "
+                             f"<unk> and at least one byte; give at least {SPECIALS + 2} (from {BYTES + SPECIALS} "
+                             "on, every byte has a token of its own)")
+    specials = [LLAMA3_BOS, LLAMA3_EOS, *([UNK] if small else [])]
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK) if small else models.BPE())
     # Llama 3's split of text into words before merging, then bytes shown as printable characters.
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[LLAMA3_BOS, LLAMA3_EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # Every byte, whether the input holds it or not; or, when they do not all fit, the most
+    # frequent ones (an initial alphabet would be kept whole, whatever limit_alphabet says).
+    alphabet = (dict(limit_alphabet=vocab_size - len(specials)) if small
+                else dict(initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False, **alphabet)
     try:
         tokenizer.train_from_iterator(_training_documents(inputs, text_field), trainer)
     except TokenizerError:
@@ -86,6 +98,7 @@ def train_hf_tokenizer(inputs: list[str], output: str, vocab_size: int, *, text_
         single=f"{LLAMA3_BOS} $A {LLAMA3_EOS}", special_tokens=[(LLAMA3_BOS, 0), (LLAMA3_EOS, 1)])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": LLAMA3_BOS, "eos_token": LLAMA3_EOS}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": LLAMA3_BOS, "eos_token": LLAMA3_EOS,
+              **({"unk_token": UNK} if small else {})}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return path
