@@ -102,12 +102,13 @@ gpus_per_node = 8
 "model.flavor" = "tiny"
 "training.seq_len" = 64
 "training.dataset" = "{dataset}"
-"training.mixed_precision_param" = "bfloat16"
+"training.mixed_precision_param" = "{dtype}"
 "optimizer.lr" = {lr}
 "optimizer.weight_decay" = {wd}
 "metrics.log_freq" = 1
 "metrics.enable_tensorboard" = false
 "debug.deterministic" = true
+"metrics.fingerprint_every" = {fingerprint_every}
 
 [tolerance]
 mode = "statistical"
@@ -118,7 +119,8 @@ noise_controls = {noise_controls}
 def plan_text(cases: list[Case], seed: int, output: Path, args) -> str:
     text = PLAN.format(seed=seed, output=output, steps=args.steps, warmup=max(1, args.steps // 15),
                        local_batch=args.local_batch, dp=args.dp, lr=LR, wd=WEIGHT_DECAY, dataset=args.dataset,
-                       noise_controls=args.noise_controls)
+                       noise_controls=args.noise_controls, dtype=getattr(args, "dtype", "bfloat16"),
+                       fingerprint_every=getattr(args, "fingerprint_every", 50))
     for case in cases:
         body = case.table.format(lr_105=LR * 1.05, wd_102=WEIGHT_DECAY * 1.02)
         expect = 'expect = "fail"\n' if case.must_fail else ""

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from protocol.plan.model import slugify
-from protocol.verdict.fingerprints import EXACT_TOLERANCE, STATISTICAL_FLOOR, STATISTICAL_Z
+from protocol.verdict.fingerprint_noise import FALSE_FAIL, FLOOR
+from protocol.verdict.fingerprints import EXACT_TOLERANCE
 from protocol.verdict.results import Comparison
 
 MAP_PREFIX = "fingerprints-"
@@ -25,8 +26,12 @@ def where_section(comparison: Comparison) -> list[str]:
     if comparison.mode == "exact":
         rule = f"an entry deviates beyond {EXACT_TOLERANCE:.0e} relative (correct float32 layouts stay within 3.3e-6)"
     else:
-        rule = (f"an entry deviates beyond {STATISTICAL_Z:g} times the noise controls' relative spread at that step "
-                f"(pooled over the blocks), and at least {STATISTICAL_FLOOR:.0e} relative")
+        values = [t for w in found.values() for t in w.thresholds.values()]
+        rule = ("an entry deviates beyond its own rounding noise at that step (the control family's relative spread, "
+                f"per entry) times a threshold ({min(values):.2f}-{max(values):.2f} here, by the degrees of freedom of "
+                f"each quantity's noise) at which a plan of correct sets fails on its fingerprints with probability "
+                f"{FALSE_FAIL:.0%} (family-wise over every entry of every recorded step of every set), and by at least "
+                f"{FLOOR:.0e} relative; such a set fails" if values else "")
     lines = ["## Where the sets part from the control (fingerprints)", "",
              "Per-parameter gradient, update and weight norms and per-block output and gradient RMS, compared with "
              f"the control's from step 1: {rule}. The first such step is named, with its deviating modules "

@@ -10,9 +10,12 @@
 
 Where the runs recorded per-module fingerprints (metrics.fingerprints, on in protocol runs), each
 set's are compared with the control's from step 1 (protocol.verdict.fingerprints): the report
-says where a set parts from the control. In exact mode a fingerprint beyond its tolerance, or a
-logged gradient norm that is not the norm of the run's own gradients, fails the set; in
-statistical mode the localization is a finding (the verdict's false-fail rate is the curves').
+says where a set parts from the control. A fingerprint beyond its tolerance (exact mode) or beyond
+its own rounding noise times the plan's family-wise threshold (statistical mode), or a logged
+gradient norm that is not the norm of the run's own gradients, fails the set. In statistical mode a
+set whose curve is far noisier than any noise control's (OWN_NOISE_FAILS times the family's noise
+SD) fails too: its own noise is evidence. Each failed set names the evidence that failed it
+(SetResult.evidence): curves, fingerprints, own noise, or several.
 
 Sets may be positive controls (``expect = "fail"``, e.g. a learning rate 5% off): they must fail.
 One that passes shows that the plan could not have caught a bug of that size, and the plan is
@@ -28,7 +31,7 @@ from protocol.plan.tolerance import Tolerance
 from protocol.verdict.alignment import skipped_steps, summarize
 from protocol.verdict.curves import Curve
 from protocol.verdict.family_wise import apply_plan_level, set_false_fail
-from protocol.verdict.fingerprints import exact_failure, localize_sets
+from protocol.verdict.fingerprints import EXACT_TOLERANCE, localize_sets
 from protocol.verdict.results import FAIL, INCONCLUSIVE, PASS, Comparison, NotCompared, SetResult
 from protocol.verdict.statistical_mode import judge_statistical, noise_summaries, settle
 
@@ -65,12 +68,11 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
             settle(result)
         noise = noise_summaries(family, tolerance, judged=sum(len(r.observables) for r in results))
     localized = localize_sets(family, tests, tolerance.mode)
-    if tolerance.mode == "exact":
-        fail_on_fingerprints(results, localized)
+    add_evidence(results, localized, tolerance.mode)
     comparison = Comparison(control=family[0].name, mode=tolerance.mode, design=design, tolerance=tolerance,
                             results=results, status=plan_status(results, not_compared),
                             controls=[c.name for c in family], noise=noise, not_compared=not_compared,
-                            warnings=[*(warnings or []), *noisier_sets(results), *parting_sets(results, localized)],
+                            warnings=[*(warnings or []), *noisier_sets(results)],
                             fingerprints=localized)
     if tolerance.mode == "statistical":
         comparison.family_skips = {c.name: len(skipped_steps(c)) for c in family}
@@ -80,33 +82,53 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
 
 
 NOISIER = 2.0  # a set whose own noise raised its sigma this many times is worth its own finding
+OWN_NOISE_FAILS = 5.0
+"""A set whose own noise raised an observable's sigma this many times fails: correct layouts stay
+far below it (docs/converging.md, Fingerprints as evidence: calibration)."""
 
 
 def noisier_sets(results: list[SetResult]) -> list[str]:
-    """A correct set whose curve is far noisier than any noise control's has noise of its own (a
-    non-deterministic kernel, another reduction order): it is judged by that larger noise, which
-    also makes it less able to show a small offset; say so."""
+    """A correct set whose curve is noisier than the noise controls' but passed has noise of its
+    own (a non-deterministic kernel, another reduction order): it is judged by that larger noise,
+    which also makes it less able to show a small offset; say so."""
     return [f"{result.name}: its {o.observable} is noisier than its controls (its own noise raised sigma "
             f"{o.noise_ratio:.1f}x, to {o.noise_sd:.2e} from the family's {o.family_noise_sd:.2e}); an offset "
             "smaller than its larger detectable offset would go unseen"
-            for result in results if result.expect == "pass" for o in result.observables
+            for result in results if result.expect == "pass" and not result.failed for o in result.observables
             if o.noise_ratio > NOISIER]
 
 
-def fail_on_fingerprints(results: list[SetResult], localized: dict) -> None:
-    """Exact mode: a set whose curves agree but whose fingerprints do not fails, with the reason."""
+def add_evidence(results: list[SetResult], localized: dict, mode: str) -> None:
+    """Fail each set on every kind of evidence against it and say which: its curves (already
+    judged), its fingerprints, and in statistical mode its own noise."""
     for result in results:
-        why = exact_failure(localized[result.name]) if result.name in localized else None
-        if why and not result.failed:
-            result.failed, result.reason = True, why
+        found = []
+        if result.failed:
+            found.append(("curves", result.reason))
+        where = localized.get(result.name)
+        why = fingerprint_failure(where) if where is not None else None
+        if why:
+            found.append(("fingerprints", why))
+        if mode == "statistical":
+            found += [("own noise", f"own noise: its {o.observable}'s own noise raised sigma {o.noise_ratio:.1f}x (to "
+                                    f"{o.noise_sd:.2e} from the family's {o.family_noise_sd:.2e}), beyond "
+                                    f"{OWN_NOISE_FAILS:g}x, which correct layouts stay below")
+                      for o in result.observables if o.noise_ratio > OWN_NOISE_FAILS]
+        result.evidence = list(dict.fromkeys(kind for kind, _ in found))
+        if found and not result.failed:
+            result.failed = True
+        if found and (len(found) > 1 or found[0][0] != "curves"):
+            result.reason = "; ".join(why for _, why in found)
 
 
-def parting_sets(results: list[SetResult], localized: dict) -> list[str]:
-    """A set expected to pass whose fingerprints part from the control's is worth a warning even
-    when its curves pass (statistical mode; in exact mode such a set has failed)."""
-    return [f"{r.name}: its fingerprints part from the control's at {localized[r.name].summary(top=1)}"
-            for r in results if r.expect == "pass" and not r.failed and r.name in localized
-            and localized[r.name].deviates]
+def fingerprint_failure(found) -> str | None:
+    """The reason to fail a set on its fingerprints, or None."""
+    if found.first_step is not None:
+        top = found.causes[0].quantity if found.causes else found.groups[0].quantity
+        rule = (f"tolerance {EXACT_TOLERANCE:.0e} relative" if found.mode == "exact" else
+                f"beyond {found.thresholds[top]:.2f}x its own rounding noise, the plan's family-wise threshold")
+        return f"fingerprints part from the control at {found.summary(top=1)} ({rule})"
+    return f"fingerprints: {found.norm_check}" if found.norm_check else None
 
 
 def plan_status(results: list[SetResult], not_compared: list[NotCompared]) -> str:

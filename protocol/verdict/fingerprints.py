@@ -3,13 +3,16 @@
 step by step, from step 1.
 
 Each entry (a parameter's gradient, update or weight norm; a block's output or gradient RMS) at a
-step has a *score*: its relative difference from the control in units of what correct layouts
-give at that step.
+step has a *score*: its relative difference from the control in units of what would be evidence.
   exact mode        EXACT_TOLERANCE, 1e-4 relative: correct float32 layouts (the parity matrix,
                     every parallelism and pipeline schedule) differ by 3.3e-6 at most.
-  statistical mode  the noise controls' spread: the root mean square of their relative
-                    differences from the control, pooled over the entries of the same module in
-                    every block (the same quantity, the layer index aside), times STATISTICAL_Z.
+  statistical mode  the entry's own rounding noise at that step, measured by the control family
+                    (protocol.verdict.fingerprint_noise: per entry, not pooled over the blocks;
+                    the difference is taken from the family's mean),
+                    times a family-wise threshold over every entry of every recorded step of every
+                    set of the plan, so that a plan of correct sets fails on its fingerprints with
+                    probability at most 1%; and never below 1e-3 relative. A set whose
+                    fingerprints deviate fails (compare.py).
 An entry deviates when its score exceeds 1. The first step with a deviating entry is where the set
 parts from the control. At that step the deviating entries are grouped by module (the layer index
 replaced by `*`) and ranked by their largest score; the block activations say how far the forward
@@ -29,14 +32,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.verdict.fingerprint_noise import FLOOR as STATISTICAL_FLOOR
+from protocol.verdict.fingerprint_noise import NoiseModel, family_threshold, fit_noise, score
 from trainer.run_record import BLOCK_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
 
 QUANTITIES = PARAMETER_QUANTITIES + BLOCK_QUANTITIES
 LABELS = {"grad_norm": "gradient norm", "update_norm": "update norm", "param_norm": "weight norm",
           "output_rms": "output RMS", "grad_rms": "gradient RMS"}
 EXACT_TOLERANCE = 1e-4
-STATISTICAL_Z = 6.0
-STATISTICAL_FLOOR = 1e-3  # a quarter of bfloat16's rounding error
 NORM_CHECK_TOLERANCE = 1e-6  # float64 sums in two orders agree far better
 LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -118,6 +121,14 @@ class Localization:
     scores: dict[tuple[str, str], float] = field(default_factory=dict)  # (quantity, entry) -> score at first_step
     relative: dict[tuple[str, str], float] = field(default_factory=dict)
     norm_check: str | None = None  # the set's logged global norm is not its gradients' norm
+    peak: float = 0.0  # the largest score over every compared step (calibration reads it)
+    peak_at: tuple[int, str, str] | None = None  # (step, quantity, entry) of the peak
+    thresholds: dict[str, float] = field(default_factory=dict)  # statistical: per quantity, in noise units
+
+    @property
+    def threshold(self) -> float | None:
+        """statistical: the largest family-wise threshold of any quantity (None in exact mode)."""
+        return max(self.thresholds.values(), default=None)
 
     @property
     def deviates(self) -> bool:
@@ -157,46 +168,64 @@ def relative_differences(control: dict, test: dict) -> dict[tuple[str, str], flo
     return found
 
 
-def noise_units(control: dict, noise: list[dict]) -> dict[tuple[str, str], float]:
-    """(quantity, pattern) -> the noise controls' relative spread at one step: the root mean
-    square of their relative differences from the control over every entry of the pattern."""
-    squares: dict[tuple[str, str], list[float]] = {}
-    for member in noise:
-        for (quantity, entry), value in relative_differences(control, member).items():
-            squares.setdefault((quantity, pattern_of(quantity, entry)[0]), []).append(value * value)
-    return {key: math.sqrt(sum(values) / len(values)) for key, values in squares.items()}
-
-
-def scores_at(control: dict, test: dict, noise: list[dict]) -> tuple[dict, dict]:
-    """(relative differences, scores) of every entry at one step; exact mode without noise."""
-    relative = relative_differences(control, test)
-    if not noise:
-        return relative, {key: abs(value) / EXACT_TOLERANCE for key, value in relative.items()}
-    spread = noise_units(control, noise)
-    scores = {}
-    for (quantity, entry), value in relative.items():
-        unit = max(STATISTICAL_Z * spread.get((quantity, pattern_of(quantity, entry)[0]), 0.0), STATISTICAL_FLOOR)
-        scores[(quantity, entry)] = abs(value) / unit
-    return relative, scores
-
-
 def localize(name: str, control: Prints, test: Prints, noise: list[Prints] = (),
-             logged_norms: dict[int, float] | None = None) -> Localization:
-    """Compare a test set's fingerprints with the control's from the first step on; statistical
-    when noise controls' fingerprints are given, exact otherwise."""
+             logged_norms: dict[int, float] | None = None, sets: int = 1) -> Localization:
+    """Compare a test set's fingerprints with the control's (exact mode) or with the control
+    family's mean (statistical mode, when noise controls' fingerprints are given) from the first
+    step on. `sets`: the plan's test sets with fingerprints, over which the statistical threshold
+    is family-wise."""
     common = set(control) & set(test)
     for member in noise:
         common &= set(member)
     found = Localization(name, "statistical" if noise else "exact", sorted(common))
     found.norm_check = check_norm(test, logged_norms or {})
+    family = [control, *noise]
+    reference = control if not noise else {step: family_mean([m[step] for m in family]) for step in found.steps}
+    relative = {step: relative_differences(reference[step], test[step]) for step in found.steps}
+    scorer = exact_scores if not noise else statistical_scorer(family, reference, found, relative, sets)
     for step in found.steps:
-        relative, scores = scores_at(control[step], test[step], [member[step] for member in noise])
-        if any(score > 1 for score in scores.values()):
-            found.first_step, found.scores, found.relative = step, scores, relative
-            found.groups = group_deviations(relative, scores, control[step])
-            found.forward, found.backward = activation_story(scores, control[step])
-            break
+        scores = scorer(step, relative[step])
+        peak = max(scores.items(), key=lambda item: item[1], default=None)
+        if peak and peak[1] > found.peak:
+            found.peak, found.peak_at = peak[1], (step, *peak[0])
+        if found.first_step is None and peak and peak[1] > 1:
+            found.first_step, found.scores, found.relative = step, scores, relative[step]
+            found.groups = group_deviations(relative[step], scores, reference[step])
+            found.forward, found.backward = activation_story(scores, reference[step])
     return found
+
+
+def family_mean(lines: list[dict]) -> dict:
+    """One step's fingerprints averaged over the family, entry by entry (an entry any member
+    left unrecorded is left out)."""
+    mean = {}
+    for quantity in QUANTITIES:
+        values: dict[str, list] = {}
+        for line in lines:
+            for entry, value in line.get(quantity, {}).items():
+                values.setdefault(entry, []).append(value)
+        mean[quantity] = {entry: sum(v) / len(v) for entry, v in values.items()
+                          if len(v) == len(lines) and None not in v}
+    return mean
+
+
+def exact_scores(step: int, relative: dict) -> dict:
+    return {key: abs(value) / EXACT_TOLERANCE for key, value in relative.items()}
+
+
+def statistical_scorer(family: list[Prints], reference: Prints, found: Localization, relative: dict, sets: int):
+    """Statistical mode's scores: each entry's noise unit from the family's spread about its mean
+    over every recorded step (protocol.verdict.fingerprint_noise), and the family-wise threshold
+    over every entry of every step of the plan's `sets` sets; the thresholds are kept on `found`."""
+    model: NoiseModel = fit_noise({step: [relative_differences(reference[step], member[step]) for member in family]
+                                   for step in found.steps})
+    comparisons = sets * sum(len(values) for values in relative.values())
+    found.thresholds = {quantity: family_threshold(comparisons, model.dof(quantity)) for quantity in model.entries}
+
+    def scores(step: int, differences: dict) -> dict:
+        return {key: score(value, model.unit(key, step), found.thresholds.get(key[0], math.inf))
+                for key, value in differences.items()}
+    return scores
 
 
 # What each norm weight feeds: its gradient is computed from theirs (backward), so when theirs
@@ -323,20 +352,13 @@ def localize_sets(family: list, tests: list, mode: str) -> dict[str, Localizatio
         noise = [read_fingerprints(run_folder(curve)) or {} for curve in family[1:]]
         if not all(noise):
             return {}
+    recorded = {test.name: prints for test in tests if (prints := read_fingerprints(run_folder(test)))}
     found = {}
     for test in tests:
-        prints = read_fingerprints(run_folder(test))
-        if prints:
+        if test.name in recorded:
             logged = dict(zip(test.steps, test.grad_norm)) if test.grad_norm is not None else {}
-            found[test.name] = localize(test.name, control, prints, noise, logged)
+            found[test.name] = localize(test.name, control, recorded[test.name], noise, logged, sets=len(recorded))
     return found
-
-
-def exact_failure(found: Localization) -> str | None:
-    """Exact mode's reason to fail a set on its fingerprints, or None."""
-    if found.first_step is not None:
-        return f"fingerprints part from the control at {found.summary(top=1)} (tolerance {EXACT_TOLERANCE:.0e} relative)"
-    return found.norm_check
 
 
 def as_dict(found: Localization) -> dict:
@@ -344,7 +366,8 @@ def as_dict(found: Localization) -> dict:
     return {"mode": found.mode, "steps": found.steps, "first_step": found.first_step, "summary": found.summary(),
             "causes": [group_dict(g) for g in found.causes],
             "groups": [group_dict(g) for g in found.groups], "forward": found.forward, "backward": found.backward,
-            "norm_check": found.norm_check}
+            "norm_check": found.norm_check, "peak": found.peak, "peak_at": list(found.peak_at or []) or None,
+            "thresholds": found.thresholds}
 
 
 def group_dict(group: Group) -> dict:

@@ -54,6 +54,10 @@ class SetResult:
     cannot be judged, far more float16 skips than the family)."""
     skipped_steps: int = 0
     """float16 steps its loss scaler skipped for an overflow."""
+    evidence: list[str] = field(default_factory=list)
+    """What failed it: "curves" (its judged observables, or a problem with them), "fingerprints"
+    (they part from the control's, or its logged norm is not its gradients'), "own noise" (its
+    curve far noisier than any noise control's); empty for a set that passed."""
     label: str = ""
     """The outcome in other words, when a [criterion] judged the set as a point of a sweep
     ("meets criterion" / "misses criterion": a measurement, not a pass or a failure)."""
