@@ -10,19 +10,35 @@ and for every transformer block, over all the tokens of the global batch:
     output_rms    the root mean square of the block's output (the residual stream it hands on)
     grad_rms      the root mean square of the loss gradient with respect to that output (what
                   flows into the block in backward)
+    attention_rms the root mean square of the attention branch's output (what the attention adds
+                  to the residual stream, after `wo`, before the residual add)
+    ffn_rms       the same of the feed-forward branch (after `w2`)
+so a forward bug inside a block shows in the first of its two branches that it reaches, with
+every block before it unchanged.
 
 Every figure is a global one computed without gathering a tensor: each rank adds the squares of
 its own elements in float64 (a parameter's shard counts once, its replicated copies do not, as in
-the global gradient norm: trainer.optim.counted_part; a block's output is split over the
-sequence, the batch and the pipeline, so every rank's elements are distinct), and one all-reduce
-of all the sums over every rank gives the same numbers in every layout. Blocks inside a group of
-reduced-sync TP hand on a partial stream (trainer/parallel/reduced_sync.py): they have none.
+the global gradient norm: trainer.optim.counted_part; a block's output and branches are split
+over the sequence, the batch and the pipeline, so every rank's elements are distinct; under TP
+with sequence parallelism the branches leave `wo` and `w2` reduce-scattered over the sequence),
+and one all-reduce of all the sums over every rank gives the same numbers in every layout.
+Gradient accumulation and pipeline microbatches add up over the step. The blocks hand their
+branches to the probe as extra outputs, only at a recorded step: a compiled block has one graph
+for those steps and its usual one for the others, and activation checkpointing's recomputation
+in backward, whose outputs go nowhere, adds nothing.
+
+Reduced-sync TP (trainer/parallel/reduced_sync.py): blocks inside a group hand on a partial
+stream, so they have no output or gradient RMS (null); the blocks that end a group have them.
+No block has branch figures there (null): each rank's attention and FFN outputs are its partial
+sums, whose sum is never formed (forming it would add the collectives the mode removes).
 
 The logging rank appends one JSON line per recorded step to <dump_folder>/fingerprints.jsonl:
     {"step": 3, "skipped": false,
      "grad_norm": {"layers.0.attention.wq.weight": 0.0123, ...}, "update_norm": {...},
-     "param_norm": {...}, "output_rms": {"0": 1.02, ...}, "grad_rms": {"0": 3.1e-05, ...}}
-A value that is not finite (an overflowed float16 step) is written as null.
+     "param_norm": {...}, "output_rms": {"0": 1.02, ...}, "grad_rms": {"0": 3.1e-05, ...},
+     "attention_rms": {"0": 0.011, ...}, "ffn_rms": {"0": 0.009, ...}}
+A value that is not finite (an overflowed float16 step) is written as null. Files written before
+the branch figures existed lack attention_rms and ffn_rms; they read as before.
 """
 
 from __future__ import annotations
@@ -34,9 +50,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
 from trainer.optim import NormReduction, counted_part
-from trainer.run_record import FINGERPRINTS_FILE, PARAMETER_QUANTITIES
+from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
 from trainer.safe_writes import append_text
 
 
@@ -46,41 +63,61 @@ def is_recorded(step: int, first: int, every: int) -> bool:
 
 
 class BlockProbe:
-    """Adds up, while active, the squares and element counts of each block's output (forward) and
-    of the gradient reaching that output (backward), over every microbatch of a step. Installed
-    as Transformer.block_probe on every pipeline stage of this rank."""
+    """Adds up, while active, the squares and element counts of each block's output (forward), of
+    the gradient reaching that output (backward), and of the block's attention and feed-forward
+    branches (forward), over every microbatch of a step. Installed as Transformer.block_probe on
+    every pipeline stage of this rank."""
+
+    # The columns of `sums`, per block: a sum of squares and its element count for each quantity.
+    OUTPUT, GRAD, ATTENTION, FFN = 0, 2, 4, 6
+    COLUMNS = 8
 
     def __init__(self, block_names: list[str], device: torch.device):
         self.row = {name: i for i, name in enumerate(block_names)}
-        # Per block: output sum of squares, output elements, gradient sum of squares, gradient elements.
-        self.sums = torch.zeros(len(block_names), 4, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(len(block_names), self.COLUMNS, dtype=torch.float64, device=device)
         self.active = False
 
-    def __call__(self, name: str, output) -> None:
-        if not self.active or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
-            return  # inactive, an evaluation pass, or a partial stream inside a reduced-sync group
-        local = self._counted(output)
-        if local is None:
+    @property
+    def recording(self) -> bool:
+        """Whether this forward pass counts: not when inactive, nor in an evaluation pass. The
+        model asks the blocks for their branches only then."""
+        return self.active and torch.is_grad_enabled()
+
+    def __call__(self, name: str, output, attention: torch.Tensor | None = None,
+                 ffn: torch.Tensor | None = None) -> None:
+        """A block's output (a pair, not a tensor, inside a reduced-sync group: a partial stream,
+        not counted) and, at a recorded step, its two branches (None under reduced sync)."""
+        if not self.recording:
             return
         row = self.row[name]
-        self.sums[row, 0] += local.detach().double().square().sum()
-        self.sums[row, 1] += local.numel()
-        if output.requires_grad:
+        self._add(row, self.ATTENTION, attention)
+        self._add(row, self.FFN, ffn)
+        if isinstance(output, torch.Tensor) and self._add(row, self.OUTPUT, output) and output.requires_grad:
             output.register_hook(partial(self._add_gradient, row))
 
     def _add_gradient(self, row: int, grad: torch.Tensor) -> None:
-        local = self._counted(grad)
-        if local is not None:
-            self.sums[row, 2] += local.detach().double().square().sum()
-            self.sums[row, 3] += local.numel()
+        self._add(row, self.GRAD, grad)  # returns None: the hook leaves the gradient as it is
+
+    def _add(self, row: int, column: int, tensor: torch.Tensor | None) -> bool:
+        """Add this rank's part of `tensor` to `sums`; False when this rank counts nothing of it."""
+        local = self._counted(tensor) if tensor is not None else None
+        if local is None:
+            return False
+        self.sums[row, column] += local.detach().double().square().sum()
+        self.sums[row, column + 1] += local.numel()
+        return True
 
     @staticmethod
     def _counted(tensor: torch.Tensor) -> torch.Tensor | None:
         """The elements this rank counts: all of a plain tensor (split over sequence, batch or
-        pipeline); a DTensor's shard unless it is another rank's replica."""
-        if hasattr(tensor, "to_local"):
-            return counted_part(tensor, tensor.device_mesh.size())
-        return tensor
+        pipeline); a DTensor's shard unless it is another rank's replica. A DTensor of partial
+        sums (a row-parallel projection left unreduced) is summed first: the squares of the
+        parts do not add up to the square of their sum."""
+        if not hasattr(tensor, "to_local"):
+            return tensor
+        if any(p.is_partial() for p in tensor.placements):
+            tensor = tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
+        return counted_part(tensor, tensor.device_mesh.size())
 
 
 class FingerprintRecorder:
@@ -124,7 +161,7 @@ class FingerprintRecorder:
         keep this rank's part of each parameter to measure the update by."""
         self.probe.active = False
         if loss_scale is not None:  # the probe's gradients carry the scale too
-            self.probe.sums[:, 2] /= loss_scale ** 2
+            self.probe.sums[:, BlockProbe.GRAD] /= loss_scale ** 2
         rows, grads, self._counted, self._before = [], [], [], []
         for name, p in self.parameters:
             value = counted_part(p, self.reduce.ranks_per_stage)
@@ -159,12 +196,13 @@ class FingerprintRecorder:
     def _write(self, step: int, skipped: bool, totals: torch.Tensor) -> None:
         n = len(self.names)
         params = totals[: 3 * n].view(n, 3).tolist()
-        blocks = totals[3 * n:].view(len(self.blocks), 4).tolist()
+        blocks = totals[3 * n:].view(len(self.blocks), BlockProbe.COLUMNS).tolist()
         line = {"step": step, "skipped": skipped}
         for column, quantity in enumerate(PARAMETER_QUANTITIES):
             line[quantity] = {name: finite(math.sqrt(row[column])) for name, row in zip(self.names, params)}
-        line["output_rms"] = {name: rms(row[0], row[1]) for name, row in zip(self.blocks, blocks)}
-        line["grad_rms"] = {name: rms(row[2], row[3]) for name, row in zip(self.blocks, blocks)}
+        columns = (BlockProbe.OUTPUT, BlockProbe.GRAD, BlockProbe.ATTENTION, BlockProbe.FFN)
+        for column, quantity in zip(columns, BLOCK_QUANTITIES + BRANCH_QUANTITIES):
+            line[quantity] = {name: rms(row[column], row[column + 1]) for name, row in zip(self.blocks, blocks)}
         append_text(self.path, json.dumps(line) + "\n")  # never through a link (trainer/safe_writes.py)
 
 

@@ -66,6 +66,9 @@ FINGERPRINTS_FILE = "fingerprints.jsonl"  # trainer/fingerprints.py: kept with m
 # What a line of fingerprints.jsonl holds besides its step: per parameter, and per block.
 PARAMETER_QUANTITIES = ("grad_norm", "update_norm", "param_norm")
 BLOCK_QUANTITIES = ("output_rms", "grad_rms")
+# Per block too: what its attention and its FFN add to the residual stream. Files written before
+# they were recorded lack them; a reader takes a missing one as not recorded.
+BRANCH_QUANTITIES = ("attention_rms", "ffn_rms")
 STEP_FILES = (METRICS_FILE, FINGERPRINTS_FILE)  # one line per step
 PREVIOUS_DIR = "previous"
 FORMAT = 2

@@ -91,7 +91,7 @@ def test_fingerprints_on_the_device_add_up_to_the_logged_norm(tmp_path, figure, 
     steps = step_records(tmp_path)
     assert [p["step"] for p in prints] == [1, 2, 3]
     for p in prints:
-        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms"):
+        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms", "attention_rms", "ffn_rms"):
             assert all(v is not None and math.isfinite(v) and v > 0 for v in p[quantity].values()), quantity
         total = math.sqrt(sum(v * v for v in p["grad_norm"].values()))
         assert total == pytest.approx(steps[p["step"]]["grad_norm"], rel=1e-9)

@@ -6,9 +6,9 @@ HSDP set is compared with FSDP over 4 ranks at local batch 2 (the same global ba
 Targets (ARCHITECTURE.md): step-1 |loss diff| <= 1e-5, max |loss diff| over the 20 steps
 <= 1e-4, step-1 grad-norm relative diff <= 1e-5. Every run records per-module fingerprints
 (metrics.fingerprints, steps 1-4): each parameter's gradient, update and value norm and each
-block's output and gradient RMS must agree with the control's to 1e-4 relative (the worst measured
-is about 1e-5, an update norm of a norm weight), and the gradient norms must add up to the
-logged global norm.
+block's output, gradient, attention-branch and FFN-branch RMS must agree with the control's to 1e-4
+relative (the worst measured is about 1e-5, an update norm of a norm weight), and the gradient
+norms must add up to the logged global norm.
 
 The layouts of the convergence protocol's cpu_smoke plan (FSDP+TP+PP, FSDP+TP+CP+PP, FSDP+CP, full
 AC; 8, 16, 4 and 2 processes) are checked against the same targets over the same 20 steps by
@@ -169,7 +169,7 @@ def worst_fingerprint_difference(control: list[dict], test: list[dict]) -> tuple
     """The largest relative difference between two runs' fingerprints, and where it is."""
     worst, where = 0.0, ""
     for a, b in zip(control, test):
-        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms"):
+        for quantity in ("grad_norm", "update_norm", "param_norm", "output_rms", "grad_rms", "attention_rms", "ffn_rms"):
             assert a[quantity].keys() == b[quantity].keys(), quantity
             for entry, x in a[quantity].items():
                 difference = abs(b[quantity][entry] - x) / abs(x)

@@ -107,8 +107,9 @@ def test_pipeline_stages_train_the_same_model(tmp_path):
 
 def test_fingerprints_leave_out_the_partial_streams_inside_a_group(tmp_path):
     """metrics.fingerprints under grouped syncs: a block inside a group hands on a partial stream,
-    so it has no activation figures (null); the blocks that end a group have them, and every
-    parameter's gradient norm is recorded and adds up to the logged global norm."""
+    so it has no output or gradient figures (null); the blocks that end a group have them. No block
+    has branch figures (each rank's attention and FFN outputs are partial sums). Every parameter's
+    gradient norm is recorded and adds up to the logged global norm."""
     result = launch(2, [*TINY_JOB, "--training.steps", "2", *TP2, *GROUPED_2, "--metrics.fingerprints",
                         "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 0, describe(result)
@@ -116,5 +117,7 @@ def test_fingerprints_leave_out_the_partial_streams_inside_a_group(tmp_path):
     for line in map(json.loads, (tmp_path / "fingerprints.jsonl").open()):
         for quantity in ("output_rms", "grad_rms"):
             assert [name for name, value in line[quantity].items() if value is None] == ["0", "2"], line[quantity]
+        for quantity in ("attention_rms", "ffn_rms"):
+            assert line[quantity] == {"0": None, "1": None, "2": None, "3": None}, line[quantity]
         total = sum(value ** 2 for value in line["grad_norm"].values()) ** 0.5
         assert total == pytest.approx(norms[line["step"]], rel=1e-9)

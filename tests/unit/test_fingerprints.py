@@ -1,7 +1,9 @@
 """Per-module fingerprints (trainer/fingerprints.py) in one process: each figure against its
 definition computed directly from the model, the float16 loss scale taken out, the steps chosen,
-and the file kept with metrics.jsonl on resume. Their agreement across parallel layouts is checked
-by tests/integration/test_parallel_parity.py."""
+and the file kept with metrics.jsonl on resume; the blocks' branch figures counted once under
+activation checkpointing, the same when the blocks are compiled, and naming the block of a bug
+inside its attention. Their agreement across parallel layouts is checked by
+tests/integration/test_parallel_parity.py and tests/integration/test_branch_fingerprints.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import json
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from trainer import run_record
 from trainer.config.manager import ConfigError, load_config, with_default_config
@@ -16,6 +20,9 @@ from trainer.fingerprints import FingerprintRecorder, is_recorded, parameter_nam
 from trainer.loss import cross_entropy_sum
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.optim import NormReduction
+from trainer.parallel.checkpointing import apply_ac
+from trainer.parallel.compile import apply_compile
+from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES
 
 
 def tiny_model() -> Transformer:
@@ -40,42 +47,62 @@ def train_step(model: Transformer, recorder: FingerprintRecorder, tokens: torch.
     recorder.finish(step, skipped=False)
 
 
+def keep_activations(model: Transformer, scale: float | None) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """quantity -> block -> every microbatch's tensor, whole, kept by hooks on the modules (not
+    through the probe): each block's output and the gradient reaching it, and what its attention
+    and its feed-forward return."""
+    kept = {quantity: {} for quantity in (*BLOCK_QUANTITIES, *BRANCH_QUANTITIES)}
+
+    def keeper(quantity, name):
+        def hook(module, inputs, output):
+            output = output[0] if isinstance(output, tuple) else output  # a block asked for its branches
+            kept[quantity].setdefault(name, []).append(output.detach())
+            if quantity == "output_rms":
+                output.register_hook(lambda g: kept["grad_rms"].setdefault(name, []).append(g / (scale or 1.0)))
+        return hook
+
+    for name, block in model.layers.items():
+        block.register_forward_hook(keeper("output_rms", name))
+        block.attention.register_forward_hook(keeper("attention_rms", name))
+        block.feed_forward.register_forward_hook(keeper("ffn_rms", name))
+    return kept
+
+
+def recorder_of(model: Transformer, folder) -> FingerprintRecorder:
+    return FingerprintRecorder(model, [model], NormReduction(), parameter_names(model.args), model.args.n_layers,
+                               first=4, every=0, folder=folder, device=torch.device("cpu"))
+
+
 def record(tmp_path, scale: float | None) -> tuple[dict, dict]:
     """(the line the recorder wrote, the same figures computed directly) for one step."""
     torch.manual_seed(0)
     model = tiny_model()
     tokens = torch.randint(0, model.args.vocab_size, (4, 17))
-    outputs, grads = {}, {}
-
-    def keep(name, output):  # the block outputs and their gradients, whole
-        outputs.setdefault(name, []).append(output.detach())
-        output.register_hook(lambda g: grads.setdefault(name, []).append(g / (scale or 1.0)))
-
-    recorder = FingerprintRecorder(model, [model], NormReduction(), parameter_names(model.args), model.args.n_layers,
-                                   first=4, every=0, folder=tmp_path, device=torch.device("cpu"))
+    kept = keep_activations(model, scale)
+    recorder = recorder_of(model, tmp_path)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    probe = recorder.probe
-    model.block_probe = lambda name, output: (keep(name, output), probe(name, output))
     train_step(model, recorder, tokens, scale)
     line = json.loads((tmp_path / "fingerprints.jsonl").read_text())
     direct = {
         "grad_norm": {n: p.grad.double().norm().item() for n, p in model.named_parameters()},
         "update_norm": {n: (p.detach() - before[n]).double().norm().item() for n, p in model.named_parameters()},
         "param_norm": {n: p.detach().double().norm().item() for n, p in model.named_parameters()},
-        "output_rms": {n: torch.cat(v).double().square().mean().sqrt().item() for n, v in outputs.items()},
-        "grad_rms": {n: torch.cat(v).double().square().mean().sqrt().item() for n, v in grads.items()},
     }
+    for quantity, blocks in kept.items():
+        direct[quantity] = {n: torch.cat(v).double().square().mean().sqrt().item() for n, v in blocks.items()}
     return line, direct
 
 
 @pytest.mark.parametrize("scale", [None, 1024.0])
 def test_each_figure_is_its_definition(tmp_path, scale):
-    """Gradient, update and value norms per parameter; RMS of each block's output and of the
-    gradient reaching it over both microbatches; under a float16 loss scale, the unscaled figures."""
+    """Gradient, update and value norms per parameter; RMS of each block's output, of the
+    gradient reaching it and of its attention and feed-forward branches over both microbatches;
+    under a float16 loss scale, the unscaled figures."""
     line, direct = record(tmp_path, scale)
     assert line["step"] == 1 and line["skipped"] is False
     assert list(line["grad_norm"]) == [name for name, _ in tiny_model().named_parameters()]
-    assert list(line["output_rms"]) == ["0", "1", "2", "3"]
+    for quantity in (*BLOCK_QUANTITIES, *BRANCH_QUANTITIES):
+        assert list(line[quantity]) == ["0", "1", "2", "3"], quantity
     for quantity, expected in direct.items():
         assert line[quantity].keys() == expected.keys(), quantity
         for entry, value in expected.items():
@@ -85,8 +112,7 @@ def test_each_figure_is_its_definition(tmp_path, scale):
 
 def test_the_probe_records_only_a_recorded_training_pass(tmp_path):
     model = tiny_model()
-    recorder = FingerprintRecorder(model, [model], NormReduction(), parameter_names(model.args), model.args.n_layers,
-                                   first=1, every=0, folder=tmp_path, device=torch.device("cpu"))
+    recorder = recorder_of(model, tmp_path)
     tokens = torch.randint(0, model.args.vocab_size, (2, 9))
     model(tokens).sum().backward()  # not started: nothing counted
     assert recorder.probe.sums.abs().sum() == 0
@@ -94,6 +120,80 @@ def test_the_probe_records_only_a_recorded_training_pass(tmp_path):
     with torch.no_grad():  # an evaluation pass inside a recorded step counts nothing either
         model(tokens)
     assert recorder.probe.sums.abs().sum() == 0
+
+
+ACTIVATIONS = ("output_rms", "grad_rms", *BRANCH_QUANTITIES)
+
+
+def step_line(model: Transformer, folder, steps: int = 1) -> dict:
+    """The fingerprints of `steps` recorded steps (the same batch each time), by block."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, model.args.vocab_size, (4, 17))
+    folder.mkdir()
+    recorder = recorder_of(model, folder)
+    for step in range(1, steps + 1):
+        train_step(model, recorder, tokens, None, step)
+    return [json.loads(line) for line in (folder / "fingerprints.jsonl").open()]
+
+
+@pytest.mark.parametrize("mode, option", [("full", "1"), ("selective", "op"), ("selective", "2")])
+def test_a_recomputing_block_counts_once(tmp_path, mode, option):
+    """Activation checkpointing runs a block's forward again in backward; the figures are those of
+    the same model without it, not twice its sums of squares."""
+    plain = step_line(tiny_model(), tmp_path / "plain")[0]
+    model = tiny_model()
+    apply_ac(model, mode, option)
+    calls = {"n": 0}
+    model.layers["0"].attention.register_forward_hook(lambda *_: calls.update(n=calls["n"] + 1))
+    recomputed = step_line(model, tmp_path / "recomputed")[0]
+    assert calls["n"] == 4  # 2 microbatches, each run in forward and again in backward
+    for quantity in ACTIVATIONS:
+        for block, value in plain[quantity].items():
+            assert recomputed[quantity][block] == pytest.approx(value, rel=1e-12), (quantity, block)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path, ac):
+    """A compiled block hands its branches on as graph outputs at a recorded step (a second graph,
+    no break); an unrecorded step between two recorded ones runs the first graph. aot_eager:
+    AOTAutograd's tracing with torch's kernels, so the figures equal eager's."""
+    eager = step_line(tiny_model(), tmp_path / "eager")[0]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = tiny_model()
+        apply_ac(model, ac, "1")
+        apply_compile(model, "aot_eager")
+        first = step_line(model, tmp_path / "compiled")[0]
+        graphs = counters["stats"]["unique_graphs"]
+        torch.manual_seed(1)
+        model(torch.randint(0, model.args.vocab_size, (2, 16))).sum().backward()  # not recorded
+        assert counters["stats"]["unique_graphs"] == graphs + 1  # the graph without the branches
+        model.zero_grad()
+        step_line(model, tmp_path / "again")  # recorded again: no new graph
+        assert counters["stats"]["unique_graphs"] == graphs + 1
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    for quantity in ACTIVATIONS:
+        for block, value in eager[quantity].items():
+            assert first[quantity][block] == pytest.approx(value, rel=1e-6), (quantity, block)
+
+
+def test_a_bug_inside_one_attention_names_its_block(tmp_path, monkeypatch):
+    """The attention output of block 2 scaled by 1.01: that block's attention RMS moves by 1%, and
+    every figure of the forward pass before it is unchanged (bit for bit)."""
+    clean = step_line(tiny_model(), tmp_path / "clean")[0]
+    model = tiny_model()
+    attention = model.layers["2"].attention
+    forward = attention.forward
+    monkeypatch.setattr(attention, "forward", lambda *args, **kwargs: forward(*args, **kwargs) * 1.01)
+    buggy = step_line(model, tmp_path / "buggy")[0]
+    for block in ("0", "1"):
+        for quantity in ("output_rms", *BRANCH_QUANTITIES):
+            assert buggy[quantity][block] == clean[quantity][block], (quantity, block)
+    assert buggy["attention_rms"]["2"] == pytest.approx(1.01 * clean["attention_rms"]["2"], rel=1e-6)
+    assert buggy["output_rms"]["2"] != clean["output_rms"]["2"]
 
 
 def test_a_tied_model_names_its_one_weight_once():

@@ -221,16 +221,29 @@ class TransformerBlock(nn.Module):
         # it, which may pass a group's partial residual stream on (trainer/parallel/reduced_sync.py).
         self.sync = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None,
+                branches: bool = False):
+        """The block's output; with `branches`, (output, attention branch, feed-forward branch):
+        what the attention and the FFN add to the residual stream, detached, for
+        metrics.fingerprints (None under reduced sync, where each rank holds a partial sum)."""
         if self.recompute is not None:
-            return self.recompute(self.compute, x, rope, documents)
-        return self.compute(x, rope, documents)
+            return self.recompute(self.compute, x, rope, documents, branches)
+        return self.compute(x, rope, documents, branches)
 
-    def compute(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None,
+                branches: bool = False):
+        # The branches are returned rather than handed to a probe here: a compiled block then
+        # traces one more graph for the steps that ask (no graph break, and the graph of the
+        # other steps is unchanged), and the recomputation of activation checkpointing, whose
+        # outputs are discarded, cannot count them a second time.
         if self.sync is not None:
-            return self.sync(self, x, rope, documents)
-        h = x + self.attention(self.attention_norm(x), rope, documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+            out = self.sync(self, x, rope, documents)
+            return (out, None, None) if branches else out
+        attention = self.attention(self.attention_norm(x), rope, documents)
+        h = x + attention
+        ffn = self.feed_forward(self.ffn_norm(h))
+        out = h + ffn
+        return (out, attention.detach(), ffn.detach()) if branches else out
 
 
 class Transformer(nn.Module):
@@ -254,8 +267,10 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.embeds_tokens = True  # False on pipeline stages that take the hidden state
-        # Called with each block's name and output (metrics.fingerprints, trainer/fingerprints.py);
-        # it runs here, outside the blocks, which may be compiled or recompute their forward.
+        # Called with each block's name and output, and while its `recording` is true with the
+        # block's attention and feed-forward branches too (metrics.fingerprints,
+        # trainer/fingerprints.py); it runs here, outside the blocks, which may be compiled or
+        # recompute their forward.
         self.block_probe = None
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
 
@@ -266,10 +281,16 @@ class Transformer(nn.Module):
         within documents only."""
         tied = self._tied_weight_cast()
         h = self.tok_embeddings(tokens, tied) if self.embeds_tokens else tokens
+        probe = self.block_probe
+        branches = probe is not None and probe.recording
         for name, block in self.layers.items():
-            h = block(h, self.freqs_cis, documents)
-            if self.block_probe is not None:
-                self.block_probe(name, h)
+            if branches:
+                h, attention, ffn = block(h, self.freqs_cis, documents, branches=True)
+                probe(name, h, attention, ffn)
+            else:
+                h = block(h, self.freqs_cis, documents)
+                if probe is not None:
+                    probe(name, h)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h, tied) if self.output is not None else h
 
