@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,7 +102,9 @@ def test_the_real_corpus_is_prepared_once_and_reused_without_tokenizing(cache, m
     assert sorted(p.name for p in cache.folder.parent.iterdir()) == [cache.folder.name, cache.folder.name + ".lock"]
     assert json.loads((cache.folder / "corpus.json").read_text())["corpus"] == ident
     # Paths in the manifest name the final folder, not the temporary one it was written in.
-    assert cache.manifest["tokenizer"]["file"] == str(cache.folder.resolve() / "tokenizer" / "tokenizer.json")
+    assert cache.manifest["tokenizer"]["file"] == os.path.join(os.path.abspath(cache.folder), "tokenizer",
+                                                               "tokenizer.json")
+    assert cache.manifest["sources"][0]["path"] == os.path.join(os.path.abspath(cache.folder), "corpus.jsonl")
     use_cache(monkeypatch, cache)
 
     def refuse(*args, **kwargs):
@@ -155,7 +156,7 @@ def test_the_source_is_named_and_fingerprinted_by_the_corpus_and_masks_documents
     assert (train.name, validation.name) == ("python_stdlib:train", "python_stdlib:validation")
     assert document_eos(config, train) == 1
     fingerprint = train.fingerprint()
-    assert fingerprint["corpus_sha256"] == cache.identity["sha256"] and fingerprint["python"] == cache.identity["python"]
+    assert (fingerprint["corpus_sha256"], fingerprint["python"]) == (cache.identity["sha256"], cache.identity["python"])
     assert str(cache.folder) not in json.dumps(fingerprint)  # the same corpus wherever its cache is
     assert train.describe()["corpus_sha256"] == cache.identity["sha256"]
     rows = train.rows(0, 4, 65)

@@ -346,7 +346,8 @@ def test_a_byte_level_bpe_smaller_than_the_bytes_keeps_the_most_frequent_and_an_
     distinct = sorted(set("".join(text).encode()))
     for vocab in (100, 20):
         tokenizer = load_tokenizer(train_hf_tokenizer([str(tmp_path / "c.jsonl")], str(tmp_path / f"v{vocab}"), vocab))
-        assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == ("huggingface", vocab, 0, 1)
+        assert (tokenizer.kind, tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == ("huggingface", vocab, 0,
+                                                                                              1)
         assert tokenizer.added == [] and tokenizer._tok.token_to_id("<unk>") == 2
         ids = tokenizer.encode_document(text[0])
         assert ids[0] == 0 and ids[-1] == 1 and max(ids) < vocab

@@ -14,7 +14,7 @@ raises DataExhausted past the end of a finite source that does not wrap.
 | synthetic_context | synthetic_context.SyntheticContextSource | other rows of the same process        |
 | files, c4_test | finite_sources.TokenArraySource         | documents whose text hashes below the held-out fraction |
 | shards         | finite_sources.ShardSource              | the folder's validation shards (same rule, applied when prepared) |
-| python_stdlib  | finite_sources.ShardSource over python_corpus's cache | its documents whose text hashes below the held-out fraction |
+| python_stdlib  | finite_sources.ShardSource (python_corpus's cache) | documents hashing below the held-out fraction |
 | hub name or id | text_sources.StreamingTextSource        | the dataset's 'validation' split (one lane, in order) |
 
 `c4_test` is the name torchtitan's configs give its 2,000-document sample of C4, a JSON-lines

@@ -248,7 +248,7 @@ def _relocate(shards: Path, work: Path, final: Path) -> dict:
     digest covers the content only, so it stays the same."""
     path = shards / "manifest.json"
     manifest = json.loads(path.read_text())
-    old, new = str(work.resolve()), str(final.resolve())
+    old, new = os.path.abspath(work), os.path.abspath(final)  # as prepare wrote them
 
     def moved(value: str) -> str:
         return new + value[len(old):] if value.startswith(old + os.sep) else value
