@@ -60,13 +60,37 @@ def node_problems(plan: Plan, nproc: int, label: str) -> list[str]:
     return []
 
 
-def trainer_problems(argv: list[str], nproc: int | None, label: str) -> list[str]:
-    """What the launcher's own checks (config loading, preflight) say about one launch."""
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def precision_problems(config, label: str, mode: str) -> list[str]:
+    """Exact mode judges runs that agree to float32 rounding (1e-4 in the loss): a run computing
+    in bfloat16 or float16 differs from the control by its rounding from the first step, so its
+    verdict would say nothing about the layout."""
+    if mode != "exact":
+        return []
+    settings = {"training.mixed_precision_param": config.training.mixed_precision_param,
+                "training.dtype": config.training.dtype}
+    low = {key: value for key, value in settings.items() if value in LOW_PRECISION}
+    if not low:
+        return []
+    named = " and ".join(f"{key} = {value!r}" for key, value in low.items())
+    return [f"{label}: {named}: [tolerance] mode = \"exact\" needs float32 compute, where correct layouts agree to "
+            f"rounding (1e-4); in {next(iter(low.values()))} they differ by far more from the first step. Set mode = "
+            "\"statistical\" (noise controls measure that rounding), or compute in float32"]
+
+
+def trainer_problems(argv: list[str], nproc: int | None, label: str, mode: str = "statistical") -> list[str]:
+    """What the launcher's own checks (config loading, preflight) say about one launch, and
+    whether its precision suits the plan's tolerance mode."""
     from trainer.config.manager import ConfigError, load_config
     from trainer.preflight import plan_run
 
     try:
         config = load_config(argv)
+        precision = precision_problems(config, label, mode)
+        if precision:
+            return precision
         if nproc is not None:
             plan_run(config, nproc)
     except ConfigError as e:
@@ -98,7 +122,8 @@ def spec_problems(plan: Plan, spec: RunSpec, clean: bool) -> list[str]:
     role = "control" if spec is plan.control else "test"
     launch = run_launch(plan, spec, spec.name, role)
     argv = run_args(plan, spec, launch.output, with_seed=False)
-    return node_problems(plan, launch.nproc, spec.label) + trainer_problems(argv, launch.nproc, spec.label)
+    return node_problems(plan, launch.nproc, spec.label) + trainer_problems(argv, launch.nproc, spec.label,
+                                                                            plan.tolerance.mode)
 
 
 def name_problems(names: Sequence[tuple[str, str]]) -> list[str]:

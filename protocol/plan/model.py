@@ -289,6 +289,14 @@ def slugify(name: str) -> str:
 # What every training run of a plan records unless the plan says otherwise: per-module
 # fingerprints, which the comparison uses to say where a set parts from the control.
 RUN_DEFAULTS = {"metrics.fingerprints": True}
+# Exact mode compares runs that must agree to float32 rounding: its runs compute in float32
+# wherever they run ("auto" would be bfloat16 on a GPU). A plan that asks for a lower precision
+# is refused (protocol.plan.checks.precision_problems).
+EXACT_DEFAULTS = {"training.mixed_precision_param": "float32"}
+
+
+def run_defaults(plan: "Plan") -> dict[str, Any]:
+    return {**RUN_DEFAULTS, **(EXACT_DEFAULTS if plan.tolerance.mode == "exact" else {})}
 
 
 def common_args(plan: Plan, output: Path, seed: int, own: dict[str, Any] | None = None,
@@ -341,7 +349,7 @@ def run_args(plan: Plan, spec: RunSpec, output: Path, name: str | None = None, w
     degrees = resolved_degrees(plan, spec)
     local = spec.local_batch_size or plan.local_batch_size
     global_batch = plan.global_batch_size if plan.batch == "global" else -1
-    args = common_args(plan, output, plan.seed, spec.overrides, RUN_DEFAULTS)
+    args = common_args(plan, output, plan.seed, spec.overrides, run_defaults(plan))
     args += ["--training.steps", str(plan.steps)]
     if plan.warmup_steps is not None:
         args += ["--lr_scheduler.warmup_steps", str(plan.warmup_steps)]

@@ -11,21 +11,22 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.verdict.fingerprints import BLOCK_QUANTITIES, LAYER, pattern_of
+from protocol.verdict.fingerprints import ACTIVATIONS, LAYER, pattern_of
 
 OUTSIDE = "outside blocks"
 # Columns: the block activations, then each module's gradient, update and weight norm.
-ACTIVATION_COLUMNS = (("output_rms", "block output RMS"), ("grad_rms", "block gradient RMS"))
+ACTIVATION_COLUMNS = (("attention_rms", "attention output RMS"), ("ffn_rms", "feed-forward output RMS"),
+                      ("output_rms", "block output RMS"), ("grad_rms", "block gradient RMS"))
 QUANTITY_SHORT = {"grad_norm": "grad", "update_norm": "update", "param_norm": "weight"}
 
 
 def layout(scores: dict[tuple[str, str], float]) -> tuple[list[str], list[tuple[str, str, str]]]:
     """(row names, columns as (quantity, module, label)) of the entries that have a score."""
-    blocks = sorted({entry for quantity, entry in scores if quantity in BLOCK_QUANTITIES}, key=int)
+    blocks = sorted({entry for quantity, entry in scores if quantity in ACTIVATIONS}, key=int)
     modules: list[str] = []
     outside = False
     for quantity, entry in scores:
-        if quantity in BLOCK_QUANTITIES:
+        if quantity in ACTIVATIONS:
             continue
         module = pattern_of(quantity, entry)[0].removeprefix("layers.*.").removesuffix(".weight")
         outside |= LAYER.match(entry) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from protocol.verdict.fingerprint_noise import FALSE_FAIL
 from protocol.report.findings import lr_cell
 from protocol.report.formats import fmt_diff, fmt_p, fmt_share, fmt_sigmas, markdown_table
 from protocol.verdict.decision import SAY_NOISIER, ObservableVerdict
@@ -46,7 +47,9 @@ def false_fail_lines(comparison: Comparison) -> list[str]:
     return [f"False fails: were every set correct, this plan would fail by chance with probability at most "
             f"{fmt_share(comparison.plan_false_fail)} (Holm's step-down over its {judged} judged observables at the "
             f"plan's level {comparison.tolerance.plan_false_fail:g}, under the bounds applied below)"
-            + (f"; each correct set on its own: {own}." if own else "."), ""]
+            + (f"; each correct set on its own: {own}." if own else ".")
+            + (f" Their fingerprints add at most {FALSE_FAIL:.0%} (a family-wise threshold over every entry of every "
+               "recorded step of every set)." if comparison.fingerprints else ""), ""]
 
 
 def verdict_cell(v: ObservableVerdict) -> str:

@@ -14,7 +14,8 @@ says where a set parts from the control. A fingerprint beyond its tolerance (exa
 its own rounding noise times the plan's family-wise threshold (statistical mode), or a logged
 gradient norm that is not the norm of the run's own gradients, fails the set. In statistical mode a
 set whose curve is far noisier than any noise control's (OWN_NOISE_FAILS times the family's noise
-SD) fails too: its own noise is evidence. Each failed set names the evidence that failed it
+SD) fails too: its own noise is evidence (but for a float16 set that skipped steps for an overflow,
+whose missed updates explain it). Each failed set names the evidence that failed it
 (SetResult.evidence): curves, fingerprints, own noise, or several.
 
 Sets may be positive controls (``expect = "fail"``, e.g. a learning rate 5% off): they must fail.
@@ -109,7 +110,9 @@ def add_evidence(results: list[SetResult], localized: dict, mode: str) -> None:
         why = fingerprint_failure(where) if where is not None else None
         if why:
             found.append(("fingerprints", why))
-        if mode == "statistical":
+        # A float16 set that skipped steps for an overflow has missed updates the family made (or
+        # made ones it missed): a trajectory of its own that its noise shows, and not a fault.
+        if mode == "statistical" and not result.skipped_steps:
             found += [("own noise", f"own noise: its {o.observable}'s own noise raised sigma {o.noise_ratio:.1f}x (to "
                                     f"{o.noise_sd:.2e} from the family's {o.family_noise_sd:.2e}), beyond "
                                     f"{OWN_NOISE_FAILS:g}x, which correct layouts stay below")

@@ -34,11 +34,13 @@ from pathlib import Path
 
 from protocol.verdict.fingerprint_noise import FLOOR as STATISTICAL_FLOOR
 from protocol.verdict.fingerprint_noise import NoiseModel, family_threshold, fit_noise, score
-from trainer.run_record import BLOCK_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
+from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
 
-QUANTITIES = PARAMETER_QUANTITIES + BLOCK_QUANTITIES
+ACTIVATIONS = BLOCK_QUANTITIES + BRANCH_QUANTITIES  # per block
+QUANTITIES = PARAMETER_QUANTITIES + ACTIVATIONS
 LABELS = {"grad_norm": "gradient norm", "update_norm": "update norm", "param_norm": "weight norm",
-          "output_rms": "output RMS", "grad_rms": "gradient RMS"}
+          "output_rms": "output RMS", "grad_rms": "gradient RMS", "attention_rms": "attention output RMS",
+          "ffn_rms": "feed-forward output RMS"}
 EXACT_TOLERANCE = 1e-4
 NORM_CHECK_TOLERANCE = 1e-6  # float64 sums in two orders agree far better
 LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -65,7 +67,7 @@ def read_fingerprints(folder: Path) -> Prints | None:
 def pattern_of(quantity: str, entry: str) -> tuple[str, str | None]:
     """(module pattern, block): 'layers.3.attention.wq.weight' -> ('layers.*.attention.wq.weight',
     '3'); a block activation '3' -> ('block *', '3'); 'norm.weight' -> ('norm.weight', None)."""
-    if quantity in BLOCK_QUANTITIES:
+    if quantity in ACTIVATIONS:
         return "block *", entry
     match = LAYER.match(entry)
     if match is None:
@@ -263,7 +265,7 @@ def follows(group: Group, groups: list[Group]) -> bool:
     """Whether a group's deviation follows from another's: a parameter's update or weight from
     its own gradient (or its update), a norm weight's gradient from the gradient of a projection
     it feeds, in the same blocks; activations are told apart by `activation_story`."""
-    if group.quantity in BLOCK_QUANTITIES:
+    if group.quantity in ACTIVATIONS:
         return True
     deviating = {(g.quantity, g.pattern): g for g in groups}
     if group.pattern == "every parameter":
@@ -295,19 +297,24 @@ def merge_uniform(groups: list[Group], members: dict) -> list[Group]:
 
 
 def activation_story(scores: dict, control: dict) -> tuple[str, str]:
-    """How far the forward pass (block outputs, first block on) and the backward pass (the
-    gradient reaching each block's output, last block down) agree with the control."""
+    """How far the forward pass (block outputs, first block on; within a block, its attention
+    branch, then its feed-forward branch, where recorded) and the backward pass (the gradient
+    reaching each block's output, last block down) agree with the control."""
     blocks = sorted(control.get("output_rms", {}), key=int)
-    forward = [b for b in blocks if scores.get(("output_rms", b), 0.0) > 1]
-    backward = [b for b in reversed(blocks) if scores.get(("grad_rms", b), 0.0) > 1]
+    off = lambda quantity, block: scores.get((quantity, block), 0.0) > 1  # noqa: E731
+    forward = [b for b in blocks if off("output_rms", b) or any(off(q, b) for q in BRANCH_QUANTITIES)]
+    backward = [b for b in reversed(blocks) if off("grad_rms", b)]
     if not blocks:
         return "no block activations recorded", ""
     if not forward:
         says_forward = "every block's output agrees"
-    elif forward[0] == blocks[0]:
-        says_forward = f"the forward pass parts at block {forward[0]}'s output"
     else:
-        says_forward = f"the forward pass agrees up to block {blocks[blocks.index(forward[0]) - 1]} and parts at block {forward[0]}"
+        part, inside = forward[0], inside_block(forward[0], off, control)
+        if part != blocks[0]:
+            says_forward = f"the forward pass agrees up to block {blocks[blocks.index(part) - 1]} and parts at block {part}"
+        else:
+            says_forward = f"the forward pass parts at block {part}" + ("" if inside else "'s output")
+        says_forward += inside
     if not backward:
         says_backward = "so does the gradient reaching each block" if not forward else \
             "the gradient reaching each block agrees"
@@ -317,6 +324,17 @@ def activation_story(scores: dict, control: dict) -> tuple[str, str]:
         above = blocks[blocks.index(backward[0]) + 1]
         says_backward = f"the backward pass agrees down to block {above} and parts below it (block {above}'s backward)"
     return says_forward, says_backward
+
+
+def inside_block(block: str, off, control: dict) -> str:
+    """Which branch of the block a forward deviation starts in, where the branches were recorded."""
+    if not all(block in control.get(q, {}) for q in BRANCH_QUANTITIES):
+        return ""  # older files, or a block inside a reduced-sync TP group
+    if off("attention_rms", block):
+        return ", in its attention branch"
+    if off("ffn_rms", block):
+        return ", in its feed-forward branch (its attention branch agrees)"
+    return ", though both its branches agree (the residual sum)"
 
 
 def check_norm(test: Prints, logged_norms: dict[int, float]) -> str | None:

@@ -164,3 +164,26 @@ def test_exact_mode_fails_a_set_on_its_fingerprints_and_the_report_says_where(tm
     record = json.loads(paths["json"].read_text())["fingerprints"]["buggy"]
     assert record["first_step"] == 1 and record["causes"][0]["module"] == "layers.*.feed_forward.w2.weight"
     assert record == json.loads(json.dumps(as_dict(comparison.fingerprints["buggy"])))
+
+
+def with_branches(line: dict) -> dict:
+    """A line as the trainer writes it now: the blocks' attention and feed-forward branches too."""
+    return {**line, "attention_rms": {b: 0.5 + int(b) / 10 for b in BLOCKS}, "ffn_rms": {b: 0.7 + int(b) / 10 for b in BLOCKS}}
+
+
+def test_a_forward_deviation_is_named_within_its_block():
+    """With the branches recorded, the first deviating block's attention or feed-forward branch is
+    named: a bug in block 2's feed-forward moves its ffn_rms and output, not its attention."""
+    control = {s: with_branches(prints(s)) for s in (1, 2)}
+    test = {s: with_branches(prints(s)) for s in (1, 2)}
+    for step in (1, 2):
+        test[step]["ffn_rms"]["2"] *= 1.02
+        test[step]["output_rms"]["2"] *= 1.001
+        test[step]["output_rms"]["3"] *= 1.001
+    found = localize("bug", control, test)
+    assert found.forward == ("the forward pass agrees up to block 1 and parts at block 2, in its feed-forward branch "
+                             "(its attention branch agrees)")
+    assert [g.quantity for g in found.groups if g.pattern == "block *"][:1] == ["ffn_rms"]
+    test[1]["attention_rms"]["0"] *= 1.01
+    assert localize("bug", control, test).forward == "the forward pass parts at block 0, in its attention branch"
+    assert pattern_of("attention_rms", "5") == ("block *", "5")

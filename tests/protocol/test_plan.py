@@ -129,7 +129,7 @@ def test_cpu_smoke_commands_are_exact():
                               f"{plan.output / 'seed'} {common} --checkpoint.create_seed_checkpoint")
     assert control.command() == (
         f"NGPU=2 ./torchrun_launch.sh --job.config_file debug_model.toml --job.dump_folder {plan.output / '1d-fsdp'} "
-        f"--metrics.fingerprints=true {common} --training.steps 20 --lr_scheduler.warmup_steps 2 --training.local_batch_size 4 "
+        f"--metrics.fingerprints=true --training.mixed_precision_param float32 {common} --training.steps 20 --lr_scheduler.warmup_steps 2 --training.local_batch_size 4 "
         "--training.global_batch_size -1 --parallelism.data_parallel_replicate_degree 1 "
         "--parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 1 "
         "--parallelism.context_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
@@ -733,7 +733,9 @@ def test_reduced_sync_tp_plan_validates_at_8_gpus_once_its_data_exists(tmp_path)
     text = text.replace('"outputs/protocol/reduced_sync_tp"', f'"{tmp_path / "out"}"')
     plan = load_plan(write(tmp_path, text))
     launches = plan.launches()
-    assert [(l.name, l.nproc, l.nodes) for l in launches[:2]] == [("seed", 1, 1), ("FSDP 2", 2, 1)]
+    # bfloat16 runs are compared statistically: two noise controls of the control
+    assert [(l.name, l.nproc, l.nodes) for l in launches[:4]] == [
+        ("seed", 1, 1), ("FSDP 2", 2, 1), ("FSDP 2-noise1", 2, 1), ("FSDP 2-noise2", 2, 1)]
     points = [l for l in launches if l.search]
     assert [(l.nproc, l.degrees["tp"], l.degrees["dp_shard"]) for l in points] == [(8, 4, 2)] * 7
     assert [arg(l, "--parallelism.tensor_parallel_sync_group") for l in points] == [
@@ -742,6 +744,21 @@ def test_reduced_sync_tp_plan_validates_at_8_gpus_once_its_data_exists(tmp_path)
         assert (arg(launch, "--model.flavor"), arg(launch, "--training.steps")) == ("125M", "20000")
         assert arg(launch, "--validation.freq") == "500" and "--metrics.count_collectives=true" in launch.args
     assert plan.criterion.describe().startswith("validation/loss at step 20000 <= 3.35")
+
+
+def test_exact_mode_computes_in_float32_and_refuses_a_lower_precision(tmp_path):
+    """Exact mode judges runs that agree to float32 rounding: its runs are pinned to float32 (auto
+    would be bfloat16 on a GPU), and a plan asking for bfloat16 or float16 is refused with the key
+    and both ways out; statistical mode leaves the precision to the plan."""
+    launches = load(tmp_path).launches()
+    assert all(arg(l, "--training.mixed_precision_param") == "float32" for l in launches[1:])
+    for dtype in ("bfloat16", "float16"):
+        extra = f'"training.mixed_precision_param" = "{dtype}", "training.seq_len" = 32 }}'
+        message = problems(tmp_path, plan_text(tmp_path).replace('"training.seq_len" = 32 }', extra))
+        assert f"training.mixed_precision_param = '{dtype}': [tolerance] mode = \"exact\" needs float32 compute" in message
+        assert 'Set mode = "statistical"' in message and "1 problem:" in message
+    statistical = load(tmp_path, tolerance='mode = "statistical"').launches()
+    assert all(arg(l, "--training.mixed_precision_param") is None for l in statistical[1:])
 
 
 def test_a_problem_every_run_shares_is_listed_once_with_its_runs(tmp_path):
