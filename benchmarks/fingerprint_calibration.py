@@ -30,7 +30,7 @@ from protocol_power import CASES, plan_text, run_with_faults
 from protocol.plan.tolerance import Tolerance
 from protocol.verdict.compare import compare
 from protocol.verdict.fingerprint_noise import fit_noise
-from protocol.verdict.fingerprints import localize_sets, read_fingerprints, relative_differences, run_folder
+from protocol.verdict.fingerprints import family_mean, read_fingerprints, relative_differences, run_folder
 from protocol.verdict.statistics import t_upper_tail
 
 CORRECT = [case for case in CASES if not case.must_fail]
@@ -47,23 +47,22 @@ def run_plan(dataset: str, dtype: str, seed: int, args) -> dict:
     return {"dataset": dataset, "dtype": dtype, "seed": seed, "family": found.controls, "tests": found.tests}
 
 
-def z_values(family: list, tests: list) -> tuple[list[float], int]:
-    """|relative difference| / noise unit of every entry of every compared step of every set, and
-    the units' degrees of freedom."""
-    control = read_fingerprints(run_folder(family[0]))
-    noise = [read_fingerprints(run_folder(c)) for c in family[1:]]
-    values, dof = [], 1
+def z_values(family: list, tests: list) -> list[tuple[float, float]]:
+    """(|difference from the family mean| / noise unit, the unit's degrees of freedom) of every
+    entry of every compared step of every set, as protocol compare scores them before the threshold."""
+    prints = [read_fingerprints(run_folder(c)) for c in family]
+    values = []
     for test in tests:
-        prints = read_fingerprints(run_folder(test))
-        steps = sorted(set(control) & set(prints) & set.intersection(*(set(n) for n in noise)))
-        model = fit_noise({s: [relative_differences(control[s], n[s]) for n in noise] for s in steps})
-        dof = model.dof
+        mine = read_fingerprints(run_folder(test))
+        steps = sorted(set(mine).intersection(*(set(p) for p in prints)))
+        mean = {s: family_mean([p[s] for p in prints]) for s in steps}
+        model = fit_noise({s: [relative_differences(mean[s], p[s]) for p in prints] for s in steps})
         for s in steps:
-            for key, value in relative_differences(control[s], prints[s]).items():
+            for key, value in relative_differences(mean[s], mine[s]).items():
                 unit = model.unit(key, s)
                 if unit > 0:
-                    values.append(abs(value) / unit)
-    return values, dof
+                    values.append((abs(value) / unit, model.dof(key[0])))
+    return values
 
 
 def summarize(plans: list[dict], tolerance: Tolerance) -> tuple[list[list[str]], list[dict]]:
@@ -71,7 +70,7 @@ def summarize(plans: list[dict], tolerance: Tolerance) -> tuple[list[list[str]],
     for dataset, dtype in dict.fromkeys((p["dataset"], p["dtype"]) for p in plans):
         mine = [p for p in plans if (p["dataset"], p["dtype"]) == (dataset, dtype)]
         sets = steps = 0
-        failed, peaks, ratios, zs, dof = [], [], [], [], 1
+        failed, peaks, ratios, zs = [], [], [], []
         for plan in mine:
             comparison = compare(plan["family"], plan["tests"], tolerance)
             for result in comparison.results:
@@ -84,11 +83,11 @@ def summarize(plans: list[dict], tolerance: Tolerance) -> tuple[list[list[str]],
                     failed.append(f"{result.name} ({'+'.join(result.evidence)})")
                 records.append({"dataset": dataset, "dtype": dtype, "seed": plan["seed"], "set": result.name,
                                 "steps": len(where.steps), "peak": where.peak, "peak_at": where.peak_at,
-                                "threshold": where.threshold, "dof": where.dof, "noise_ratio": ratios[-1],
+                                "thresholds": where.thresholds, "noise_ratio": ratios[-1],
                                 "failed": result.failed, "evidence": result.evidence, "reason": result.reason})
-            values, dof = z_values(plan["family"], plan["tests"])
-            zs += values
-        tails = [f"{sum(z > t for z in zs) / len(zs):.2%} ({2 * t_upper_tail(t, dof):.2%})" for t in TAILS]
+            zs += z_values(plan["family"], plan["tests"])
+        tails = [f"{sum(z > t for z, _ in zs) / len(zs):.2%} ({sum(2 * t_upper_tail(t, d) for _, d in zs) / len(zs):.2%})"
+                 for t in TAILS]
         rows.append([dataset, dtype, str(len(mine)), str(sets), str(steps), f"{len(failed)}" +
                      (f": {', '.join(failed)}" if failed else ""), f"{max(peaks):.2f}", f"{sorted(peaks)[len(peaks) // 2]:.2f}",
                      str(len(zs)), *tails, f"{max(ratios):.2f}"])

@@ -75,6 +75,10 @@ CASES = [
     Case("TP2 norm counts replicas", "bug", 'kind = "parallelism"\ntp = 2', "norm_counts_replicas"),
     Case("CP2 RoPE unshifted", "bug", 'kind = "parallelism"\ncp = 2', "cp_rope_unshifted"),
     Case("CP2 RoPE tail chunk misplaced", "bug", 'kind = "parallelism"\ncp = 2', "cp_rope_tail_misplaced"),
+    Case("TP2 RoPE half the keys shifted", "bug", 'kind = "parallelism"\ntp = 2', "tp_rope_half_keys"),
+    Case("TP2 w2 grad doubled in block 2", "bug", 'kind = "parallelism"\ntp = 2', "tp_w2_grad_doubled_in_one_block"),
+    Case("FSDP grads averaged (under TP2)", "bug", 'kind = "parallelism"\ntp = 2', "fsdp_grad_averaged"),
+    Case("lr x1.02", "config fault", 'kind = "technique"\noverrides = {{ "optimizer.lr" = {lr_102} }}'),
 ]
 QUICK_CASES = ("TP2", "TP2 norm grad not reduced", "CP2 RoPE unshifted")
 FULL = {"repeats": 5, "first_seed": 0, "steps": 300, "noise_controls": Tolerance().noise_controls, "dp": 2,
@@ -122,7 +126,7 @@ def plan_text(cases: list[Case], seed: int, output: Path, args) -> str:
                        noise_controls=args.noise_controls, dtype=getattr(args, "dtype", "bfloat16"),
                        fingerprint_every=getattr(args, "fingerprint_every", 50))
     for case in cases:
-        body = case.table.format(lr_105=LR * 1.05, wd_102=WEIGHT_DECAY * 1.02)
+        body = case.table.format(lr_105=LR * 1.05, lr_102=LR * 1.02, wd_102=WEIGHT_DECAY * 1.02)
         expect = 'expect = "fail"\n' if case.must_fail else ""
         text += f'\n[[sets]]\nname = "{case.name}"\n{expect}{body}\n'
     return text
@@ -172,6 +176,7 @@ def judge(repeat: dict, tolerance: Tolerance, members: int | None = None):
 def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> tuple[list[list], dict]:
     """One row per case (verdicts over the repeats, mean D / noise SD per observable), and the rates."""
     verdicts = {case.name: [] for case in cases}
+    evidence = {case.name: {kind: 0 for kind in EVIDENCE} for case in cases}
     ratios = {(case.name, o): [] for case in cases for o in tolerance.observables}
     mde = {o: [] for o in tolerance.observables}
     for repeat in repeats:
@@ -180,6 +185,8 @@ def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> t
             mde[noise.observable].append(noise.mde)
         for result in comparison.results:
             verdicts[result.name].append(result.failed)
+            for kind in result.evidence:
+                evidence[result.name][kind] += 1
             for o in result.observables:
                 ratios[(result.name, o.observable)].append(o.diff / o.noise_sd if o.noise_sd else math.inf)
     rows = []
@@ -188,10 +195,14 @@ def case_rows(repeats: list[dict], cases: list[Case], tolerance: Tolerance) -> t
         n = len(verdicts[case.name])
         wrong = fails if not case.must_fail else n - fails
         rows.append([case.name, case.group, f"{n - fails} / {fails}", f"{wrong}/{n}",
+                     " / ".join(str(evidence[case.name][kind]) for kind in EVIDENCE),
                      *[f"{mean(ratios[(case.name, o)]):+.1f}" for o in tolerance.observables]])
     rates = rates_of(verdicts, cases)
     rates["mde"] = {o: (mean(v), stdev(v)) for o, v in mde.items()}
     return rows, rates
+
+
+EVIDENCE = ("curves", "fingerprints", "own noise")  # SetResult.evidence, in the table's order
 
 
 def rates_of(verdicts: dict[str, list[bool]], cases: list[Case]) -> dict:
@@ -368,9 +379,13 @@ def main() -> None:
     parser.add_argument("--noise-controls", type=int, help=f"default {Tolerance().noise_controls}, the shipped one")
     parser.add_argument("--dp", type=int, help="data-parallel degree of every run (default 2)")
     parser.add_argument("--local-batch", type=int, help="default 4")
-    parser.add_argument("--dataset", default="synthetic_context", choices=("synthetic_context", "synthetic"),
+    parser.add_argument("--dataset", default="synthetic_context", choices=("synthetic_context", "synthetic", "python_stdlib"),
                         help="the built-in source every run trains on (default synthetic_context, on which "
-                             "attention and positions matter)")
+                             "attention and positions matter; python_stdlib: real text, docs/datasets.md)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="compute dtype of every run (default bfloat16)")
+    parser.add_argument("--fingerprint-every", type=int, default=50,
+                        help="fingerprints at steps 1-4 and every this many steps (default 50)")
     parser.add_argument("--final-window", type=float, default=Tolerance().final_window,
                         help="fraction of the steps whose mean is judged (default: the shipped tolerance's)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -410,9 +425,9 @@ def main() -> None:
           f"{args.noise_controls} noise controls, "
           + ("judged from the runs in --out" if args.analyze else f"{sum(r['seconds'] for r in repeats) / 60:.0f} min of runs"))
     print()
-    print(table(["case", "group", "PASS / FAIL", "wrong verdicts", *[f"{o} diff / noise SD" for o in
-                                                                       tolerance.observables]], rows, "llrr" + "r" *
-                len(tolerance.observables)))
+    print(table(["case", "group", "PASS / FAIL", "wrong verdicts", "failed on " + " / ".join(EVIDENCE),
+                 *[f"{o} diff / noise SD" for o in tolerance.observables]], rows,
+                "llrrr" + "r" * len(tolerance.observables)))
     print()
     ff, pf = rates["false_fail"], rates["false_pass"]
     print(f"false-fail rate (correct layouts that failed): {interval(*ff)}; false-pass rate (faults that passed): "

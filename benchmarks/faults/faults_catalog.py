@@ -22,6 +22,9 @@ leaves a run that trains and logs normally: only the convergence protocol can te
   summing (torch's default divide factor, where this trainer's loss is already divided by the
   global token count): every gradient is 1/dp_shard of what it should be. Adam's updates barely
   change (they are nearly scale-free), so the loss curve hides it for long.
+* tp_rope_half_keys: under tensor parallelism each rank holds a slice of the key heads; on the
+  second TP rank the keys are rotated at positions one further on (a sequence-sharding offset
+  applied where it does not belong), so half of the key heads see every query one position off.
 * tp_w2_grad_doubled_in_one_block: one TP rank doubles the weight gradient of one parameter of
   one block (layers.2.feed_forward.w2), as a wrong scale applied to a single parameter would.
 """
@@ -134,9 +137,36 @@ def tp_w2_grad_doubled_in_one_block() -> None:
     tensor.apply_tp = apply_tp
 
 
+def tp_rope_half_keys() -> None:
+    from trainer.models.llama3 import model as llama
+    from trainer.parallel import tensor
+
+    original = tensor.apply_tp
+
+    def apply_tp(model, tp_mesh, **kwargs):
+        original(model, tp_mesh, **kwargs)
+        if tp_mesh.get_local_rank() == 1:
+            for block in model.layers.values():
+                block.attention.keys_one_position_on = True
+
+    def forward(self, x, rope, documents=None):
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        positions = self.core.positions(seq, rope.device)
+        key_positions = (positions + 1).clamp(max=rope.shape[0] - 1) if getattr(
+            self, "keys_one_position_on", False) else positions
+        out = self.core(llama.apply_rope(q, rope[positions]), llama.apply_rope(k, rope[key_positions]), v, documents)
+        return self.wo(out.reshape(batch, seq, -1))
+
+    tensor.apply_tp = apply_tp
+    llama.Attention.forward = forward
+
+
 FAULTS = {f.__name__: f for f in (tp_norm_grad_unreduced, cp_rope_unshifted, cp_rope_tail_misplaced,
                                    cp_kv_grad_unreduced, norm_counts_replicas, fsdp_grad_averaged,
-                                   tp_w2_grad_doubled_in_one_block)}
+                                   tp_w2_grad_doubled_in_one_block, tp_rope_half_keys)}
 
 
 def inject(name: str) -> None:

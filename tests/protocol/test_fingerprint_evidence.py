@@ -56,7 +56,8 @@ def test_the_threshold_holds_its_false_fail_rate_and_fails_a_deliberate_fault():
     """400 simulated plans of 2 correct sets (132 entries x 6 steps each, entries of 1e-4 to 1e-2
     noise): at most FALSE_FAIL of them fail on fingerprints (their tail is Student's t, the
     threshold's assumption, more tightly than Bonferroni needs); the same plans with one entry of
-    one set 10 of its noise units off at one step fail in at least 95%."""
+    one set 20 of its noise units off at one step (the threshold is t's widened 2x for
+    correct layouts' heavier tails) fail in at least 95%."""
     rng = np.random.default_rng(1)
     entries = [(q, e) for q, names in (("grad_norm", NAMES), ("update_norm", NAMES), ("param_norm", NAMES),
                                        ("output_rms", BLOCKS), ("grad_rms", BLOCKS)) for e in names]
@@ -68,7 +69,7 @@ def test_the_threshold_holds_its_false_fail_rate_and_fails_a_deliberate_fault():
         control, noise = noisy_prints(rng, sd), [noisy_prints(rng, sd) for _ in range(4)]
         sets = [localize(f"s{i}", control, noisy_prints(rng, sd), noise, sets=2) for i in range(2)]
         false_fails += any(s.first_step is not None for s in sets)
-        offset = 1 + 10 * sd[target] * math.sqrt(2) * (1 + 50 / 50)
+        offset = 1 + 20 * sd[target] * math.sqrt(2) * (1 + 50 / 50)
         faulty = localize("bug", control, noisy_prints(rng, sd, shift={(50, *target): offset}), noise, sets=2)
         caught += faulty.first_step == 50 and faulty.causes[0].pattern == "layers.*.feed_forward.w1.weight"
     assert false_fails / plans <= FALSE_FAIL
@@ -97,7 +98,7 @@ def test_a_set_whose_curves_pass_fails_on_its_fingerprints_and_says_so(tmp_path)
     rng = np.random.default_rng(2)
     curves = family(rng)
     members = [write_run(tmp_path / c.name, c, noisy_prints(rng, {})) for c in curves]
-    bug = {(1, "grad_norm", "layers.2.attention.wq.weight"): 0.99}
+    bug = {(1, "grad_norm", "layers.2.attention.wq.weight"): 0.97}
     tests = [write_run(tmp_path / "tp2", run(rng, "tp2"), noisy_prints(rng, {})),
              write_run(tmp_path / "bug", run(rng, "bug"), noisy_prints(rng, {}, shift=bug))]
     comparison = compare(members, tests, TOL)
@@ -105,6 +106,6 @@ def test_a_set_whose_curves_pass_fails_on_its_fingerprints_and_says_so(tmp_path)
     assert not good.failed and good.evidence == [], good.reason
     assert bad.failed and bad.evidence == ["fingerprints"]
     assert re.match(r"fingerprints part from the control at step 1: layers\.\*\.attention\.wq\.weight gradient norm "
-                    r"off by -0\.\d\d% in block 2;", bad.reason), bad.reason
+                    r"off by -[23]\.\d% in block 2;", bad.reason), bad.reason
     assert f"beyond {comparison.fingerprints['bug'].thresholds['grad_norm']:.2f}x its own rounding noise" in bad.reason
     assert comparison.status == "FAIL"
