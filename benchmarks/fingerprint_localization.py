@@ -53,6 +53,8 @@ CASES = [
     Case("CP2 RoPE unshifted", CP2, "cp_rope_unshifted", ("layers.*.attention.wq.weight", "layers.*.attention.wk.weight")),
     Case("CP2 RoPE tail chunk misplaced", CP2, "cp_rope_tail_misplaced",
          ("layers.*.attention.wq.weight", "layers.*.attention.wk.weight")),
+    Case("TP2 RoPE half the keys shifted", TP2, "tp_rope_half_keys",
+         ("layers.*.attention.wq.weight", "layers.*.attention.wk.weight")),
     Case("CP2 K/V grad not reduced", CP2, "cp_kv_grad_unreduced",
          ("layers.*.attention.wk.weight", "layers.*.attention.wv.weight")),
     Case("FSDP grads averaged (under TP2)", TP2, "fsdp_grad_averaged", ("every parameter",)),
@@ -74,7 +76,7 @@ gpus_per_node = 8
 [plan.overrides]
 "model.flavor" = "tiny"
 "training.seq_len" = 64
-"training.dataset" = "synthetic_context"
+"training.dataset" = "{dataset}"
 "training.mixed_precision_param" = "{dtype}"
 "optimizer.lr" = 3e-3
 "metrics.log_freq" = 1
@@ -88,9 +90,10 @@ mode = "{mode}"
 """
 
 
-def plan_text(cases: list[Case], dtype: str, output: Path, steps: int) -> str:
+def plan_text(cases: list[Case], dtype: str, output: Path, steps: int, dataset: str = "synthetic_context") -> str:
     statistical = dtype != "float32"
-    text = PLAN.format(dtype=dtype, output=output, steps=steps, mode="statistical" if statistical else "exact",
+    text = PLAN.format(dtype=dtype, output=output, steps=steps, dataset=dataset,
+                       mode="statistical" if statistical else "exact",
                        noise="noise_controls = 4" if statistical else "")
     for case in cases:
         text += f'\n[[sets]]\nname = "{case.name}"\n{case.layout}\n'
@@ -98,8 +101,8 @@ def plan_text(cases: list[Case], dtype: str, output: Path, steps: int) -> str:
 
 
 def run_dtype(cases: list[Case], dtype: str, args) -> list[list[str]]:
-    folder = Path(args.out).resolve() / dtype
-    plan, found = run_with_faults(plan_text(cases, dtype, folder / "runs", args.steps), folder,
+    folder = Path(args.out).resolve() / f"{args.dataset}-{dtype}"
+    plan, found = run_with_faults(plan_text(cases, dtype, folder / "runs", args.steps, args.dataset), folder,
                                   {case.name: case.fault for case in cases if case.fault}, dtype)
     localized = localize_sets(found.controls, found.tests, plan.tolerance.mode)
     rows = []
@@ -127,13 +130,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per run, all recorded (default 3)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes (float32: exact mode)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--dataset", default="synthetic_context", choices=("synthetic_context", "python_stdlib"),
+                        help="what every run trains on (python_stdlib: real text, docs/datasets.md)")
     parser.add_argument("--out", default="outputs/fingerprint_localization", help="where the runs go")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args()
     chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
     started = time.monotonic()
     rows = [row for dtype in args.dtypes.split(",") for row in run_dtype(chosen, dtype, args)]
-    print(f"tiny Llama, synthetic_context, seq_len 64, {args.steps} steps, DP 2, local batch 4; {machine()}; "
+    print(f"tiny Llama, {args.dataset}, seq_len 64, {args.steps} steps, DP 2, local batch 4; {machine()}; "
           f"{time.monotonic() - started:.0f} s")
     print(table(["case", "dtype", "mode", "first step", "top-ranked cause", "right?"], [r[:6] for r in rows]))
     print()
