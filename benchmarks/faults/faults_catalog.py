@@ -22,9 +22,10 @@ leaves a run that trains and logs normally: only the convergence protocol can te
   summing (torch's default divide factor, where this trainer's loss is already divided by the
   global token count): every gradient is 1/dp_shard of what it should be. Adam's updates barely
   change (they are nearly scale-free), so the loss curve hides it for long.
-* tp_rope_half_keys: under tensor parallelism each rank holds a slice of the key heads; on the
-  second TP rank the keys are rotated at positions one further on (a sequence-sharding offset
-  applied where it does not belong), so half of the key heads see every query one position off.
+* tp_rope_half_keys: under tensor parallelism each rank holds a slice of the key heads; the second
+  TP rank rotates its keys at positions offset by its share of the sequence (rank x seq_len / tp,
+  the offset sequence parallelism gives a rank's tokens, applied to a tensor split by heads), so
+  half of the key heads see every query half a sequence away.
 * tp_w2_grad_doubled_in_one_block: one TP rank doubles the weight gradient of one parameter of
   one block (layers.2.feed_forward.w2), as a wrong scale applied to a single parameter would.
 """
@@ -147,7 +148,7 @@ def tp_rope_half_keys() -> None:
         original(model, tp_mesh, **kwargs)
         if tp_mesh.get_local_rank() == 1:
             for block in model.layers.values():
-                block.attention.keys_one_position_on = True
+                block.attention.keys_offset_by_half = True
 
     def forward(self, x, rope, documents=None):
         batch, seq, _ = x.shape
@@ -155,8 +156,8 @@ def tp_rope_half_keys() -> None:
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         positions = self.core.positions(seq, rope.device)
-        key_positions = (positions + 1).clamp(max=rope.shape[0] - 1) if getattr(
-            self, "keys_one_position_on", False) else positions
+        shifted = (positions + seq // 2) % rope.shape[0]
+        key_positions = shifted if getattr(self, "keys_offset_by_half", False) else positions
         out = self.core(llama.apply_rope(q, rope[positions]), llama.apply_rope(k, rope[key_positions]), v, documents)
         return self.wo(out.reshape(batch, seq, -1))
 
