@@ -20,8 +20,9 @@ Every figure is a global one computed without gathering a tensor: each rank adds
 its own elements in float64 (a parameter's shard counts once, its replicated copies do not, as in
 the global gradient norm: trainer.optim.counted_part; a block's output and branches are split
 over the sequence, the batch and the pipeline, so every rank's elements are distinct; under TP
-with sequence parallelism the branches leave `wo` and `w2` reduce-scattered over the sequence),
-and one all-reduce of all the sums over every rank gives the same numbers in every layout.
+with sequence parallelism the branches leave `wo` and `w2` reduce-scattered over the sequence; a
+DTensor of partial sums would be summed over its mesh first, which no layout here needs), and one
+all-reduce of all the sums over every rank gives the same numbers in every layout.
 Gradient accumulation and pipeline microbatches add up over the step. The blocks hand their
 branches to the probe as extra outputs, only at a recorded step: a compiled block has one graph
 for those steps and its usual one for the others, and activation checkpointing's recomputation

@@ -1,13 +1,15 @@
 """Per-module fingerprints (trainer/fingerprints.py) in one process: each figure against its
 definition computed directly from the model, the float16 loss scale taken out, the steps chosen,
 and the file kept with metrics.jsonl on resume; the blocks' branch figures counted once under
-activation checkpointing, the same when the blocks are compiled, and naming the block of a bug
+activation checkpointing and however two ranks hold a branch (sequence parts, DTensor shards,
+replicas, partial sums), the same when the blocks are compiled, and naming the block of a bug
 inside its attention. Their agreement across parallel layouts is checked by
 tests/integration/test_parallel_parity.py and tests/integration/test_branch_fingerprints.py."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from trainer.loss import cross_entropy_sum
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.optim import NormReduction
 from trainer.parallel.checkpointing import apply_ac
-from trainer.parallel.compile import apply_compile
+from trainer.parallel.compile import apply_compile, set_memory_budget
 from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES
 
 
@@ -152,18 +154,23 @@ def test_a_recomputing_block_counts_once(tmp_path, mode, option):
             assert recomputed[quantity][block] == pytest.approx(value, rel=1e-12), (quantity, block)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path, ac):
+@pytest.mark.parametrize("mode, option, backend", [
+    ("none", "1", "aot_eager"), ("full", "1", "aot_eager"), ("selective", "op", "aot_eager"),
+    ("memory_budget", "1", "aot_eager_decomp_partition")])
+def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path, mode, option, backend):
     """A compiled block hands its branches on as graph outputs at a recorded step (a second graph,
-    no break); an unrecorded step between two recorded ones runs the first graph. aot_eager:
-    AOTAutograd's tracing with torch's kernels, so the figures equal eager's."""
+    no break); an unrecorded step between two recorded ones runs the first graph. Under every
+    recomputation: full (an eager checkpoint around the graph), op-level (the checkpoint inside
+    the graph) and the partitioner's memory budget (0.5). aot_eager: AOTAutograd's tracing with
+    torch's kernels, so the figures equal eager's (inductor: tests/integration/test_branch_fingerprints.py)."""
     eager = step_line(tiny_model(), tmp_path / "eager")[0]
     torch._dynamo.reset()
     counters.clear()
     try:
+        set_memory_budget(0.5 if mode == "memory_budget" else 1.0)
         model = tiny_model()
-        apply_ac(model, ac, "1")
-        apply_compile(model, "aot_eager")
+        apply_ac(model, mode, option)
+        apply_compile(model, backend)
         first = step_line(model, tmp_path / "compiled")[0]
         graphs = counters["stats"]["unique_graphs"]
         torch.manual_seed(1)
@@ -174,6 +181,7 @@ def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path,
         assert counters["stats"]["unique_graphs"] == graphs + 1
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     finally:
+        set_memory_budget(1.0)
         torch._dynamo.reset()
     for quantity in ACTIVATIONS:
         for block, value in eager[quantity].items():
@@ -194,6 +202,48 @@ def test_a_bug_inside_one_attention_names_its_block(tmp_path, monkeypatch):
             assert buggy[quantity][block] == clean[quantity][block], (quantity, block)
     assert buggy["attention_rms"]["2"] == pytest.approx(1.01 * clean["attention_rms"]["2"], rel=1e-6)
     assert buggy["output_rms"]["2"] != clean["output_rms"]["2"]
+
+
+def _count_on_two_ranks(rank: int, folder: str) -> None:
+    """Rank `rank` of 2: one (2, 8, 6) tensor handed to the probe as each rank may hold a branch's
+    output; rank 0 writes the global sums of squares and counts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from trainer.fingerprints import BlockProbe
+    from trainer.process_exit import exit_without_teardown
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(0))
+    share = (0.25, 0.75)[rank]  # the partial sums of the two ranks add up to `full`
+    held = {"plain sequence part": full.chunk(2, dim=1)[rank],
+            "sequence-sharded DTensor": distribute_tensor(full, mesh, [Shard(1)]),
+            "replicated DTensor": distribute_tensor(full, mesh, [Replicate()]),
+            "partial DTensor": DTensor.from_local(full * share, mesh, [Partial()])}
+    probe = BlockProbe(list(held), torch.device("cpu"))
+    for row, tensor in enumerate(held.values()):
+        probe._add(row, BlockProbe.ATTENTION, tensor)
+    dist.all_reduce(probe.sums)
+    if rank == 0:
+        sums = probe.sums[:, BlockProbe.ATTENTION:BlockProbe.ATTENTION + 2].tolist()
+        Path(folder, "sums.json").write_text(json.dumps({"full": full.double().square().sum().item(),
+                                                         "held": dict(zip(held, sums))}))
+    dist.destroy_process_group()
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+
+
+def test_each_element_of_a_branch_counts_once_however_the_ranks_hold_it(tmp_path):
+    """A sequence part, a DTensor sharded, replicated, or of partial sums (added up first: the
+    squares of the parts are not the square of their sum): the same global sum of squares."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_count_on_two_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    found = json.loads((tmp_path / "sums.json").read_text())
+    for kind, (squares, count) in found["held"].items():
+        assert count == 2 * 8 * 6, kind
+        assert squares == pytest.approx(found["full"], rel=1e-12), kind
 
 
 def test_a_tied_model_names_its_one_weight_once():
