@@ -10,7 +10,8 @@ PP 2 as its sets; fingerprints at steps 1-4 and every --fingerprint-every steps)
 protocol's own local runner and judged by `protocol compare`'s own code. A correct set's
 fingerprints should fail the plan in at most 1% of plans (protocol.verdict.fingerprint_noise).
 Prints, per (data set, dtype): the correct sets and set-steps compared, how many failed and on
-what evidence, the largest score of any entry (1 = the family-wise threshold), and the share of
+what evidence (and how many would have failed at Student's t threshold without LAYOUT_TAILS),
+the largest score of any entry (1 = the family-wise threshold), and the share of
 all entries beyond 3 and 4 of their noise units against what Student's t with the units' degrees
 of freedom gives (the threshold assumes that tail); and the largest own-noise ratio of a set's
 curves (compare.OWN_NOISE_FAILS).
@@ -29,7 +30,7 @@ from protocol_power import CASES, plan_text, run_with_faults
 
 from protocol.plan.tolerance import Tolerance
 from protocol.verdict.compare import compare
-from protocol.verdict.fingerprint_noise import fit_noise
+from protocol.verdict.fingerprint_noise import LAYOUT_TAILS, fit_noise
 from protocol.verdict.fingerprints import family_mean, read_fingerprints, relative_differences, run_folder
 from protocol.verdict.statistics import t_upper_tail
 
@@ -89,7 +90,8 @@ def summarize(plans: list[dict], tolerance: Tolerance) -> tuple[list[list[str]],
         tails = [f"{sum(z > t for z, _ in zs) / len(zs):.2%} ({sum(2 * t_upper_tail(t, d) for _, d in zs) / len(zs):.2%})"
                  for t in TAILS]
         rows.append([dataset, dtype, str(len(mine)), str(sets), str(steps), f"{len(failed)}" +
-                     (f": {', '.join(failed)}" if failed else ""), f"{max(peaks):.2f}", f"{sorted(peaks)[len(peaks) // 2]:.2f}",
+                     (f": {', '.join(failed)}" if failed else ""), str(sum(p * LAYOUT_TAILS > 1 for p in peaks)),
+                     f"{max(peaks):.2f}", f"{sorted(peaks)[len(peaks) // 2]:.2f}",
                      str(len(zs)), *tails, f"{max(ratios):.2f}"])
     return rows, records
 
@@ -118,9 +120,10 @@ def main() -> None:
           f"{args.noise_controls} noise controls, seeds {args.seeds}; correct sets: "
           + ", ".join(case.name for case in CORRECT))
     print()
-    print(table(["data", "dtype", "plans", "correct sets", "set-steps", "sets failed", "largest score",
+    print(table(["data", "dtype", "plans", "correct sets", "set-steps", "sets failed",
+                 f"failed at t's threshold alone (not x{LAYOUT_TAILS:g})", "largest score",
                  "median set's largest", "entries", *[f"beyond {t:g} units (t)" for t in TAILS],
-                 "largest own-noise ratio"], rows, "llrrrlrrrrrr"))
+                 "largest own-noise ratio"], rows, "llrrrlrrrrrrr"))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1, default=lambda v: None if not math.isfinite(v) else v))
 
