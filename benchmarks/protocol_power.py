@@ -4,20 +4,24 @@
                                         [--cases NAME,...] [--out DIR] [--json FILE] [--quick]
 
 Each repeat is one whole experiment with its own seed (its own data and seed checkpoint): the
-control, its noise controls, and one test set per case, all in bfloat16 on the tiny Llama on the
-synthetic_context source (--dataset), run by the protocol's own local runner and judged by the
-protocol's own comparison (the shipped statistical defaults), each case as the one set of a plan
-of its own. Cases:
+control, its noise controls, and one test set per case, all in bfloat16 (--dtype) on the tiny
+Llama on the synthetic_context source (--dataset; python_stdlib: real text), run by the
+protocol's own local runner and judged by the protocol's own comparison (the shipped statistical
+rule: curves, fingerprints and a set's own noise), each case as the one set of a plan of its own.
+Cases:
 
   correct layouts      TP 2, PP 2 (Interleaved1F1B), CP 2, FSDP 2 x TP 2 x PP 2
-  configuration faults optimizer.lr 5% high, optimizer.weight_decay 2% high
+  configuration faults optimizer.lr 5% and 2% high, optimizer.weight_decay 2% high
   parallelism bugs     injected by benchmarks/faults (the shipped trainer cannot enable them):
                        TP norm-weight gradients not all-reduced, CP key/value gradients not
                        reduce-scattered, the global grad norm counting TP replicas once per rank,
                        CP RoPE applied at chunk-local positions, CP RoPE of the tail chunk at
-                       another chunk's positions
+                       another chunk's positions, half of the TP key heads rotated half a
+                       sequence off, one TP rank doubling one block's w2 gradient, FSDP averaging
+                       its gradient reduce-scatter (needs DP > 1)
 
-It prints, per case, the verdicts over the repeats and the mean final-window difference of each
+It prints, per case, the verdicts over the repeats, which evidence failed the runs (curves,
+fingerprints, own noise) and the mean final-window difference of each
 observable in units of the noise (the spread a correct set has); then the false-fail rate (correct
 layouts that failed), the false-pass rate (faults that passed), the minimum detectable effect;
 how the noise controls' paired difference grows with steps; and the same rates re-judged under
