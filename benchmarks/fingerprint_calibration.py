@@ -30,8 +30,8 @@ from protocol_power import CASES, plan_text, run_with_faults
 
 from protocol.plan.tolerance import Tolerance
 from protocol.verdict.compare import compare
-from protocol.verdict.fingerprint_noise import LAYOUT_TAILS, fit_noise
-from protocol.verdict.fingerprints import family_mean, read_fingerprints, relative_differences, run_folder
+from protocol.verdict.fingerprint_noise import LAYOUT_TAILS
+from protocol.verdict.fingerprints import family_fit, read_fingerprints, relative_differences, run_folder
 from protocol.verdict.statistics import t_upper_tail
 
 CORRECT = [case for case in CASES if not case.must_fail]
@@ -56,8 +56,7 @@ def z_values(family: list, tests: list) -> list[tuple[float, float]]:
     for test in tests:
         mine = read_fingerprints(run_folder(test))
         steps = sorted(set(mine).intersection(*(set(p) for p in prints)))
-        mean = {s: family_mean([p[s] for p in prints]) for s in steps}
-        model = fit_noise({s: [relative_differences(mean[s], p[s]) for p in prints] for s in steps})
+        mean, model = family_fit(prints, steps)
         for s in steps:
             for key, value in relative_differences(mean[s], mine[s]).items():
                 unit = model.unit(key, s)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from protocol.verdict.fingerprint_noise import FALSE_FAIL
 from protocol.report.findings import lr_cell
 from protocol.report.formats import fmt_diff, fmt_p, fmt_share, fmt_sigmas, markdown_table
 from protocol.verdict.decision import SAY_NOISIER, ObservableVerdict
 from protocol.verdict.family_wise import set_false_fail
+from protocol.verdict.fingerprint_noise import FALSE_FAIL
 from protocol.verdict.results import Comparison
 
 UNITS = {"loss": "nats", "grad_norm": "log ratio (about relative)"}

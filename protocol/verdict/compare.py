@@ -118,8 +118,7 @@ def add_evidence(results: list[SetResult], localized: dict, mode: str) -> None:
                                     f"{OWN_NOISE_FAILS:g}x, which correct layouts stay below")
                       for o in result.observables if o.noise_ratio > OWN_NOISE_FAILS]
         result.evidence = list(dict.fromkeys(kind for kind, _ in found))
-        if found and not result.failed:
-            result.failed = True
+        result.failed = bool(found)
         if found and (len(found) > 1 or found[0][0] != "curves"):
             result.reason = "; ".join(why for _, why in found)
 

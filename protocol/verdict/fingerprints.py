@@ -128,11 +128,6 @@ class Localization:
     thresholds: dict[str, float] = field(default_factory=dict)  # statistical: per quantity, in noise units
 
     @property
-    def threshold(self) -> float | None:
-        """statistical: the largest family-wise threshold of any quantity (None in exact mode)."""
-        return max(self.thresholds.values(), default=None)
-
-    @property
     def deviates(self) -> bool:
         return self.first_step is not None or self.norm_check is not None
 
@@ -181,10 +176,9 @@ def localize(name: str, control: Prints, test: Prints, noise: list[Prints] = (),
         common &= set(member)
     found = Localization(name, "statistical" if noise else "exact", sorted(common))
     found.norm_check = check_norm(test, logged_norms or {})
-    family = [control, *noise]
-    reference = control if not noise else {step: family_mean([m[step] for m in family]) for step in found.steps}
+    reference, model = (control, None) if not noise else family_fit([control, *noise], found.steps)
     relative = {step: relative_differences(reference[step], test[step]) for step in found.steps}
-    scorer = exact_scores if not noise else statistical_scorer(family, reference, found, relative, sets)
+    scorer = exact_scores if not noise else statistical_scorer(model, found, relative, sets)
     for step in found.steps:
         scores = scorer(step, relative[step])
         peak = max(scores.items(), key=lambda item: item[1], default=None)
@@ -215,12 +209,18 @@ def exact_scores(step: int, relative: dict) -> dict:
     return {key: abs(value) / EXACT_TOLERANCE for key, value in relative.items()}
 
 
-def statistical_scorer(family: list[Prints], reference: Prints, found: Localization, relative: dict, sets: int):
-    """Statistical mode's scores: each entry's noise unit from the family's spread about its mean
-    over every recorded step (protocol.verdict.fingerprint_noise), and the family-wise threshold
-    over every entry of every step of the plan's `sets` sets; the thresholds are kept on `found`."""
-    model: NoiseModel = fit_noise({step: [relative_differences(reference[step], member[step]) for member in family]
-                                   for step in found.steps})
+def family_fit(family: list[Prints], steps: list[int]) -> tuple[Prints, NoiseModel]:
+    """(the family's mean fingerprints at each step, its noise units): what statistical mode
+    compares a set with, and in what units (protocol.verdict.fingerprint_noise)."""
+    reference = {step: family_mean([member[step] for member in family]) for step in steps}
+    model = fit_noise({step: [relative_differences(reference[step], member[step]) for member in family]
+                       for step in steps})
+    return reference, model
+
+
+def statistical_scorer(model: NoiseModel, found: Localization, relative: dict, sets: int):
+    """Statistical mode's scores: each entry's difference in its noise units, over the family-wise
+    threshold for every entry of every step of the plan's `sets` sets (kept on `found`)."""
     comparisons = sets * sum(len(values) for values in relative.values())
     found.thresholds = {quantity: family_threshold(comparisons, model.dof(quantity)) for quantity in model.entries}
 
