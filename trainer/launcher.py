@@ -456,4 +456,8 @@ def report(outcome: Outcome, config: JobConfig, need, folder: Path, offline_host
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    finally:
+        stop_request.ignore()  # the run is over: a late stop request must not kill the exiting launcher
+    sys.exit(code)

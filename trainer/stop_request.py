@@ -41,6 +41,16 @@ def listen() -> None:
         signal.signal(signal.Signals[name], _note)
 
 
+def ignore() -> None:
+    """Ignore SIGUSR1 and SIGUSR2 from now on: for a process whose work is done (the launcher,
+    about to exit with its ranks' result). Python's shutdown resets a signal it handles to the
+    default action, which for these is death: a stop request arriving in those last moments (SLURM's
+    time-limit signal just as a run ends) would turn a finished run into a killed one. An ignored
+    signal stays ignored through the shutdown."""
+    for name in SIGNAL_CHOICES:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
+
+
 def _note(signum: int, _frame) -> None:
     _received.add(signal.Signals(signum))
 

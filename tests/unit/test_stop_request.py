@@ -113,3 +113,18 @@ def test_catches_tells_a_process_that_handles_the_signal_from_one_that_would_die
             proc.kill()
             proc.wait()
     assert catches(2**22 + 12345, signal.SIGUSR1) is True  # no such process: cannot tell, so send
+
+
+def test_a_process_whose_work_is_done_ignores_a_late_stop_request():
+    """The launcher, once its ranks' result is in, ignores the stop signals at the kernel (not
+    only in Python, whose shutdown would reset a handled signal to its default, death): a request
+    that arrives then, as SLURM's time-limit signal can just as a run ends, leaves its exit code."""
+    code = ("import os, signal\n"
+            "from trainer import stop_request\n"
+            "stop_request.listen(); stop_request.ignore()\n"
+            "status = open('/proc/self/status').read()\n"
+            "ignored = int(next(l for l in status.splitlines() if l.startswith('SigIgn:')).split()[1], 16)\n"
+            "assert all(ignored >> (s.value - 1) & 1 for s in (signal.SIGUSR1, signal.SIGUSR2)), hex(ignored)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); os.kill(os.getpid(), signal.SIGUSR2)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
