@@ -34,6 +34,10 @@ RECORD_FORMAT = 2
 # saved), still describes the plan.
 SAVE_ONLY = frozenset({"checkpoint.enable", "checkpoint.interval", "checkpoint.keep_latest_k", "checkpoint.load_only",
                        "checkpoint.last_save_model_only"})
+# Where the configuration file lay: the values it held are compared option by option, so a run
+# made in another clone of the repository (a checkout moved, a second one on the cluster) is
+# still the same run.
+LOCATION_ONLY = frozenset({"job.config_file"})
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def assess_seed(launch: Launch, now: Now) -> Decision:
     if record is None:
         return Decision(launch, STALE, ("its checkpoint has no checkpoint.json (written by an older trainer), so "
                                         "what made it cannot be checked",))
-    changes = config_changes(record.get("config"), expected_config(launch))
+    changes = config_changes(record.get("config"), expected_config(launch), skip=LOCATION_ONLY)
     differences = describe_changes(changes) + code_difference(record.get("code"), now.code)
     if record.get("torch") != now.torch:
         differences.append(f"torch {record.get('torch') or 'not recorded'} -> {now.torch or 'not installed'}")
@@ -167,7 +171,7 @@ def record_differences(record: dict, launch: Launch, now: Now) -> list[str]:
     expected = expected_config(launch)
     found: list[str] = []
     for start in starts(record):
-        found += describe_changes(config_changes(start.get("config"), expected, skip=SAVE_ONLY))
+        found += describe_changes(config_changes(start.get("config"), expected, skip=SAVE_ONLY | LOCATION_ONLY))
         if start.get("world_size") != launch.nproc:
             found.append(f"world size {start.get('world_size')} -> {launch.nproc}")
         found += code_difference(start.get("code"), now.code)

@@ -103,6 +103,22 @@ def test_another_torch_makes_the_runs_stale(small_plan, fake, software):
     assert "\n  every training run: it started from the seed checkpoint, which is stale\n" in message
 
 
+def test_runs_made_in_another_clone_of_the_repository_are_reused(small_plan, fake, tmp_path):
+    plan = small_plan()
+    run_all(plan, fake)
+    # The same runs made from a checkout elsewhere: only the config file's path differs.
+    elsewhere = "/elsewhere/llama_pretrain/train_configs/debug_model.toml"
+    for path in [plan.seed_checkpoint_path / "checkpoint.json", *plan.output.glob("*/run_meta.json")]:
+        saved = json.loads(path.read_text())
+        assert saved["config"]["job"]["config_file"] != elsewhere
+        saved["config"]["job"]["config_file"] = elsewhere
+        path.write_text(json.dumps(saved))
+    assert run_all(plan, fake) == ["already complete"] * 4
+    assert len(calls(tmp_path)) == 4
+    # What the file held is still compared, option by option.
+    assert "lr x2: optimizer.lr 0.006 -> 0.003" in refusal(small_plan(lr=3e-3), fake)
+
+
 def test_runs_made_from_an_earlier_seed_checkpoint_are_stale(small_plan, fake):
     plan = small_plan()
     run_all(plan, fake)
