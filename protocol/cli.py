@@ -32,11 +32,12 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parser().parse_args(argv)
+    from trainer import messages
     from trainer.version import require_supported_torch  # a torch outside the tested range: one line, exit 2
 
     require_supported_torch()
+    messages.configure()
     try:
         status = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

@@ -75,6 +75,8 @@ from trainer.failure_report import (  # noqa: F401 (the launcher's report, also 
     root_cause,
     short_reason,
 )
+from trainer.messages import MessageFormat, kept_warnings
+from trainer.messages import configure as configure_messages
 from trainer.parent_watch import LAUNCHER_PID_ENV
 from trainer.preflight import (RunComplete, check, check_seed, complete_record, describe_run, seed_memory_need,
                                training_memory_need)
@@ -209,7 +211,7 @@ def route_torch_logs(folder: Path) -> None:
     # console must show the run's one error block, not a "--- Logging error ---" per line.
     logging.raiseExceptions = False
     handler = logging.FileHandler(folder / "launcher.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(MessageFormat(timestamps=True, names=True))
     for name in ("py.warnings", "trainer.launcher"):
         logging.getLogger(name).handlers = [handler]
         logging.getLogger(name).propagate = False
@@ -219,6 +221,8 @@ def route_torch_logs(folder: Path) -> None:
             log.handlers = [h for h in log.handlers if type(h) is not logging.StreamHandler] + [handler]
     logging.getLogger("trainer.launcher").setLevel(logging.INFO)
     logging.captureWarnings(True)
+    for warning in kept_warnings():  # what the checks printed before this log existed
+        logger.info("%s", warning)
 
 
 def rank_logs(opts: Options, folder: Path):
@@ -363,6 +367,7 @@ def end_complete_run(opts: Options, config: JobConfig, done: RunComplete) -> int
 
 
 def main(argv: list[str]) -> int:
+    configure_messages(level=logging.WARNING)  # the launcher's own lines are printed; its modules' info is not
     try:
         opts, args = parse_options(argv)
     except UsageError as e:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import run_record
+from trainer import messages, run_record
 from trainer.checkpoint_layout import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
 from trainer.checkpoint_lineage import LINEAGE_FILE
 from trainer.preflight_data import check_data
@@ -337,7 +337,7 @@ def main(argv: list[str]) -> int:
     """python -m trainer.preflight --nproc N --device cpu|cuda [--nproc-per-node K] [--section.key value ...]
 
     --nproc-per-node: the processes of one machine (default N), for the host memory check."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    messages.configure()
     if argv[:1] in (["-h"], ["--help"]):
         print(f"{USAGE}\n\n{__doc__.strip()}\n\nThe trainer's own options: python -m trainer.train --help")
         return 0

@@ -32,6 +32,8 @@ Record fields (format 2), written by the rank that logs:
     device_name   the GPU's name (CUDA) or the CPU's
     cuda, nccl    the versions torch was built with (null off CUDA)
     argv          the trainer's own command-line options (the launcher passes them through)
+    warnings      every warning this start was given, each once, as printed (trainer/messages.py):
+                  options of the configuration that were ignored, data or checkpoint notes
     trajectory    the training trajectory this start's steps belong to: {"lineage", "ancestors"}
                   (trainer/checkpoint_lineage.py); a start on another trajectory than the
                   record's moves the record aside instead of continuing it (see `begin`)
@@ -58,6 +60,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trainer.json_records import RecordError, check_run_record, read_object
+from trainer.messages import kept_warnings
 from trainer.safe_writes import refuse_link, write_atomic
 
 RECORD_FILE = "run_meta.json"
@@ -141,7 +144,7 @@ def begin(folder: Path, record: dict, resumed_step: int, trajectory: dict | None
     if trajectory is not None:
         record = {**record, "trajectory": trajectory}
     record = {"format": FORMAT, "status": "running", "started": now(), "ended": None, "last_step": resumed_step,
-              **record, "history": history}
+              **record, "warnings": kept_warnings(), "history": history}
     write_record(folder, record)
     return record
 
@@ -196,7 +199,7 @@ def restore_steps(folder: Path, source: Path, step: int) -> list:
 
 def finish(folder: Path, record: dict, status: str, last_step: int, error: str | None = None) -> dict:
     """Write the final status of this start into the record; returns it."""
-    record = {**record, "status": status, "ended": now(), "last_step": last_step}
+    record = {**record, "status": status, "ended": now(), "last_step": last_step, "warnings": kept_warnings()}
     if error:
         record["error"] = error
     write_record(folder, record)

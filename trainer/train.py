@@ -26,7 +26,7 @@ if __name__ == "__main__":  # a rank: listen before torch's import, which takes 
 import torch
 import torch.distributed as dist
 
-from trainer import env, run_lock, run_record
+from trainer import env, messages, run_lock, run_record
 from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
@@ -431,9 +431,9 @@ class Trainer:
 
 
 def configure_logging(stream=None) -> None:
-    # torchrun prefixes each line with the rank already.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
+    """A training rank's log (trainer/messages.py), the time first; torchrun and the launcher
+    prefix each line with the rank."""
+    messages.configure(stream or sys.stdout, timestamps=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
     # process without a Python traceback; this prints every thread's Python stack first.
     faulthandler.enable(file=sys.__stderr__)
-    configure_logging(sys.stderr)  # what loading the config says stays off stdout, where --job.print_config writes TOML
+    messages.configure(sys.stderr)  # what loading the config says stays off stdout, where --job.print_config writes TOML
     try:
         if "--help" in argv or "-h" in argv:
             rest = [a for a in argv if a not in ("--help", "-h")]

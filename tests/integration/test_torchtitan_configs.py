@@ -22,6 +22,7 @@ from tests.launch import describe, launch, read_metrics
 from tests.unit.test_data_named import c4_records
 from tests.unit.test_tokenizer_specials import bare_bpe, folder, torchtitan_like_config
 from trainer.config.manager import load_config, to_toml, with_default_config
+from trainer.run_record import read_record
 
 SHARED = {
     "job": {"dump_folder": "./outputs"},
@@ -151,6 +152,11 @@ def test_the_torchtitan_debug_config_trains_with_only_a_data_path(workdir):
     assert "activation checkpointing selective (2)" in result.stdout
     # The launcher names the ignored [quantize] table; the ranks, loading the config again, do not.
     assert (result.stdout + result.stderr).count("ignoring options this trainer does not implement") == 1
+    # The finished run records it: in the launcher's log and in run_meta.json.
+    [warning] = [w for w in read_record(workdir / "outputs")["warnings"] if "ignoring options" in w]
+    assert warning.startswith("warning: ignoring options") and "[quantize]" in warning
+    [launcher_log] = (workdir / "outputs" / "logs").glob("*/launcher.log")
+    assert f"trainer.launcher: {warning}\n" in launcher_log.read_text()
     records = read_metrics(workdir / "outputs")
     assert [r["step"] for r in records] == [1, 2]
     # At init the loss is about ln V + 0.99^2 / 2 = 8.11 for the debug model's 2048 rows (README), in

@@ -28,6 +28,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from trainer.config.manager import load_config, with_default_config
+from trainer.messages import MessageFormat
 from trainer.preflight import plan_run
 from trainer.process_exit import exit_without_teardown
 from trainer.train import Trainer, configure_logging
@@ -44,7 +45,7 @@ def run_one(base: list[str], run: dict, dump_root: Path) -> dict:
         args.extend(["--job.dump_folder", str(dump)])
     log = io.StringIO()
     handler = logging.StreamHandler(log)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.setFormatter(MessageFormat())
     logging.getLogger().addHandler(handler)
     try:
         config = load_config(with_default_config(args))

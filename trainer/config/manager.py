@@ -31,6 +31,7 @@ from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
 from trainer.config.job_config import JobConfig
 from trainer.config.ranges import declared, shown
 from trainer.config.torchtitan_keys import REFUSED
+from trainer.messages import SHOWN
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -353,10 +354,11 @@ def load_config(argv: list[str]) -> JobConfig:
                                                  if is_ignored(section, key)))
     overrides = [(section, key, value) for section, key, value in overrides if not is_ignored(section, key)]
     if any(ignored.values()):
-        # The launcher warns once for the whole run; its ranks, loading the same config, keep quiet.
-        level = logging.DEBUG if os.environ.get(IGNORED_SHOWN) else logging.WARNING
-        logger.log(level, "ignoring options this trainer does not implement (torchtitan's; docs/configuration.md "
-                   "lists them): %s", "; ".join(f"{where}: {', '.join(names)}" for where, names in ignored.items() if names))
+        # The launcher warns once for the whole run; its ranks, loading the same config, keep the
+        # warning for their record without printing it again (trainer/messages.py).
+        logger.warning("ignoring options this trainer does not implement (torchtitan's; docs/configuration.md "
+                       "lists them): %s", "; ".join(f"{where}: {', '.join(names)}" for where, names in ignored.items()
+                                                  if names), extra=SHOWN if os.environ.get(IGNORED_SHOWN) else None)
     known = sections()
     for section, key, value in overrides:
         cls = known[section]

@@ -30,6 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
+from trainer import messages
 from trainer.data.documents import (FIELD_KEY, DataError, ReadCounts, file_format, find_data_files, line_start,
                                     read_file, read_jsonl_range, record_text)
 from trainer.data.hashing import document_unit
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                              "Hugging Face tokenizer takes all cores whenever this is not 1)")
     parser.add_argument("--overwrite", action="store_true", help="prepare every file again, whatever the folder holds")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    messages.configure()
     started = time.perf_counter()
     try:
         manifest = prepare(args.input, args.tokenizer, args.output, text_field=args.text_field,

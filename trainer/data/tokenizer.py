@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer import messages
 from trainer.config.ranges import shown
 from trainer.data.shards import token_dtype
 from trainer.data.tokenizer_backends import KINDS, Tokenizer, TokenizerError, backend_class
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     encode.add_argument("--model", required=True, help="a tokenizer file of any kind")
     encode.add_argument("--text", required=True)
     args = parser.parse_args(argv)
+    messages.configure()
     try:
         if args.command == "train":
             path = _train(args)

@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 
+from trainer import messages
 from trainer.config.manager import ConfigError
 from trainer.estimate.changes import try_changes
 from trainer.estimate.job import estimate_kinds, estimated_config
@@ -122,6 +123,7 @@ def check_overrides(p: argparse.ArgumentParser, overrides: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    messages.configure()
     p = parser()
     a, overrides = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:

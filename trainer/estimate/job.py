@@ -10,6 +10,7 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
+from trainer import messages
 from trainer.config.manager import ConfigError, load_config, with_default_config
 
 
@@ -42,7 +43,8 @@ def _estimate_one(overrides: list[str], nproc: int, kind, steps: int):
     from trainer.estimate.rank import estimate_rank
     from trainer.preflight import plan_layout
 
-    logging.basicConfig(level=logging.WARNING)
+    # The parent loaded the same configuration and printed what it warned of: only errors here.
+    messages.configure(level=logging.ERROR)
     config, _ = estimated_config(overrides)
     try:
         return estimate_rank(config, plan_layout(config, nproc), kind, steps)

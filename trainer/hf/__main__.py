@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import messages
 from trainer.checkpoint_checksums import ChecksumWriter
 from trainer.hf.config_json import read_checked_config
 from trainer.hf.export import export_hf_folder, parse_size
@@ -84,6 +85,7 @@ def shapes(flavor: str, folder: str, option: str) -> LlamaModelArgs:
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
 
+    messages.configure()
     a = _parser().parse_args(argv)
     try:
         if Path(a.out).exists():
