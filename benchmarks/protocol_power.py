@@ -89,7 +89,7 @@ FULL = {"repeats": 5, "first_seed": 0, "steps": 300, "noise_controls": Tolerance
         "local_batch": 4}
 # Seed 0 on synthetic_context: TP2 sits at +2.3 and +0.0 noise SDs (loss, grad norm) of a 4.5 bound
 # (the plan-level rule for a plan of one set, 3 noise controls); the TP norm bug at -23 in the norm,
-# the CP RoPE bug at +9.5 and -6.4 (docs/converging.md).
+# the CP RoPE bug at +9.5 and -6.4 (docs/protocol_measurements.md).
 QUICK = {"repeats": 1, "first_seed": 0, "steps": 100, "noise_controls": 3, "dp": 1, "local_batch": 8,
          "cases": ",".join(QUICK_CASES)}
 LR, WEIGHT_DECAY = 3e-3, 0.1

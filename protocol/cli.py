@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="validate a plan and print its launches")
-    plan.add_argument("plan", type=Path, help="plan TOML (see docs/converging.md)")
+    plan.add_argument("plan", type=Path, help="plan TOML (see docs/protocol_plan_file.md)")
     plan.add_argument("--format", choices=("table", "json", "shell", "slurm"), default="table",
                       help="table (default), json, shell (a runnable script) or slurm (sbatch scripts, needs --out)")
     plan.add_argument("--out", type=Path, help="folder for the slurm scripts")

@@ -117,7 +117,7 @@ def read_plan(path: Path, data: dict, problems: list[str]) -> Plan | None:
     for sweep in sweeps:
         if sweep.search and "criterion" not in data:
             problems.append(f"{sweep.where}.search: a search looks for the last point that meets the criterion; add "
-                            "a [criterion] table (docs/converging.md)")
+                            "a [criterion] table (docs/protocol_searches.md)")
 
     controls = control_names(control.name or "control", tolerance)
     labels = [(read.name, f"{read.where} ({read.name!r})") for read in sets if read.name is not None]
@@ -215,7 +215,7 @@ def read_tolerance(data: Any, problems: list[str]) -> Tolerance:
     data = dict(data) if isinstance(data, dict) else ({} if data is None else data)
     if isinstance(data, dict):
         for key in [k for k in data if k in REPLACED]:
-            problems.append(f"tolerance.{key}: no longer a key; use {REPLACED[key]} (docs/converging.md)")
+            problems.append(f"tolerance.{key}: no longer a key; use {REPLACED[key]} (docs/protocol_verdicts.md)")
             del data[key]
     values = read_table(data, schema, "tolerance", problems)
     values = {k: float(v) if schema[k].kind is float else v for k, v in values.items()}

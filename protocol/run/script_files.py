@@ -18,7 +18,7 @@ from pathlib import Path
 from protocol.plan.select import LaunchError
 
 CHECKSUM_LINE = re.compile(r"^# protocol checksum: ([0-9a-f]{16})\b.*\n", re.MULTILINE)
-NOTE = "(a script edited by hand is kept: docs/converging.md#scripts-edited-by-hand)"
+NOTE = "(a script edited by hand is kept: docs/protocol_running.md#scripts-edited-by-hand)"
 
 
 def checksum(text: str) -> str:

@@ -85,7 +85,7 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
 NOISIER = 2.0  # a set whose own noise raised its sigma this many times is worth its own finding
 OWN_NOISE_FAILS = 5.0
 """A set whose own noise raised an observable's sigma this many times fails: correct layouts stay
-far below it (docs/converging.md, Fingerprints as evidence: calibration)."""
+far below it (docs/protocol_measurements.md, Fingerprints as evidence: calibration)."""
 
 
 def noisier_sets(results: list[SetResult]) -> list[str]:

@@ -2,7 +2,7 @@
 
 Each observable of a set is judged at the tolerance's levels (protocol.verdict.decision); a plan fails
 when any one fails, so a plan of several correct sets would fail by chance more often than one
-set does (by the design table of docs/converging.md, 1.9% per set becomes 6.1% for 4 sets).
+set does (by the design table of docs/protocol_measurements.md, 1.9% per set becomes 6.1% for 4 sets).
 Here the rule's failures are re-read as rejections of "this set trains like the control" and
 the family-wise error over the whole plan is held at `tolerance.plan_false_fail`:
 

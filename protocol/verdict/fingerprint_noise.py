@@ -19,7 +19,7 @@ The threshold is family-wise: a correct set is one of `sets` x entries x steps c
 plan, and the plan should fail on them with probability at most FALSE_FAIL, so each quantity uses
 the two-sided t quantile at FALSE_FAIL / (2 x comparisons) for its degrees of freedom (Bonferroni;
 the entries are correlated, which only lowers the rate). How often correct layouts exceed it is
-measured, not assumed: docs/converging.md (Fingerprints as evidence).
+measured, not assumed: docs/protocol_measurements.md (Fingerprints as evidence).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ and their deviations have heavier tails. Measured on the tiny model (bfloat16, s
 TP 2, PP 2, CP 2, TP 2 x PP 2; 14 recorded steps each): within 2 units as often as t says, beyond
 4 units 3-10 times as often, and one isolated deviation of 7.8 units (a norm weight's update at
 step 2 of TP 2 x PP 2) where t's family-wise threshold was 5.95. The threshold is t's times this
-factor; docs/converging.md (Fingerprints as evidence, measured) has the calibration."""
+factor; docs/protocol_measurements.md (Fingerprints as evidence, measured) has the calibration."""
 FLOOR = 1e-3  # a deviation below a quarter of bfloat16's rounding error is never evidence
 DOF_EFFICIENCY = 0.75
 """The t tail with the combined degrees of freedom understates the tail of a difference over a

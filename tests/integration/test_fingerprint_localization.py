@@ -4,7 +4,7 @@ doubling the gradient of block 2's feed_forward.w2 is named with its block at st
 averaging instead of summing is named as every parameter's gradient, halved. Correct layouts
 raise no alarm: the parity matrix (tests/integration/test_parallel_parity.py), cpu_smoke end to
 end and the power study's TP 2 (tests/integration/test_protocol_power.py) check it. Every bug, in
-bfloat16 too, with the table: docs/converging.md."""
+bfloat16 too, with the table: docs/protocol_measurements.md."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ fails on its gradient norm, and a position bug (each CP rank rotating its chunk 
 which the Markov source could not show, fails on its loss. The fingerprints of the same runs
 say where: the bug's norm weights at step 1 or 2, the RoPE bug's query or key projections, and
 nothing for the correct layout (benchmarks/fingerprint_localization.py has every bug). The full study, and the rates it
-measured, are in docs/converging.md."""
+measured, are in docs/protocol_measurements.md."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the shipped cpu_smoke plan to a PASS report through `protocol run --launcher slu
 waits on a cancelled seed job, reports a failed job's reason and log, and a training job cut by
 its time limit saves, requeues itself and resumes onto the uninterrupted curve.
 
-What this cluster cannot show: a rendezvous across machines, NCCL, GPUs (docs/converging.md).
+What this cluster cannot show: a rendezvous across machines, NCCL, GPUs (docs/protocol_running.md).
 """
 
 from __future__ import annotations
