@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train on this node: NGPU processes, each running `python -m trainer.train`, started by
-# `python -m trainer.launcher` through torch's elastic agent (what torchrun --standalone does).
+# `python -m trainer.launch` through torch's elastic agent (what torchrun --standalone does).
 #
 #   ./torchrun_launch.sh [--job.config_file FILE] [--section.key VALUE ...]
 #
@@ -73,7 +73,7 @@ for arg in "$@"; do
   esac
 done
 
-# The launcher checks the configuration against the world size once (trainer/preflight.py), then
+# The launcher checks the configuration against the world size once (trainer/preflight/checks.py), then
 # starts the processes; the seed checkpoint (--checkpoint.create_seed_checkpoint) is one process.
-exec "$PYTHON" -m trainer.launcher --nproc "$NGPU" --device "$DEVICE" --log-ranks "$LOG_RANK" \
+exec "$PYTHON" -m trainer.launch --nproc "$NGPU" --device "$DEVICE" --log-ranks "$LOG_RANK" \
   --max-restarts "$MAX_RESTARTS" "${ARGS[@]}"

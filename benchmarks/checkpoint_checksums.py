@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from trainer.checkpoint_checksums import ChecksumWriter  # noqa: E402
-from trainer.dcp_metadata import CheckedReader  # noqa: E402
+from trainer.checkpoint.checksums import ChecksumWriter  # noqa: E402
+from trainer.checkpoint.checked_reader import CheckedReader  # noqa: E402
 from trainer.models.llama3.args import FLAVORS  # noqa: E402
 from trainer.models.llama3.model import Transformer  # noqa: E402
 

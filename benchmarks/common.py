@@ -58,7 +58,7 @@ def model_state_bytes(model, optimizer) -> dict[str, int]:
 def run_training(nproc: int, overrides: list[str], timeout: int = 1800) -> list[dict]:
     """Train with the real trainer on `nproc` processes; returns one report per rank."""
     from trainer.config.manager import ConfigError, load_config
-    from trainer.preflight import plan_run
+    from trainer.preflight.checks import plan_run
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
@@ -84,8 +84,8 @@ def _worker(result_path: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from trainer.config.manager import load_config
-    from trainer.metrics import memory_stats
-    from trainer.preflight import plan_run
+    from trainer.metrics.step_log import memory_stats
+    from trainer.preflight.checks import plan_run
     from trainer.train import Trainer, configure_logging
 
     faulthandler.enable(file=sys.__stderr__)  # a native crash still shows where Python was
@@ -117,9 +117,9 @@ def _worker(result_path: str, overrides: list[str]) -> None:
 
 
 def torch_device():
-    from trainer import env
+    from trainer import process_setup
 
-    return env.pick_device()
+    return process_setup.pick_device()
 
 
 def table(headers: list[str], rows: list[list], align: str | None = None) -> str:
@@ -171,7 +171,7 @@ def _worker_main() -> None:
 
 
 if __name__ == "__main__":
-    from trainer.process_exit import run_process
+    from trainer.launch.process_exit import run_process
 
     run_process(_worker_main)
 

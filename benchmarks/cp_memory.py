@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.models.llama3.model import document_causal_mask, grouped_query_attention
 from trainer.parallel import ring_attention
-from trainer.parallel.context import ContextParallelAttention, load_balanced_positions
-from trainer.process_exit import exit_without_teardown
+from trainer.parallel.context_parallel import ContextParallelAttention, load_balanced_positions
+from trainer.launch.process_exit import exit_without_teardown
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 MIB = float(1 << 20)
@@ -163,7 +163,7 @@ def step_times(seq_len: int, steps: int, device: torch.device) -> dict[str, floa
     from trainer.config.manager import load_config, with_default_config
     from trainer.models.llama3 import Transformer, get_flavor
     from trainer.parallel import parallelize
-    from trainer.parallel.context import shard_sequence
+    from trainer.parallel.context_parallel import shard_sequence
     from trainer.parallel.dims import ParallelDims
 
     degree = dist.get_world_size()
@@ -184,8 +184,7 @@ def step_times(seq_len: int, steps: int, device: torch.device) -> dict[str, floa
     times: dict[str, list[float]] = {name: [] for name in cores}
     for step in range(steps + 1):
         for name, core in cores.items():
-            for block in model.layers.values():
-                block.attention.core = core
+            model.apply_runtime(model.runtime.with_blocks(attention_core=core))
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -224,7 +223,7 @@ def worker(rank: int, degree: int, init_file: str, options, results) -> None:
         if rank == 0:
             results[("step", degree)] = medians
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran collectives: see trainer.launch.process_exit
 
 
 def main(argv: list[str] | None = None) -> int:

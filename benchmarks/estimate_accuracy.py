@@ -56,7 +56,7 @@ def compare(name: str, nproc: int, overrides: list[str], folder: Path) -> list[d
     from trainer.estimate.job import estimate_kinds, estimated_config
     from trainer.estimate.rank import rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import plan_layout
+    from trainer.preflight.checks import plan_layout
 
     real = real_run(nproc, overrides, folder)
     config, _ = estimated_config(overrides)
@@ -75,8 +75,8 @@ def worker(out: Path, overrides: list[str]) -> None:
     from trainer.config.manager import load_config, with_default_config
     from trainer.estimate.rank import state_bytes
     from trainer.estimate.step_memory import StepMemory
-    from trainer.preflight import plan_run
-    from trainer.process_exit import exit_without_teardown
+    from trainer.preflight.checks import plan_run
+    from trainer.launch.process_exit import exit_without_teardown
     from trainer.train import Trainer
 
     config = load_config(with_default_config(overrides))

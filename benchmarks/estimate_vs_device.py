@@ -18,7 +18,7 @@ from common import machine, run_training, table  # noqa: I001 (sets sys.path)
 
 from trainer.estimate.job import estimate_kinds, estimated_config
 from trainer.estimate.rank import rank_kinds
-from trainer.preflight import plan_layout
+from trainer.preflight.checks import plan_layout
 
 GIB = float(1 << 30)
 

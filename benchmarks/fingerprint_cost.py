@@ -29,9 +29,9 @@ import torch
 
 from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
-from trainer.fingerprints import is_recorded
-from trainer.preflight import plan_run
-from trainer.process_exit import run_process
+from trainer.metrics.fingerprints import is_recorded
+from trainer.preflight.checks import plan_run
+from trainer.launch.process_exit import run_process
 from trainer.train import Trainer
 
 MODES = ("off", "idle", "recorded")
@@ -39,10 +39,10 @@ MODES = ("off", "idle", "recorded")
 
 def set_mode(trainer: Trainer, recorder, mode: str) -> None:
     """Switch the one trainer between the modes (see the module docstring)."""
-    trainer.fingerprints = None if mode == "off" else recorder
+    trainer.metrics.fingerprints = None if mode == "off" else recorder
     for module in trainer.model.modules():
-        if hasattr(module, "block_probe"):
-            module.block_probe = None if mode == "off" else recorder.probe
+        if hasattr(module, "attach_probe"):
+            module.attach_probe(None if mode == "off" else recorder.probe)
     if recorder is not None:
         recorder.first, recorder.every = (1 << 30, 0) if mode == "recorded" else (0, 0)
 
@@ -64,7 +64,7 @@ def main() -> None:
                               *overrides])
         first, every = config.metrics.fingerprint_first, config.metrics.fingerprint_every
         trainer = Trainer(config, plan_run(config, 1))
-        recorder = trainer.fingerprints
+        recorder = trainer.metrics.fingerprints
         clock = time.perf_counter if args.clock == "wall" else time.process_time
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for block in range(args.blocks + 1):  # the first round warms up and is not kept

@@ -209,7 +209,7 @@ p = torch.cuda.get_device_properties(0)
 nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
 print(f"CUDA device: {torch.cuda.device_count()} x {p.name}, capability {p.major}.{p.minor}, {p.multi_processor_count} "
       f"SMs, {p.total_memory / 2**30:.1f} GiB; NCCL {nccl}")
-from trainer.metrics import peak_flops_per_device
+from trainer.metrics.step_log import peak_flops_per_device
 
 peak = peak_flops_per_device(torch.device("cuda", 0), 0)
 print(f"trainer's MFU peak for this device: {peak / 1e12:.0f} TFLOP/s" if peak else "trainer's MFU peak: none (unknown)")

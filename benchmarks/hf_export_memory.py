@@ -48,7 +48,7 @@ def whole_model_export(checkpoint: Path, out: Path, args, dtype) -> int:
     model read, converted and cast at once, written as one file. Returns the files written."""
     from safetensors.torch import save_file
 
-    from trainer.dcp_files import read_model_state
+    from trainer.checkpoint.dcp_read import read_model_state
     from trainer.hf.weights import to_hf
 
     state = read_model_state(checkpoint)

@@ -37,7 +37,7 @@ def worker(flavor: str, steps: int) -> None:
 
     from trainer.config.manager import load_config
     from trainer.optim import clip_grad_norm
-    from trainer.preflight import plan_run
+    from trainer.preflight.checks import plan_run
     from trainer.train import Trainer, configure_logging
 
     configure_logging()
@@ -87,7 +87,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        from trainer.process_exit import run_process
+        from trainer.launch.process_exit import run_process
 
         run_process(lambda: worker(sys.argv[2], int(sys.argv[3])))
     else:

@@ -29,8 +29,8 @@ from common import machine, table  # noqa: I001 (sets sys.path)
 from trainer.config.manager import load_config
 from trainer.models.llama3 import Transformer
 from trainer.models.llama3.hf_config import configured_model_args
-from trainer.preflight import plan_run
-from trainer.process_exit import run_process
+from trainer.preflight.checks import plan_run
+from trainer.launch.process_exit import run_process
 from trainer.train import Trainer
 
 
@@ -119,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_process(main)  # the trainer ran gloo collectives here: see trainer.process_exit
+    run_process(main)  # the trainer ran gloo collectives here: see trainer.launch.process_exit

@@ -26,8 +26,8 @@ from trainer.config.manager import load_config
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.models.llama3.args import flops_per_token
 from trainer.optim import clip_grad_norm
-from trainer.preflight import plan_run
-from trainer.process_exit import run_process
+from trainer.preflight.checks import plan_run
+from trainer.launch.process_exit import run_process
 from trainer.train import Trainer
 
 
@@ -119,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_process(main)  # the trainer ran gloo collectives here: see trainer.process_exit
+    run_process(main)  # the trainer ran gloo collectives here: see trainer.launch.process_exit

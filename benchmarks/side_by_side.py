@@ -22,7 +22,7 @@ clipping at 1.0, the same local batch and sequence length, and selective checkpo
 second block (selective_ac_option "2"; full: every block). Tokens/s is the mean over the steps after --warmup
 (the logging windows that start after it); MFU is computed here, for all three alike, from the
 trainer's FLOPs-per-token formula (trainer.models.llama3.args.flops_per_token, the same 6N + 12LHQT
-torchtitan uses) and the device's dense bf16 peak (trainer.metrics). Memory is the CUDA caching
+torchtitan uses) and the device's dense bf16 peak (trainer.metrics.step_log). Memory is the CUDA caching
 allocator's peak reserved bytes (all three report it) and, where reported, peak allocated.
 
 Shapes: "1B" is Llama 3.2 1B with an untied output layer (torchtitan's Llama 3 has no tied
@@ -226,7 +226,7 @@ FIGURES = {"trainer": trainer_figures, "torchtitan": torchtitan_figures, "plain"
 def peak_flops(device: str) -> float | None:
     import torch
 
-    from trainer.metrics import peak_flops_per_device
+    from trainer.metrics.step_log import peak_flops_per_device
 
     if device == "cpu" or not torch.cuda.is_available():
         return None

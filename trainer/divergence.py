@@ -1,6 +1,6 @@
 """Stopping a run whose training diverged: a non-finite gradient norm after a step, and
 non-finite parameters before a save. Both stop every rank together (the values checked are
-global), with exit code 3 (trainer.process_exit.DIVERGED): a restart would diverge again from
+global), with exit code 3 (trainer.launch.process_exit.DIVERGED): a restart would diverge again from
 the same checkpoint."""
 
 from __future__ import annotations

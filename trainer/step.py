@@ -19,7 +19,7 @@ from trainer.loss import count_targets, cross_entropy_sum
 from trainer.models.llama3.model import document_index
 from trainer.optim import NormReduction
 from trainer.parallel.compile import compile_loss
-from trainer.parallel.context import shard_sequence
+from trainer.parallel.context_parallel import shard_sequence
 from trainer.parallel.fsdp import resolve_param_dtype
 from trainer.parallel.pipeline import MicrobatchLoss, Pipeline, StageShapes
 from trainer.parallel.tensor import loss_context
@@ -40,7 +40,7 @@ def stage_shapes(config, dims, args, device: torch.device) -> StageShapes:
 
 class StepRunner:
     def __init__(self, parallel, plan, mesh, config, device: torch.device):
-        """`plan`: the run's trainer.preflight.RunPlan (its degrees and accumulation steps)."""
+        """`plan`: the run's trainer.preflight.checks.RunPlan (its degrees and accumulation steps)."""
         dims, p = plan.dims, config.parallelism
         self.model = parallel.model
         self.device = device

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import stop_request
+from trainer.launch import stop_request
 
 if __name__ == "__main__":  # a rank: listen before torch's import, which takes seconds
     stop_request.listen()
@@ -26,8 +26,12 @@ if __name__ == "__main__":  # a rank: listen before torch's import, which takes 
 import torch
 import torch.distributed as dist
 
-from trainer import env, messages, run_lock, run_record
-from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete
+from trainer import process_setup, messages
+
+from trainer.launch import run_lock
+
+from trainer.records import run_meta
+from trainer.checkpoint.manager import CheckpointError, CheckpointManager, TrainingComplete
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, help_text, load_config, to_dict, to_toml, with_default_config
 from trainer.config.saved_config import write_config_file
@@ -39,25 +43,25 @@ from trainer.data.documents import DataError
 from trainer.divergence import NonFiniteLossError, check_gradient_norm, check_parameters
 from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
-from trainer.metrics import MetricsLogger, StepFigures, should_log, time_stamp
+from trainer.metrics.step_log import MetricsLogger, StepFigures, should_log, time_stamp
 from trainer.hf.model_io import HFWeights
-from trainer.json_records import RecordError
+from trainer.records.untrusted_json import RecordError
 from trainer.models.llama3.args import flops_per_token
 from trainer.models.llama3.model import count_params_on_meta
-from trainer.fingerprints import FingerprintRecorder, parameter_names
+from trainer.metrics.fingerprints import FingerprintRecorder, parameter_names
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from trainer.parent_watch import watch_launcher
+from trainer.launch.launcher_watch import watch_launcher
 from trainer.model_build import build_on_meta, materialize, training_model_args
 from trainer.parallel import ParallelModel
 from trainer.parallel.fsdp import resolve_param_dtype
-from trainer.perturbation import perturb_weights
-from trainer.preflight import RunPlan, check_device_options, plan_run, refuse_record_links
-from trainer.seed_checkpoint import create_seed_checkpoint
-from trainer.process_exit import DIVERGED, report_error, run_process
-from trainer.profiling import StepProfiler
-from trainer.safe_writes import LinkRefused
+from trainer.model_build import perturb_weights
+from trainer.preflight.checks import RunPlan, check_device_options, plan_run, refuse_record_links
+from trainer.checkpoint.seed import create_seed_checkpoint
+from trainer.launch.process_exit import DIVERGED, report_error, run_process
+from trainer.metrics.profiling import StepProfiler
+from trainer.records.safe_writes import LinkRefused
 from trainer.step import StepRunner
-from trainer.train_state import TrainState
+from trainer.checkpoint.items import TrainState
 from trainer.version import code_version
 
 logger = logging.getLogger("trainer")
@@ -75,9 +79,9 @@ class Trainer:
 
     def __init__(self, config: JobConfig, plan: RunPlan):
         self.config, self.plan = config, plan
-        self.device = env.pick_device()
+        self.device = process_setup.pick_device()
         check_device_options(config, self.device.type)
-        self.rank, world_size = env.init_distributed(
+        self.rank, world_size = process_setup.init_distributed(
             self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         try:
             self.locks = run_lock.hold(config, self.rank, world_size, self.device)  # before anything is written
@@ -91,13 +95,13 @@ class Trainer:
             self._build(config, plan, world_size)
         except BaseException as e:
             if isinstance(e, TrainingComplete) and self.rank == 0:  # a run that stopped after its final save
-                run_record.complete_after_final_save(Path(config.job.dump_folder), config.training.steps,
+                run_meta.complete_after_final_save(Path(config.job.dump_folder), config.training.steps,
                                                      exports_written=e.wrote_exports)
             run_lock.release_all(self.locks)
             raise
 
     def _build(self, config: JobConfig, plan: RunPlan, world_size: int) -> None:
-        env.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
+        process_setup.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
 
         model_args = training_model_args(config)
@@ -128,7 +132,7 @@ class Trainer:
         self.stopped_at: int | None = None  # the step saved before stopping on checkpoint.save_on_signal
         self.record = None
         if self.rank == 0:
-            self.record = run_record.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
+            self.record = run_meta.begin(Path(config.job.dump_folder), self._metadata(model_args, world_size, stamp),
                                            resumed_step=self.state.step, trajectory=self.checkpointer.trajectory)
             if self.record.get("metrics_from_step"):
                 logger.warning("metrics.jsonl starts at step %d: steps 1-%d of the trajectory of %s are not recorded in "
@@ -186,14 +190,14 @@ class Trainer:
         stay in one folder; a new run, or one on another trajectory, gets the current time."""
         if not self.config.metrics.enable_tensorboard or self.rank != 0:
             return None
-        earlier = run_record.load_record(Path(self.config.job.dump_folder))
-        if not run_record.continues(earlier, self.state.step, self.checkpointer.trajectory):
+        earlier = run_meta.load_record(Path(self.config.job.dump_folder))
+        if not run_meta.continues(earlier, self.state.step, self.checkpointer.trajectory):
             earlier = None  # another trajectory's events must not mix with this one's
         folder = (earlier or {}).get("tensorboard")
         return Path(folder).name if folder else time_stamp()
 
     def _metadata(self, model_args, world_size: int, tensorboard_stamp: str | None) -> dict:
-        """This start's part of the run record (see trainer.run_record for the fields)."""
+        """This start's part of the run record (see trainer.records.run_meta for the fields)."""
         tensorboard = f"{self.config.metrics.save_tb_folder}/{tensorboard_stamp}" if tensorboard_stamp else None
         return {
             "config": to_dict(self.config),
@@ -205,7 +209,7 @@ class Trainer:
             "global_batch_size": self.plan.global_batch_size,
             "accumulation_steps": self.plan.accumulation_steps,
             "device": str(self.device),
-            **env.software_and_device(self.device),
+            **process_setup.software_and_device(self.device),
             "argv": sys.argv[1:],
             # which automatic restart of the launcher this start is (torch's agent counts them)
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -338,7 +342,7 @@ class Trainer:
                 self._check_finite(*unchecked)
                 unchecked = None
             if step == first_step:  # also after a resume, which starts past step 1
-                env.set_collective_timeout(cfg.comm.train_timeout_seconds, keep=self.checkpointer.background_groups())
+                process_setup.set_collective_timeout(cfg.comm.train_timeout_seconds, keep=self.checkpointer.background_groups())
             if step % cfg.training.gc_freq == 0:
                 gc.collect(1)
             if logging_step:
@@ -396,7 +400,7 @@ class Trainer:
         self.metrics.log_scalars(step, CollectiveCounter.totals(summary), prefix="collectives")
         if self.record is not None:
             self.record["collectives"] = {"step": step, "rank": self.rank, **summary}
-            run_record.write_record(Path(self.config.job.dump_folder), self.record)
+            run_meta.write_record(Path(self.config.job.dump_folder), self.record)
         return result
 
     def _tokens_per_source(self) -> dict[str, int]:
@@ -421,7 +425,7 @@ class Trainer:
         if self.record is not None:
             status = "failed" if self.error else self.status
             try:
-                run_record.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
+                run_meta.finish(Path(self.config.job.dump_folder), self.record, status, self.state.step, self.error)
             except OSError as e:  # a full or read-only disk: the run's own error says more, keep it
                 logger.error("could not write the run's record %s/run_meta.json (status %s): %s",
                              self.config.job.dump_folder, status, e)
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     argv = sys.argv[1:] if argv is None else argv
-    watch_launcher()  # first: a rank must not train on after its launcher was killed (trainer/parent_watch.py)
+    watch_launcher()  # first: a rank must not train on after its launcher was killed (trainer/launch/launcher_watch.py)
     # A crash inside a C++ library (SIGSEGV, an abort from a communication thread) kills the
     # process without a Python traceback; this prints every thread's Python stack first.
     faulthandler.enable(file=sys.__stderr__)

@@ -52,18 +52,18 @@ def tp_norm_grad_unreduced() -> None:
 def cp_rope_unshifted() -> None:
     import torch
 
-    from trainer.parallel import context
+    from trainer.parallel import context_parallel
 
     def positions(self, local_len, device):
         return torch.arange(local_len, device=device)
 
-    context.ContextParallelAttention.positions = positions
+    context_parallel.ContextParallelAttention.positions = positions
 
 
 def cp_rope_tail_misplaced() -> None:
     import torch
 
-    from trainer.parallel import context
+    from trainer.parallel import context_parallel
 
     def positions(self, local_len, device):
         chunk = local_len // 2
@@ -71,7 +71,7 @@ def cp_rope_tail_misplaced() -> None:
         tail = torch.arange((self.degree + self.rank) * chunk, (self.degree + self.rank + 1) * chunk, device=device)
         return torch.cat([head, tail])
 
-    context.ContextParallelAttention.positions = positions
+    context_parallel.ContextParallelAttention.positions = positions
 
 
 def cp_kv_grad_unreduced() -> None:
@@ -129,11 +129,12 @@ def tp_w2_grad_doubled_in_one_block() -> None:
     original = tensor.apply_tp
 
     def apply_tp(model, tp_mesh, **kwargs):
-        original(model, tp_mesh, **kwargs)
+        parts = original(model, tp_mesh, **kwargs)  # what the blocks' runtime needs: passed on
         if "2" in model.layers and tp_mesh.get_local_rank() == 1:
             w2 = model.layers["2"].feed_forward.w2
             cast = w2.cast
             w2.cast = lambda weight: cast(DoubleGradient.apply(weight))
+        return parts
 
     tensor.apply_tp = apply_tp
 
@@ -145,10 +146,11 @@ def tp_rope_half_keys() -> None:
     original = tensor.apply_tp
 
     def apply_tp(model, tp_mesh, **kwargs):
-        original(model, tp_mesh, **kwargs)
+        parts = original(model, tp_mesh, **kwargs)  # what the blocks' runtime needs: passed on
         if tp_mesh.get_local_rank() == 1:
             for block in model.layers.values():
                 block.attention.keys_offset_by_half = True
+        return parts
 
     def forward(self, x, rope, documents=None):
         batch, seq, _ = x.shape

@@ -84,7 +84,7 @@ def trainer_problems(argv: list[str], nproc: int | None, label: str, mode: str =
     """What the launcher's own checks (config loading, preflight) say about one launch, and
     whether its precision suits the plan's tolerance mode."""
     from trainer.config.manager import ConfigError, load_config
-    from trainer.preflight import plan_run
+    from trainer.preflight.checks import plan_run
 
     try:
         config = load_config(argv)

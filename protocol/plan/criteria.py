@@ -279,7 +279,7 @@ def step_problems(metric: str, step: int, window: int | None, where: str, runs: 
 
 
 def logged(step: int, runs: Frequencies) -> bool:
-    """Whether the trainer logs this step's training loss: trainer.metrics.should_log, repeated
+    """Whether the trainer logs this step's training loss: trainer.metrics.step_log.should_log, repeated
     here so that reading a plan does not import torch."""
     if step in (1, runs.steps):
         return True

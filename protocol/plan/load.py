@@ -4,7 +4,7 @@ problem with its fix.
 Validation is one pass. Every table is read as far as it can be (a bad key is reported and left
 out, the others are kept), and then every check runs on whatever it needs that could be read:
 the name checks on every run whose name is readable, the plan's rules and the trainer's own
-checks (`trainer.config.manager.load_config` and `trainer.preflight.plan_run`: degrees vs world
+checks (`trainer.config.manager.load_config` and `trainer.preflight.checks.plan_run`: degrees vs world
 size, heads vs TP, seq_len vs TP/CP, layers vs stages, microbatches vs schedule) on every set whose
 degrees are readable. So fixing the listed problems does not reveal new ones, except those that
 could not be checked at all: without a readable base config, DP degree or local batch no launch

@@ -1,13 +1,13 @@
 """Numbers read from a run folder: a criterion's or a rule's measure, the time per step, and the
 tensor-parallel synchronizations per forward pass the run counted.
 
-metrics.jsonl (trainer/metrics.py): training records have no "kind" key ("step", "loss",
+metrics.jsonl (trainer/metrics/step_log.py): training records have no "kind" key ("step", "loss",
 "step_time_s": the mean time of the steps since the previous logged step, ...); validation
 records have "kind": "validation" and "validation/loss". A run being written may end in half a
 line, and a resumed run logs some steps again: unreadable lines are skipped and the line written
 last wins, so the same reader serves a running run (early stopping) and a finished one.
 
-run_meta.json (trainer.run_record) holds, with `metrics.count_collectives = true`, a
+run_meta.json (trainer.records.run_meta) holds, with `metrics.count_collectives = true`, a
 "collectives" entry whose "tp_syncs_per_forward" is the measured number of tensor-parallel
 synchronizations of one forward pass.
 """

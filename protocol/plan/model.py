@@ -175,7 +175,7 @@ class Launch:
             return f"{LAUNCHER_NAME} {args}"
         if self.nodes == 1:
             return f"NGPU={self.nproc} {LAUNCHER_NAME} {args}"
-        return (f"PYTHONPATH=. python -m trainer.launcher --nproc {self.procs_per_node} --device cuda --nnodes "
+        return (f"PYTHONPATH=. python -m trainer.launch --nproc {self.procs_per_node} --device cuda --nnodes "
                 f"{self.nodes} --rdzv-endpoint \"${{HEAD_NODE:?first node}}:{RDZV_PORT}\" --rdzv-id {self.slug} {args}")
 
     def to_dict(self) -> dict[str, Any]:

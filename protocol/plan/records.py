@@ -1,4 +1,4 @@
-"""A run's own record (`<dump_folder>/run_meta.json`, trainer.run_record), read, and two
+"""A run's own record (`<dump_folder>/run_meta.json`, trainer.records.run_meta), read, and two
 configurations compared option by option.
 
 What a run ran is told from this record, never from the plan's current text: `protocol run`
@@ -18,7 +18,7 @@ MAX_SHOWN = 8  # differences listed per run before "and N more"
 
 
 def read_record(folder: Path) -> dict | None:
-    from trainer.run_record import read_record as read
+    from trainer.records.run_meta import read_record as read
 
     return read(folder)
 

@@ -3,7 +3,7 @@
 A finished run costs hours of GPU time, so the protocol reuses it, but only when its own record
 equals what a run started now would record (ARCHITECTURE invariant 7):
 
-- a training run (trainer.run_record, run_meta.json): status "completed" with every step of the
+- a training run (trainer.records.run_meta, run_meta.json): status "completed" with every step of the
   plan; the resolved configuration equal to `to_dict(load_config(launch args))`; the same world
   size, trainer source (trainer.version: source_sha256) and torch version; and, when the plan
   uses a seed checkpoint, started from the seed checkpoint that is there now (its fingerprint);
@@ -102,7 +102,7 @@ def assess(plan: Plan, launches: list[Launch], now: Now | None = None) -> dict[s
 
 
 def assess_seed(launch: Launch, now: Now) -> Decision:
-    from trainer.checkpoint_layout import read_checkpoint_record
+    from trainer.checkpoint.on_disk import read_checkpoint_record
 
     checkpoint = launch.seed_checkpoint
     if checkpoint is None or not (checkpoint / ".metadata").is_file():
@@ -143,7 +143,7 @@ def assess_run(plan: Plan, launch: Launch, now: Now, seed: Decision | None = Non
 def resume_step(plan: Plan, launch: Launch) -> int | None:
     """The step an unfinished training run resumes from: its newest checkpoint that the trainer
     will load (complete, or finished but not yet renamed into place), else None (from the seed)."""
-    from trainer.checkpoint_layout import complete_checkpoints, finished_partials
+    from trainer.checkpoint.on_disk import complete_checkpoints, finished_partials
 
     if launch.role == "seed":
         return None
@@ -188,7 +188,7 @@ def seed_differences(record: dict, launch: Launch, now: Now, seed: Decision | No
     if seed is not None and seed.action != REUSE:
         return ["it started from the seed checkpoint, which is stale" if seed.action == STALE else
                 "it started from a seed checkpoint that is gone and will be made anew"]
-    from trainer.checkpoint_layout import fingerprint
+    from trainer.checkpoint.on_disk import fingerprint
 
     started = (starts(record)[0].get("start") or {}).get("fingerprint")
     there = fingerprint(launch.seed_checkpoint)

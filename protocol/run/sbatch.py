@@ -1,7 +1,7 @@
 """SLURM scripts of a plan: one sbatch script per run and a `submit_all.sh`.
 
 The seed job is one process that needs no GPU (it initializes the model on the CPU) but the
-whole model in host memory; every other job starts the trainer's launcher (trainer/launcher.py)
+whole model in host memory; every other job starts the trainer's launcher (trainer/launch/launcher.py)
 once per node through srun, with a c10d rendezvous on the first node of the allocation. The
 launcher checks the configuration first and ends a failed run with one `error:` block. Each script
 claims its run folder (`.protocol-run`) before the run starts, so `protocol run` and `protocol
@@ -9,7 +9,7 @@ compare` recognize the runs it made. The plan's [slurm] tables add #SBATCH optio
 (`prologue`) and srun options per kind of job.
 
 A training job survives its time limit: SLURM signals it `save_before_limit` seconds before
-(`--signal`), the ranks save a checkpoint and stop with exit 75 (trainer/stop_request.py), and the
+(`--signal`), the ranks save a checkpoint and stop with exit 75 (trainer/launch/stop_request.py), and the
 script requeues its own job (at most `max_requeues` times), which resumes from that checkpoint.
 Its log is appended to (`--open-mode=append`), one attempt after the other. A script edited by
 hand is never overwritten (protocol.run.script_files).
@@ -33,7 +33,7 @@ from protocol.plan.text import CONTROL, SBATCH_RULE, describe
 from protocol.run.folders import CLAIM_FUNCTION, claim_command
 from protocol.run.render import unless_seed_exists
 from protocol.run.script_files import write_script
-from trainer.stop_request import DEFAULT_SIGNAL, SAVED_AND_STOPPED
+from trainer.launch.stop_request import DEFAULT_SIGNAL, SAVED_AND_STOPPED
 
 SUBMIT_ALL = "submit_all.sh"
 LOG_FOLDER_SPECIAL = re.compile(r"""[\s'"\\#%\x00-\x1f\x7f-\x9f\u2028\u2029]""")
@@ -121,12 +121,12 @@ def job_body(plan: Plan, launch: Launch) -> list[str]:
         '"on $SLURM_NNODES node(s), job $SLURM_JOB_ID, start $((${SLURM_RESTART_COUNT:-0} + 1))"',
     ]
     if launch.role == "seed":
-        seed = [f'srun --ntasks=1 {srun_options}"$PYTHON" -m trainer.launcher --nproc 1 --device cpu {args}']
+        seed = [f'srun --ntasks=1 {srun_options}"$PYTHON" -m trainer.launch --nproc 1 --device cpu {args}']
         return lines + unless_seed_exists(launch, seed, "seed")
     return lines + [
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "status=0",
-        f'srun --kill-on-bad-exit=1 {srun_options}"$PYTHON" -m trainer.launcher --nproc {launch.procs_per_node} '
+        f'srun --kill-on-bad-exit=1 {srun_options}"$PYTHON" -m trainer.launch --nproc {launch.procs_per_node} '
         f'--device {job.device} --nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:{job.rdzv_port}" '
         f'--rdzv-id "$SLURM_JOB_ID" {args} || status=$?',
         *requeue_lines(launch, job),

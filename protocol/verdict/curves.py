@@ -117,7 +117,7 @@ def read_curve(
 
 # ---------------------------------------------------------------- metrics.jsonl
 def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str | None) -> Curve:
-    """Training records are those without a "kind" key (trainer/metrics.py); an explicit key
+    """Training records are those without a "kind" key (trainer/metrics/step_log.py); an explicit key
     (e.g. "validation/loss") selects every record that has it instead."""
     loss_key = _JSONL_KEY_OF_TAG.get(loss_tag, loss_tag) if loss_tag else "loss"
     grad_key = _JSONL_KEY_OF_TAG.get(grad_norm_tag, grad_norm_tag) if grad_norm_tag else "grad_norm"
@@ -149,7 +149,7 @@ def _read_jsonl(path: Path, name: str, loss_tag: str | None, grad_norm_tag: str 
 
 
 def _extra_figures(record: dict) -> dict[str, float]:
-    """The report's other figures of one metrics.jsonl record (trainer/metrics.py): learning
+    """The report's other figures of one metrics.jsonl record (trainer/metrics/step_log.py): learning
     rate, step time, tokens/s, and the peak memory (CUDA reserved, else the process's RSS)."""
     found = {key: float(record[key]) for key in ("lr", "step_time_s", "tokens_per_s")
              if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}

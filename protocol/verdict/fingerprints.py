@@ -1,5 +1,5 @@
 """Where a test set parts from the control: the per-module fingerprints of its runs
-(metrics.fingerprints, trainer/fingerprints.py) compared with the control's, entry by entry and
+(metrics.fingerprints, trainer/metrics/fingerprints.py) compared with the control's, entry by entry and
 step by step, from step 1.
 
 Each entry (a parameter's gradient, update or weight norm; a block's output or gradient RMS) at a
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from protocol.verdict.fingerprint_noise import FLOOR as STATISTICAL_FLOOR
 from protocol.verdict.fingerprint_noise import NoiseModel, family_threshold, fit_noise, score
-from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
+from trainer.records.run_meta import BLOCK_QUANTITIES, BRANCH_QUANTITIES, FINGERPRINTS_FILE, PARAMETER_QUANTITIES
 
 ACTIVATIONS = BLOCK_QUANTITIES + BRANCH_QUANTITIES  # per block
 QUANTITIES = PARAMETER_QUANTITIES + ACTIVATIONS

@@ -1,4 +1,4 @@
-"""What a run did, told from its own record (`<dump_folder>/run_meta.json`, trainer.run_record).
+"""What a run did, told from its own record (`<dump_folder>/run_meta.json`, trainer.records.run_meta).
 
 The report describes each run from this record, never from the plan's current text: a run made
 before the plan was edited shows the options it really ran with. A run's layout is its recorded

@@ -1,7 +1,7 @@
 """Run the trainer on the device under test, one process, through the launcher.
 
 The device is never named in a configuration: the launcher (torchrun_launch.sh) trains on CUDA
-when it sees a GPU and `trainer.env.pick_device` takes the rank's GPU when torch sees one, else
+when it sees a GPU and `trainer.process_setup.pick_device` takes the rank's GPU when torch sees one, else
 the CPU. So a run is put on the CPU by hiding the GPUs (CUDA_VISIBLE_DEVICES=""), and on the
 device under test (TRAINER_TEST_DEVICE) by leaving them visible.
 """

@@ -175,8 +175,7 @@ def test_a_model_trains_the_same_with_the_flex_kernel(mode, figure):
     """training.document_masking_kernel = "flex" inside the model, eager, compiled per block and
     under activation checkpointing, against the same model with the explicit mask: logits and
     every gradient in float32 within 1e-4 (relative to each tensor's largest value)."""
-    from trainer.parallel.checkpointing import apply_ac
-    from trainer.parallel.compile import apply_compile
+    from trainer.parallel import local_runtime
 
     device = torch.device(DEVICE)
     if device.type == "cpu":
@@ -192,12 +191,9 @@ def test_a_model_trains_the_same_with_the_flex_kernel(mode, figure):
         model = Transformer(args)
         model.init_weights(seed=0)
         model.to(device)
-        for block in model.layers.values():
-            block.attention.core.document_kernel = kernel
-        if mode in AC_MODES:
-            apply_ac(model, *AC_MODES[mode])
-        if mode == "compile":
-            apply_compile(model, "inductor")
+        ac_mode, ac_option = AC_MODES.get(mode, ("none", "2"))
+        model.apply_runtime(local_runtime(model, ac_mode=ac_mode, ac_option=ac_option, document_kernel=kernel,
+                                          compile_backend="inductor" if mode == "compile" else None))
         logits = model(tokens, documents)
         logits.float().logsumexp(-1).mean().backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))

@@ -8,10 +8,10 @@ import pytest
 from tests.cuda.device import (DETERMINISTIC, DEVICE, JOB, all_finite, dtype_args, losses, median_speed, peak_gib,
                                run_record, step_records, train)
 from tests.launch import describe
-from trainer.metrics import PEAK_BF16_DENSE_FLOPS
+from trainer.metrics.step_log import PEAK_BF16_DENSE_FLOPS
 
 # What `parallelize` reports for one process: no FSDP in either dtype; in bfloat16 the model casts
-# its float32 weights itself (Transformer.set_compute_dtype).
+# its float32 weights itself (ModelRuntime.compute_dtype).
 LAYOUT = {"float32": "none (one process: the model runs unwrapped)",
           "bfloat16": "none (one process: the model runs unwrapped, computing in bfloat16)"}
 

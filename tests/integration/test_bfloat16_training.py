@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.collectives import CountCollectives
 from tests.launch import TINY_JOB, run_many
 from trainer.config.saved_config import HEADER
-from trainer.process_exit import exit_without_teardown
+from trainer.launch.process_exit import exit_without_teardown
 
 WORLD = 2
 STEPS = ["--training.steps", "3"]
@@ -95,7 +95,7 @@ def run_rank(rank: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results[rank] = one_step()
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The blocks' activation fingerprints (trainer/fingerprints.py), the attention and feed-forward
+"""The blocks' activation fingerprints (trainer/metrics/fingerprints.py), the attention and feed-forward
 branches (attention_rms, ffn_rms) with the block output and gradient, are the same global figures
 in every layout: one process against full activation checkpointing, gradient accumulation,
 torch.compile (inductor, with and without full recomputation), FSDP over 2 ranks, TP 2 with
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import run_many
-from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES
+from trainer.records.run_meta import BLOCK_QUANTITIES, BRANCH_QUANTITIES
 
 FINGERPRINT_TOLERANCE = 1e-4
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "3",

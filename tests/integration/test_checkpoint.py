@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
-from trainer.stop_request import catches
+from trainer.launch.stop_request import catches
 
 
 def listing(folder) -> list[str]:
@@ -239,9 +239,9 @@ if "RANK" in os.environ and "KILL_AT_SAVE" in os.environ:
     import signal
     import time
 
-    import trainer.checkpoint
+    import trainer.checkpoint.manager
 
-    save = trainer.checkpoint.CheckpointManager.save
+    save = trainer.checkpoint.manager.CheckpointManager.save
 
     def save_or_die(self, step, **kwargs):
         if step == int(os.environ["KILL_AT_SAVE"]):
@@ -255,7 +255,7 @@ if "RANK" in os.environ and "KILL_AT_SAVE" in os.environ:
             os.kill(os.getpid(), signal.SIGKILL)
         return save(self, step, **kwargs)
 
-    trainer.checkpoint.CheckpointManager.save = save_or_die
+    trainer.checkpoint.manager.CheckpointManager.save = save_or_die
 """
 
 ASYNC_RESUMABLE = [*JOB, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "3",
@@ -538,7 +538,7 @@ def test_hugging_face_export_of_a_pipeline_run_has_every_stage(seed, tmp_path):
     """Each PP rank holds some layers; the export is read from the checkpoint, which has them all."""
     from safetensors.torch import load_file
 
-    from trainer.dcp_files import read_model_state
+    from trainer.checkpoint.dcp_read import read_model_state
     from trainer.models.llama3 import get_flavor
     from trainer.hf.weights import to_hf
 
@@ -570,10 +570,10 @@ def _two_async_saves(rank: int, mode: str, folder: str, results) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-    from trainer.checkpoint import CheckpointManager
-    from trainer.train_state import TrainState
+    from trainer.checkpoint.manager import CheckpointManager
+    from trainer.checkpoint.items import TrainState
     from trainer.config.job_config import JobConfig
-    from trainer.process_exit import exit_without_teardown
+    from trainer.launch.process_exit import exit_without_teardown
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
     staged = []
@@ -607,7 +607,7 @@ def _two_async_saves(rank: int, mode: str, folder: str, results) -> None:
         round_trip=torch.equal(loaded["model"]["weight"], expected), record=(manager.folder / "step-2" /
                                                                               "checkpoint.json").is_file())
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 @pytest.mark.parametrize("mode, reuses", [("async", False), ("async_with_pinned_mem", True)])

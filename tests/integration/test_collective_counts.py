@@ -10,7 +10,7 @@ import pytest
 from tests.launch import TINY_JOB, describe, launch, read_metrics
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError
-from trainer.preflight import plan_run
+from trainer.preflight.checks import plan_run
 
 BLOCKS = 4  # the tiny flavor's
 JOB = [*TINY_JOB, "--training.steps", "2", "--metrics.count_collectives", "--metrics.log_freq", "1"]

@@ -118,7 +118,7 @@ def assert_one_report(result, nproc: int) -> tuple[str, Path]:
 
 def write_checkpoint(folder: Path, **shape) -> Path:
     """A model-only step-0 DCP checkpoint of the tiny flavor, with `shape` changed."""
-    from trainer.checkpoint import save_seed_checkpoint
+    from trainer.checkpoint.manager import save_seed_checkpoint
     from trainer.models.llama3 import Transformer, get_flavor
 
     args = get_flavor("tiny")

@@ -51,6 +51,7 @@ class Layout:
     overrides: tuple[str, ...]
     control: str = "FSDP dp2"
     expect_log: str = ""  # a line the run must log: proof the layout was really applied
+    expect_runtime: str = ""  # part of a `runtime:` line: how its blocks compute (the model's runtime)
 
 
 LAYOUTS = {
@@ -60,14 +61,18 @@ LAYOUTS = {
                           "1"), expect_log="DDP 2 replicas x 1 shards"),
     "HSDP 2x2": Layout(4, ("--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"),
                        control="FSDP dp4", expect_log="HSDP 2 replicas x 2 shards"),
-    "FSDP+TP2": Layout(4, (*TP2,), expect_log="TP 2 with sequence parallelism and loss parallelism"),
+    "FSDP+TP2": Layout(4, (*TP2,), expect_log="TP 2 with sequence parallelism and loss parallelism",
+                       expect_runtime="runtime: blocks 0-3: attention causal SDPA over whole sequences, documents by "
+                                      "mask; norm weights: TP gradient sum in float32"),
     "FSDP+PP2 1F1B": Layout(4, (*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
                             expect_log="PP 2 (1F1B, 2 stages)"),
     "FSDP+PP2 Interleaved1F1B": Layout(4, (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                                        expect_log="PP 2 (Interleaved1F1B, 4 stages)"),
     "FSDP+AC selective op": Layout(2, ("--activation_checkpoint.mode", "selective",
                                        "--activation_checkpoint.selective_ac_option", "op"),
-                                   expect_log="activation checkpointing selective (op)"),
+                                   expect_log="activation checkpointing selective (op)",
+                                   expect_runtime="runtime: blocks 0-3: attention causal SDPA over whole sequences, "
+                                                  "documents by mask; recompute cheap ops"),
 }
 TEST_SETS = [name for name in LAYOUTS if name not in ("FSDP dp2", "FSDP dp4")]
 
@@ -115,6 +120,8 @@ def runs(seed, tmp_path_factory):
                     log = result["log"]
                     assert f"loaded model from {seed}" in log, (run, log[-2000:])
                     assert expect_log[run] in log, (run, log[-2000:])  # the layout was really applied
+                    if run in LAYOUTS:
+                        assert LAYOUTS[run].expect_runtime in log, (run, log[-2000:])
                     steps = 3 if run.startswith("schedule ") else STEPS
                     records = result["metrics"]
                     assert [r["step"] for r in records] == list(range(1, steps + 1)), run

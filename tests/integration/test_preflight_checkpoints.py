@@ -13,7 +13,7 @@ import pytest
 
 from tests.launch import TINY_JOB, describe, launch
 from trainer.config.manager import ConfigError, load_config
-from trainer.preflight import RunComplete, check_resume, check_seed, resume_candidate
+from trainer.preflight.checks import RunComplete, check_resume, check_seed, resume_candidate
 
 # A refused launch runs the preflight only: well under a second on an idle machine; the ranks
 # would take 13-24 s to start (torch, the process group) before refusing.

@@ -81,6 +81,11 @@ def test_fsdp_tp_with_checkpointed_activations_resumes_exactly(tmp_path):
     result = launch(4, [*job, "--job.dump_folder", str(tmp_path / "full")])
     assert result.returncode == 0, describe(result)
     assert "FSDP over 2 ranks" in result.stdout and "Warning" not in result.stderr
+    # The model's runtime, as the log prints it: groups of 2 blocks, the first gathers, the last scatters.
+    block = ("attention causal SDPA over whole sequences, documents by mask; recompute cheap ops; sync reduced over TP 2: "
+             "{}; linear layers on their local shard; norm weights: partial sums, TP gradient sum in float32")
+    assert f"runtime: block 0: {block.format('all-gathers its input')}\n" in result.stdout
+    assert f"runtime: block 1: {block.format('reduce-scatters its output')}\n" in result.stdout
     shutil.copytree(tmp_path / "full" / "checkpoint" / "step-4", tmp_path / "resumed" / "checkpoint" / "step-4")
     result = launch(4, [*job, "--job.dump_folder", str(tmp_path / "resumed")])
     assert result.returncode == 0, describe(result)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.collectives import CountCollectives
-from trainer.process_exit import exit_without_teardown
+from trainer.launch.process_exit import exit_without_teardown
 
 WORLD = 2
 BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32"]
@@ -44,7 +44,7 @@ def one_step(overrides: list[str]) -> tuple[Counter, dict[str, torch.Tensor]]:
     from trainer.config.manager import load_config, with_default_config
     from trainer.models.llama3 import Transformer, get_flavor
     from trainer.parallel import parallelize
-    from trainer.parallel.context import shard_sequence
+    from trainer.parallel.context_parallel import shard_sequence
     from trainer.parallel.dims import ParallelDims
 
     config = load_config(with_default_config(["--model.flavor", "tiny", "--training.seq_len", "32", *overrides]))
@@ -75,7 +75,7 @@ def run_rank(rank: int, init_file: str, results) -> None:
             results[name] = (counts, grads)
             results[(name, "cp reduce dtype")] = cp_reduce
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 @pytest.fixture(scope="module")

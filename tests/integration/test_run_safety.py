@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
-from trainer import run_lock
+from trainer.launch import run_lock
 
 LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
 
@@ -92,10 +92,10 @@ def test_ranks_die_with_their_launcher_which_holds_the_dump_folder(tmp_path, mea
 
 WATCHED = """
 import sys, time
-from trainer import parent_watch
+from trainer.launch import launcher_watch
 if sys.argv[1] == "thread":
-    parent_watch.parent_death_signal = lambda sig: False  # as on a system without prctl
-print(parent_watch.watch_launcher(), flush=True)
+    launcher_watch.parent_death_signal = lambda sig: False  # as on a system without prctl
+print(launcher_watch.watch_launcher(), flush=True)
 time.sleep(60)
 """
 MIDDLE = """

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.launch import describe, launch, read_metrics, run_many
-from trainer.dcp_files import read_model_state, saved_keys
+from trainer.checkpoint.dcp_read import read_model_state, saved_keys
 from trainer.models.llama3 import get_flavor
 from trainer.models.llama3.hf_config import hf_config
 

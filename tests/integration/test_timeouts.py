@@ -1,7 +1,7 @@
 """comm.train_timeout_seconds reaches the mesh's subgroups, not only the default process group.
 
 The test runs this file under torchrun with 4 gloo ranks and the trainer's mesh (dp_shard=2 x tp=2).
-After env.set_collective_timeout(2), rank 1 stays away for 6 s while rank 0 waits for it in a
+After process_setup.set_collective_timeout(2), rank 1 stays away for 6 s while rank 0 waits for it in a
 tensor-parallel all-reduce and rank 3 in a data-parallel (flattened mesh) all-reduce: both must
 give up after about 2 s, not wait for rank 1.
 """
@@ -26,12 +26,12 @@ def run_rank(out_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer import env
+    from trainer import process_setup
     from trainer.parallel.dims import ParallelDims
 
-    rank, world = env.init_distributed(torch.device("cpu"), timeout_s=60)
+    rank, world = process_setup.init_distributed(torch.device("cpu"), timeout_s=60)
     meshes = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=world).build_mesh("cpu")
-    env.set_collective_timeout(TRAIN_TIMEOUT_S)
+    process_setup.set_collective_timeout(TRAIN_TIMEOUT_S)
     if rank == LATE_RANK:
         time.sleep(LATE_BY_S)
     elif rank in WAITERS:

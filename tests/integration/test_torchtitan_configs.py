@@ -22,7 +22,7 @@ from tests.launch import describe, launch, read_metrics
 from tests.unit.test_data_named import c4_records
 from tests.unit.test_tokenizer_specials import bare_bpe, folder, torchtitan_like_config
 from trainer.config.manager import load_config, to_toml, with_default_config
-from trainer.run_record import read_record
+from trainer.records.run_meta import read_record
 
 SHARED = {
     "job": {"dump_folder": "./outputs"},
@@ -156,7 +156,7 @@ def test_the_torchtitan_debug_config_trains_with_only_a_data_path(workdir):
     [warning] = [w for w in read_record(workdir / "outputs")["warnings"] if "ignoring options" in w]
     assert warning.startswith("warning: ignoring options") and "[quantize]" in warning
     [launcher_log] = (workdir / "outputs" / "logs").glob("*/launcher.log")
-    assert f"trainer.launcher: {warning}\n" in launcher_log.read_text()
+    assert f"trainer.launch.launcher: {warning}\n" in launcher_log.read_text()
     records = read_metrics(workdir / "outputs")
     assert [r["step"] for r in records] == [1, 2]
     # At init the loss is about ln V + 0.99^2 / 2 = 8.11 for the debug model's 2048 rows (README), in

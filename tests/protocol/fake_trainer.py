@@ -61,8 +61,8 @@ def per_run(variable: str, run: str, default: float | None = None) -> float | No
 
 
 def write_run(dump: Path, config: dict, ngpu: int, steps: int, status: str = "completed") -> None:
-    from trainer.checkpoint_layout import fingerprint
-    from trainer.run_record import begin, finish, write_record
+    from trainer.checkpoint.on_disk import fingerprint
+    from trainer.records.run_meta import begin, finish, write_record
 
     load = config["checkpoint"].get("initial_load_path")
     start = {"kind": "checkpoint", "path": load, "step": 0, "fingerprint": fingerprint(Path(load))} if load else \

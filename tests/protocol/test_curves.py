@@ -21,7 +21,7 @@ def write_jsonl(path, records, extra_lines=()):
 
 
 def step_record(step, loss, grad_norm=1.0):
-    """A record shaped like trainer/metrics.py writes it."""
+    """A record shaped like trainer/metrics/step_log.py writes it."""
     return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": 1e-3, "tokens": 64 * step,
             "tokens_per_s": 100.0, "tflops": 0.1, "mfu": None, "memory": {"peak_rss_gib": 1.0},
             "time": 1.7e9 + step, "step_time_s": 0.5}
@@ -147,7 +147,7 @@ def write_events(writer_cls, folder, scalars: dict[str, list[tuple[int, float]]]
 
 
 def test_tensorboard_tags_of_this_trainer(tmp_path, summary_writer):
-    # the layout trainer/metrics.py writes: <dump_folder>/tb/<stamp>/events...
+    # the layout trainer/metrics/step_log.py writes: <dump_folder>/tb/<stamp>/events...
     run = tmp_path / "tp2"
     write_events(summary_writer, run / "tb" / "20240101-000000", {
         "loss_metrics/global_avg_loss": [(1, 5.0), (2, 4.5), (3, 4.25)],

@@ -112,7 +112,7 @@ def test_slurm_script_of_a_two_node_run(tmp_path):
                  'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'):
         assert line in control.splitlines()
     srun = next(line for line in control.splitlines() if line.startswith("srun"))
-    assert srun.startswith('srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launcher --nproc 8 --device cuda '
+    assert srun.startswith('srun --kill-on-bad-exit=1 "$PYTHON" -m trainer.launch --nproc 8 --device cuda '
                            '--nnodes "$SLURM_NNODES" --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" '
                            '--job.config_file llama3_8b.toml')
     assert srun.endswith(f"--checkpoint.enable=true --checkpoint.interval 250 --checkpoint.keep_latest_k 1 "
@@ -133,7 +133,7 @@ def test_the_seed_job_asks_for_memory_and_no_gpu(tmp_path):
                       "#SBATCH --time=1:00:00", "#SBATCH --mem=64G",
                       "#SBATCH --cpus-per-task=8"]
     assert not any("gpu" in line for line in seed)
-    assert any(line.startswith('  srun --ntasks=1 "$PYTHON" -m trainer.launcher --nproc 1 --device cpu ')
+    assert any(line.startswith('  srun --ntasks=1 "$PYTHON" -m trainer.launch --nproc 1 --device cpu ')
                for line in seed)
 
 

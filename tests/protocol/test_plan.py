@@ -200,7 +200,7 @@ def test_multi_node_command_uses_a_rendezvous_and_the_seed_has_no_ngpu():
     assert seed.command().startswith("./torchrun_launch.sh --job.config_file llama3_8b.toml")
     assert "NGPU" not in seed.command() and seed.command().endswith("--checkpoint.create_seed_checkpoint")
     command = control.command()
-    assert command.startswith("PYTHONPATH=. python -m trainer.launcher --nproc 8 --device cuda --nnodes 2 "
+    assert command.startswith("PYTHONPATH=. python -m trainer.launch --nproc 8 --device cuda --nnodes 2 "
                               '--rdzv-endpoint "${HEAD_NODE:?first node}:29500" --rdzv-id 1d-fsdp ')
     assert command.endswith(" " + shlex.join(control.args))
 

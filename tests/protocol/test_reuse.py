@@ -125,7 +125,7 @@ def test_runs_made_from_an_earlier_seed_checkpoint_are_stale(small_plan, fake):
     metadata = plan.seed_checkpoint_path / ".metadata"
     before = json.loads((plan.output / "control" / "run_meta.json").read_text())["start"]["fingerprint"]
     metadata.write_text("another save")  # the seed was made again, by hand
-    from trainer.checkpoint_layout import fingerprint
+    from trainer.checkpoint.on_disk import fingerprint
 
     message = refusal(plan, fake)
     assert (f"every training run: it started from seed checkpoint {before[:8]}, the seed checkpoint now is "
@@ -225,7 +225,7 @@ def test_a_seed_made_by_its_sbatch_script_is_reused_by_protocol_run(small_plan, 
     write_slurm(plan, plan.launches(), tmp_path / "slurm")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # srun --ntasks=1 PYTHON -m trainer.launcher --nproc 1 --device cpu ARGS: the fake launcher gets ARGS
+    # srun --ntasks=1 PYTHON -m trainer.launch --nproc 1 --device cpu ARGS: the fake launcher gets ARGS
     (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\nshift\nexec {fake[0]} "${{@:8}}"\n')
     (bin_dir / "srun").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "1", "SLURM_JOB_ID": "7"}
@@ -241,7 +241,7 @@ def test_a_seed_made_by_its_sbatch_script_is_reused_by_protocol_run(small_plan, 
 def resume(folder, changes: dict | None = None) -> None:
     """Append a resumed start to a run's record, as the trainer does (the first start goes to
     history); `changes` alters the earlier start's configuration."""
-    from trainer.run_record import begin, finish
+    from trainer.records.run_meta import begin, finish
 
     latest = {k: v for k, v in record(folder).items() if k in ("config", "code", "world_size", "degrees", "torch")}
     earlier = record(folder)

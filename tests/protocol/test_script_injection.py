@@ -157,7 +157,7 @@ def test_the_shell_script_passes_every_value_intact_and_runs_none(tmp_path, valu
     received = calls(tmp_path)
     assert [name for name, _ in received] == ["python"] * len(local)
     for launch, (_, argv) in zip(local, received):
-        assert argv[:2] == ["-m", "trainer.launcher"] and argv[-len(launch.args):] == list(launch.args)
+        assert argv[:2] == ["-m", "trainer.launch"] and argv[-len(launch.args):] == list(launch.args)
         marker = json.loads((launch.output / RUN_MARKER).read_text())
         assert (marker["plan"], marker["run"], marker["command"]) == (plan.name, launch.name, launch.command())
     assert str(plan.seed_checkpoint_path).endswith(f"ckpt {value}/step-0")

@@ -62,7 +62,7 @@ def test_a_gpu_cluster_script_per_kind_of_job(small_plan, tmp_path):
     assert control[cd + 4].startswith("export PYTHONPATH=")
     srun = next(line for line in control if line.startswith("srun "))
     assert srun.startswith('srun --kill-on-bad-exit=1 --container-image=/shared/torch.sqsh --container-mounts=/shared '
-                           '"$PYTHON" -m trainer.launcher --nproc 2 --device cuda --nnodes "$SLURM_NNODES" '
+                           '"$PYTHON" -m trainer.launch --nproc 2 --device cuda --nnodes "$SLURM_NNODES" '
                            '--rdzv-endpoint "$head:29611" ')
     assert "scontrol requeue" in "\n".join(control) and '"${SLURM_RESTART_COUNT:-0}" -lt 4' in "\n".join(control)
 

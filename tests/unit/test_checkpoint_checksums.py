@@ -1,5 +1,5 @@
-"""A checkpoint records checksums as it is saved (trainer/checkpoint_checksums.py) and the reader
-refuses what changed since (trainer/dcp_metadata.py CheckedReader): a flipped bit in a shard, a
+"""A checkpoint records checksums as it is saved (trainer/checkpoint/checksums.py) and the reader
+refuses what changed since (trainer/checkpoint/checked_reader.py CheckedReader): a flipped bit in a shard, a
 truncated shard, a changed .metadata, each with one error naming the file (and the tensors).
 Checkpoints saved by one process (seed), by two gloo ranks (FSDP) and asynchronously (AsyncSaver)."""
 
@@ -22,12 +22,12 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import fully_shard
 
-from trainer.checkpoint_checksums import CHECKSUMS_FILE, ChecksumWriter
-from trainer.checkpoint_files import save_seed_checkpoint
-from trainer.checkpoint_items import ModelState
-from trainer.dcp_files import TensorReader, read_model_state, refusals_unwrapped
-from trainer.dcp_metadata import CheckedReader, CorruptCheckpointError, UnsafeCheckpointError
-from trainer.train_state import TrainState
+from trainer.checkpoint.checksums import CHECKSUMS_FILE, ChecksumWriter
+from trainer.checkpoint.step_folder import save_seed_checkpoint
+from trainer.checkpoint.items import ModelState
+from trainer.checkpoint.dcp_read import TensorReader, read_model_state, refusals_unwrapped
+from trainer.checkpoint.checked_reader import CheckedReader, CorruptCheckpointError, UnsafeCheckpointError
+from trainer.checkpoint.items import TrainState
 
 CHANGED = "the file was changed or corrupted after it was saved (checkpoint.verify_checksums = false loads it anyway)"
 
@@ -40,8 +40,8 @@ def small_model(seed: int = 5) -> torch.nn.Module:
 def _save_on_two_ranks(rank: int, folder: str) -> None:
     """Rank `rank` of 2: FSDP shards small_model() over both ranks; saves it as checkpoint.py
     does (dcp.save with ChecksumWriter) and asynchronously (AsyncSaver, with the train state)."""
-    from trainer.async_checkpoint import AsyncSaver
-    from trainer.process_exit import exit_without_teardown
+    from trainer.checkpoint.async_save import AsyncSaver
+    from trainer.launch.process_exit import exit_without_teardown
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
     model = small_model()
@@ -52,7 +52,7 @@ def _save_on_two_ranks(rank: int, folder: str) -> None:
                 Path(folder) / "async")
     saver.wait()
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_a_checkpoint_without_checksums_loads(tmp_path, caplog):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": small_model().state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
     assert not (tmp_path / CHECKSUMS_FILE).exists()
-    with caplog.at_level(logging.DEBUG, logger="trainer.dcp_metadata"):
+    with caplog.at_level(logging.DEBUG, logger="trainer.checkpoint.checked_reader"):
         loaded = read_model_state(tmp_path)
     assert all(torch.equal(loaded[k], v) for k, v in small_model().state_dict().items())
     assert f"{tmp_path} has no {CHECKSUMS_FILE} (saved before checksums were recorded)" in caplog.text

@@ -1,4 +1,4 @@
-"""Lineage records and model variants (trainer/checkpoint_lineage.py), without a run."""
+"""Lineage records and model variants (trainer/checkpoint/lineage.py), without a run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.checkpoint_lineage import (
+from trainer.checkpoint.lineage import (
     foreign_checkpoint,
     forked_ancestors,
     model_change,

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointError, CheckpointManager, TrainingComplete
-from trainer.train_state import TrainState
+from trainer.checkpoint.manager import CheckpointError, CheckpointManager, TrainingComplete
+from trainer.checkpoint.items import TrainState
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_dict
 from trainer.optim import build_lr_scheduler, build_optimizer, schedule_change, set_schedule_position
@@ -129,7 +129,7 @@ def test_continued_schedule_takes_the_new_step_count():
 def test_a_finished_partial_save_counts_as_a_checkpoint_to_load(tmp_path):
     """DCP writes .metadata last: a .step-N.partial holding it is published at start, so the
     launcher's check accepts load_step N (not with load_only, which never publishes)."""
-    from trainer.checkpoint_layout import check_load_options, finished_partials
+    from trainer.checkpoint.on_disk import check_load_options, finished_partials
 
     config = JobConfig()
     config.job.dump_folder, config.checkpoint.enable, config.checkpoint.load_step = str(tmp_path), True, 3
@@ -149,7 +149,7 @@ def test_initial_load_folder_reads_the_hugging_face_export_of_a_step_folder(tmp_
     """With initial_load_in_hf, checkpoint.initial_load_path names a Hugging Face folder or a
     step-N saved with last_save_in_hf (its hf/); a folder with neither is refused, saying what
     would be valid, and a DCP checkpoint without the option is read as before."""
-    from trainer.checkpoint_layout import initial_load_folder
+    from trainer.checkpoint.on_disk import initial_load_folder
 
     step = tmp_path / "checkpoint" / "step-6"
     make_checkpoint(tmp_path / "checkpoint", 6, FULL)
@@ -188,7 +188,7 @@ def test_initial_load_folder_reads_the_hugging_face_export_of_a_step_folder(tmp_
 
 
 def test_a_step_folder_with_its_hf_export_passes_the_launch_checks(tmp_path):
-    from trainer.checkpoint_layout import check_load_options
+    from trainer.checkpoint.on_disk import check_load_options
 
     make_checkpoint(tmp_path / "saved" / "checkpoint", 4, FULL)
     config = JobConfig()
@@ -205,7 +205,7 @@ def test_a_step_folder_with_its_hf_export_passes_the_launch_checks(tmp_path):
 def test_host_memory_counts_the_hf_export_of_a_step_folder(tmp_path):
     """Every rank reads the safetensors files in full: those of step-N/hf/ when step-N is named."""
     from trainer.config.manager import load_config
-    from trainer.preflight import plan_run, training_memory_need
+    from trainer.preflight.checks import plan_run, training_memory_need
 
     step = tmp_path / "saved" / "checkpoint" / "step-4"
     (step / "hf").mkdir(parents=True)

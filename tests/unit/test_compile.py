@@ -12,9 +12,10 @@ from trainer.config.manager import ConfigError, load_config
 from trainer.models.llama3.args import get_flavor
 from trainer.models.llama3.model import Transformer
 from trainer.parallel import compile as compile_module
-from trainer.parallel.checkpointing import apply_ac, recompute_all
-from trainer.parallel.compile import apply_compile, isolate_compile_cache, set_memory_budget, wait_for_collectives
-from trainer.preflight import check_device_options
+from trainer.parallel import local_runtime
+from trainer.parallel.activation_checkpointing import RECOMPUTE_ALL
+from trainer.parallel.compile import isolate_compile_cache, set_memory_budget, wait_for_collectives
+from trainer.preflight.checks import check_device_options
 
 
 def test_an_async_collective_tensor_is_resolved_and_its_gradient_passes_through():
@@ -83,8 +84,7 @@ def test_the_memory_budget_sets_what_compiled_blocks_keep():
             torch._dynamo.reset()
             set_memory_budget(budget)
             model = tiny_model()
-            apply_ac(model, "memory_budget", "2")
-            apply_compile(model, "aot_eager_decomp_partition")
+            model.apply_runtime(local_runtime(model, ac_mode="memory_budget", compile_backend="aot_eager_decomp_partition"))
             kept[budget] = saved_bytes(model)
     finally:
         set_memory_budget(1.0)
@@ -94,11 +94,12 @@ def test_the_memory_budget_sets_what_compiled_blocks_keep():
 
 def test_fully_recomputed_blocks_compile_their_computation_and_checkpoint_outside():
     model = tiny_model()
-    apply_ac(model, "selective", "2")
-    apply_compile(model, "eager")
+    model.apply_runtime(local_runtime(model, ac_mode="selective", ac_option="2", compile_backend="eager"))
     recomputed, whole = model.layers["0"], model.layers["1"]
-    assert recomputed.recompute is recompute_all and hasattr(recomputed.compute, "_torchdynamo_orig_callable")
-    assert whole.recompute is None and whole._compiled_call_impl is not None
+    assert recomputed.runtime.recompute is RECOMPUTE_ALL and recomputed.runtime.compile.scope == "compute"
+    assert hasattr(recomputed._compiled_compute, "_torchdynamo_orig_callable")
+    assert whole.runtime.recompute is None and whole.runtime.compile.scope == "block"
+    assert whole._compiled_call_impl is not None and whole._compiled_compute is None
     assert "compute" not in vars(whole)
 
 

@@ -1,10 +1,11 @@
 """One process computing in bfloat16 over float32 weights runs without FSDP: the model casts its
-weights itself (Transformer.set_compute_dtype). Its losses and float32 gradients must be exactly
+weights itself (ModelRuntime.compute_dtype). Its losses and float32 gradients must be exactly
 those of FSDP's parameter-dtype policy over a one-rank mesh, which it replaces."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_the_model_cast_gives_fsdp_numbers_exactly(one_rank_mesh, tied):
     base.init_weights(seed=0)
     fsdp, cast = copy.deepcopy(base), copy.deepcopy(base)
     apply_fsdp(fsdp, one_rank_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True)
-    cast.set_compute_dtype(torch.bfloat16)
+    cast.apply_runtime(replace(cast.runtime, compute_dtype=torch.bfloat16))
     tokens = torch.randint(0, args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
 
     assert two_microbatches(cast, tokens) == two_microbatches(fsdp, tokens)
@@ -66,6 +67,6 @@ def test_without_a_compute_dtype_nothing_is_cast():
     model.init_weights(seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     before = model(tokens)
-    model.set_compute_dtype(torch.bfloat16)
-    model.set_compute_dtype(None)
+    model.apply_runtime(replace(model.runtime, compute_dtype=torch.bfloat16))
+    model.apply_runtime(replace(model.runtime, compute_dtype=None))
     assert before.dtype == torch.float32 and torch.equal(model(tokens), before)

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.models.llama3.model import CausalAttention
-from trainer.parallel.context import ContextParallelAttention, shard_sequence
-from trainer.process_exit import exit_without_teardown
+from trainer.parallel.context_parallel import ContextParallelAttention, shard_sequence
+from trainer.launch.process_exit import exit_without_teardown
 
 CP = 2
 B, T, HEADS, KV_HEADS, DIM = 2, 16, 4, 2, 8
@@ -45,7 +45,7 @@ def run_rank(rank: int, init_file: str, results, with_documents: bool) -> None:
     (out * shard_sequence(upstream, rank, CP)).sum().backward()
     results[rank] = (out.detach(), *(t.grad for t in local), core.positions(T // CP, out.device), saved_shapes)
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 @pytest.mark.parametrize("with_documents", [False, True], ids=["causal", "document-masked"])

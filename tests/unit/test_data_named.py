@@ -17,7 +17,7 @@ from trainer.data.build import build_source, check_location, is_streamed
 from trainer.data.documents import DataError
 from trainer.data.finite_sources import TokenArraySource
 from trainer.data.text_sources import StreamingTextSource
-from trainer.preflight import check_data
+from trainer.preflight.checks import check_data
 
 SEQ = 16
 

@@ -21,7 +21,7 @@ from trainer.data.loader import BatchLoader
 from trainer.data.stream_lanes import StreamFiles
 from trainer.data.text_sources import StreamingTextSource, hub_stream_opener
 from trainer.parallel.dims import ParallelDims
-from trainer.preflight import check_stream_lanes
+from trainer.preflight.checks import check_stream_lanes
 
 
 def write_hub(folder, files: int = 4, docs: list[str] = DOCS[:60]):
@@ -262,11 +262,11 @@ def test_preflight_names_lanes_that_do_not_split_the_global_batch(caplog):
     with pytest.raises(ConfigError, match="training.stream_lanes: 3 lanes do not split the global batch of 16"):
         check_stream_lanes(config, dims, 16)
     config.training.stream_lanes = 4
-    with caplog.at_level(logging.INFO, logger="trainer.preflight"):
+    with caplog.at_level(logging.INFO, logger="trainer.preflight.checks"):
         check_stream_lanes(config, dims, 16)
     assert caplog.text == ""
     config.training.stream_lanes = 1
-    with caplog.at_level(logging.INFO, logger="trainer.preflight"):
+    with caplog.at_level(logging.INFO, logger="trainer.preflight.checks"):
         check_stream_lanes(config, dims, 16)
     assert "a multiple of 2 shares the reading evenly" in caplog.text
 

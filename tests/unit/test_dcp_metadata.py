@@ -1,4 +1,4 @@
-"""A DCP checkpoint is read without running code from it (trainer/dcp_metadata.py): crafted files
+"""A DCP checkpoint is read without running code from it (trainer/checkpoint/checked_reader.py): crafted files
 are refused before anything they name is called, and the checkpoints this trainer writes load
 as they did with torch's own reader."""
 
@@ -20,11 +20,11 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.fsdp import fully_shard
 
-from trainer.checkpoint import save_seed_checkpoint
-from trainer.checkpoint_items import ModelState, OptimizerState, SchedulerState
-from trainer.dcp_files import incomplete_reason, read_model_state, saved_keys
-from trainer.dcp_metadata import CheckedReader, UnsafeCheckpointError
-from trainer.train_state import TrainState
+from trainer.checkpoint.manager import save_seed_checkpoint
+from trainer.checkpoint.items import ModelState, OptimizerState, SchedulerState
+from trainer.checkpoint.dcp_read import incomplete_reason, read_model_state, saved_keys
+from trainer.checkpoint.checked_reader import CheckedReader, UnsafeCheckpointError
+from trainer.checkpoint.items import TrainState
 
 
 class RunsCommand:
@@ -95,7 +95,7 @@ def test_enum_members_pickled_by_name_load_and_other_getattrs_are_refused(tmp_pa
     """Real metadata whose memory-format enum is pickled as Python 3.11.2 does reads back; a
     getattr of anything else (here a method of an admitted class, which a later call in the
     file could run to write a file) is refused."""
-    from trainer.dcp_metadata import load_metadata
+    from trainer.checkpoint.checked_reader import load_metadata
 
     properties = TensorProperties(dtype=torch.float32)
     metadata = Metadata(state_dict_metadata={"x": TensorStorageMetadata(properties, torch.Size([2]), [])})
@@ -217,7 +217,7 @@ def test_a_crafted_non_tensor_item_is_refused_without_running_it(tmp_path):
 def admitted_objects() -> list:
     """The classes (with their bases) and functions a metadata file may name, and the members
     of the admitted enums: what a crafted file would try to change."""
-    from trainer.dcp_unpickle import _ADMITTED, _ADMITTED_ENUMS
+    from trainer.checkpoint.safe_unpickle import _ADMITTED, _ADMITTED_ENUMS
 
     found = {}
     for value in _ADMITTED.values():
@@ -383,7 +383,7 @@ CRAFTED = _crafted_prefixes()
 def test_metadata_that_would_change_the_process_is_refused_before_it_runs(tmp_path, guarded, name):
     """Each crafted prefix before a genuine .metadata: torch's unpickler (and this reader before it
     checked opcodes) loads the genuine metadata after running it, the class patched for good."""
-    from trainer.dcp_metadata import load_metadata
+    from trainer.checkpoint.checked_reader import load_metadata
 
     path = tmp_path / ".metadata"
     path.write_bytes(CRAFTED[name] + genuine_metadata())
@@ -394,7 +394,7 @@ def test_metadata_that_would_change_the_process_is_refused_before_it_runs(tmp_pa
 
 
 def test_the_rename_attack_names_what_it_tried(tmp_path, guarded):
-    from trainer.dcp_metadata import load_metadata
+    from trainer.checkpoint.checked_reader import load_metadata
 
     path = tmp_path / ".metadata"
     path.write_bytes(rename_attack() + genuine_metadata())
@@ -448,7 +448,7 @@ def opcode_mutations(raw: bytes, count: int, seed: int) -> list[bytes]:
 
 
 def test_random_opcode_changes_to_a_genuine_file_load_or_are_refused(tmp_path, guarded):
-    from trainer.dcp_metadata import load_metadata
+    from trainer.checkpoint.checked_reader import load_metadata
 
     genuine = tmp_path / "genuine"
     with warnings.catch_warnings():

@@ -15,7 +15,7 @@ from trainer.estimate.rank import rank_kinds
 from trainer.models.llama3 import Transformer
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.parallel.dims import stage_plan
-from trainer.preflight import plan_layout
+from trainer.preflight.checks import plan_layout
 
 DEBUG = ["--model.flavor", "debugmodel", "--training.seq_len", "128", "--training.local_batch_size", "2",
          "--training.mixed_precision_param", "float32"]

@@ -1,4 +1,4 @@
-"""Per-module fingerprints (trainer/fingerprints.py) in one process: each figure against its
+"""Per-module fingerprints (trainer/metrics/fingerprints.py) in one process: each figure against its
 definition computed directly from the model, the float16 loss scale taken out, the steps chosen,
 and the file kept with metrics.jsonl on resume; the blocks' branch figures counted once under
 activation checkpointing and however two ranks hold a branch (sequence parts, DTensor shards,
@@ -16,15 +16,15 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from trainer import run_record
+from trainer.records import run_meta
 from trainer.config.manager import ConfigError, load_config, with_default_config
-from trainer.fingerprints import FingerprintRecorder, is_recorded, parameter_names
+from trainer.metrics.fingerprints import FingerprintRecorder, is_recorded, parameter_names
 from trainer.loss import cross_entropy_sum
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.optim import NormReduction
-from trainer.parallel.checkpointing import apply_ac
-from trainer.parallel.compile import apply_compile, set_memory_budget
-from trainer.run_record import BLOCK_QUANTITIES, BRANCH_QUANTITIES
+from trainer.parallel import local_runtime
+from trainer.parallel.compile import set_memory_budget
+from trainer.records.run_meta import BLOCK_QUANTITIES, BRANCH_QUANTITIES
 
 
 def tiny_model() -> Transformer:
@@ -144,7 +144,7 @@ def test_a_recomputing_block_counts_once(tmp_path, mode, option):
     the same model without it, not twice its sums of squares."""
     plain = step_line(tiny_model(), tmp_path / "plain")[0]
     model = tiny_model()
-    apply_ac(model, mode, option)
+    model.apply_runtime(local_runtime(model, ac_mode=mode, ac_option=option))
     calls = {"n": 0}
     model.layers["0"].attention.register_forward_hook(lambda *_: calls.update(n=calls["n"] + 1))
     recomputed = step_line(model, tmp_path / "recomputed")[0]
@@ -169,8 +169,7 @@ def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path,
     try:
         set_memory_budget(0.5 if mode == "memory_budget" else 1.0)
         model = tiny_model()
-        apply_ac(model, mode, option)
-        apply_compile(model, backend)
+        model.apply_runtime(local_runtime(model, ac_mode=mode, ac_option=option, compile_backend=backend))
         first = step_line(model, tmp_path / "compiled")[0]
         graphs = counters["stats"]["unique_graphs"]
         torch.manual_seed(1)
@@ -211,8 +210,8 @@ def _count_on_two_ranks(rank: int, folder: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from trainer.fingerprints import BlockProbe
-    from trainer.process_exit import exit_without_teardown
+    from trainer.metrics.fingerprints import BlockProbe
+    from trainer.launch.process_exit import exit_without_teardown
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
@@ -231,7 +230,7 @@ def _count_on_two_ranks(rank: int, folder: str) -> None:
         Path(folder, "sums.json").write_text(json.dumps({"full": full.double().square().sum().item(),
                                                          "held": dict(zip(held, sums))}))
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 def test_each_element_of_a_branch_counts_once_however_the_ranks_hold_it(tmp_path):
@@ -262,14 +261,14 @@ def test_recorded_steps(first, every, recorded):
 
 def test_a_resume_keeps_the_fingerprints_of_the_steps_it_keeps(tmp_path):
     """fingerprints.jsonl follows metrics.jsonl: the lines after the resumed step move to previous/."""
-    for name in run_record.STEP_FILES:
+    for name in run_meta.STEP_FILES:
         (tmp_path / name).write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
-    moved = run_record.drop_metrics_after(tmp_path, 2)
-    for name in run_record.STEP_FILES:
+    moved = run_meta.drop_metrics_after(tmp_path, 2)
+    for name in run_meta.STEP_FILES:
         assert [json.loads(line)["step"] for line in (tmp_path / name).open()] == [1, 2]
         assert [json.loads(line)["step"] for line in (moved / name).open()] == [3, 4]
-    run_record.archive(tmp_path)  # a new run in the folder: both go with the record
-    assert not any((tmp_path / name).exists() for name in run_record.STEP_FILES)
+    run_meta.archive(tmp_path)  # a new run in the folder: both go with the record
+    assert not any((tmp_path / name).exists() for name in run_meta.STEP_FILES)
 
 
 @pytest.mark.parametrize("key, value, message", [

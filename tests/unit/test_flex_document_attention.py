@@ -12,8 +12,8 @@ from trainer.config.errors import ConfigError
 from trainer.config.manager import load_config
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.models.llama3.flex_attention import document_block_mask, flex_document_attention
-from trainer.models.llama3.model import document_causal_mask, document_index, grouped_query_attention
-from trainer.preflight import check_device_options
+from trainer.models.llama3.model import CausalAttention, document_causal_mask, document_index, grouped_query_attention
+from trainer.preflight.checks import check_device_options
 
 EOS = 7
 
@@ -57,8 +57,7 @@ def test_a_model_with_the_flex_kernel_gives_the_masked_logits():
     documents = document_index(tokens, EOS)
     with torch.no_grad():
         masked = model(tokens, documents)
-        for block in model.layers.values():
-            block.attention.core.document_kernel = "flex"
+        model.apply_runtime(model.runtime.with_blocks(attention_core=CausalAttention("flex")))
         flex = model(tokens, documents)
     assert (flex - masked).abs().max().item() < 1e-5
 
@@ -72,7 +71,7 @@ def test_the_flex_kernel_is_refused_on_the_cpu_before_training():
 
 
 def test_the_flex_kernel_is_refused_with_tensor_parallelism():
-    from trainer.preflight import plan_layout
+    from trainer.preflight.checks import plan_layout
 
     flex = ["--training.dataset", "shards", "--training.document_masking", "--training.document_masking_kernel", "flex"]
     with pytest.raises(ConfigError, match="training.document_masking_kernel: 'flex' is not available with tensor "

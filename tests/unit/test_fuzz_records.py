@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from trainer import run_record
-from trainer.checkpoint_layout import is_full_checkpoint, missing_exports, read_checkpoint_record
-from trainer.checkpoint_lineage import foreign_checkpoint, forked_ancestors, lineage_of, model_change, read_head
+from trainer.records import run_meta
+from trainer.checkpoint.on_disk import is_full_checkpoint, missing_exports, read_checkpoint_record
+from trainer.checkpoint.lineage import foreign_checkpoint, forked_ancestors, lineage_of, model_change, read_head
 from trainer.config.manager import ConfigError, load_config, to_dict
-from trainer.json_records import RecordError
+from trainer.records.untrusted_json import RecordError
 from trainer.optim import schedule_change, settings_changed
-from trainer.preflight_resume import check_resume
+from trainer.preflight.resume import check_resume
 
 CASES = 300
 HOSTILE_VALUES = [None, True, False, 0, -1, -(2**70), 2**70, 1e308, -1e308, 0.5, "", "x" * 5000, "step-3",
@@ -130,12 +130,12 @@ def read_everything(cfg, run: Path, step: Path) -> None:
     if record is not None and "config" in record:
         settings_changed(record["config"], cfg)
         schedule_change(record["config"], cfg, 4)
-    earlier = run_record.load_record(run)
-    run_record.continues(earlier, 4, {"lineage": "aaaa", "ancestors": []})
+    earlier = run_meta.load_record(run)
+    run_meta.continues(earlier, 4, {"lineage": "aaaa", "ancestors": []})
     if earlier is not None:
-        run_record.on_trajectory(earlier, 4, {"lineage": "aaaa", "ancestors": []})
-    run_record.complete_after_final_save(run, 8)
-    run_record.begin(run, {"config": {}}, 4, {"lineage": "aaaa", "ancestors": []})
+        run_meta.on_trajectory(earlier, 4, {"lineage": "aaaa", "ancestors": []})
+    run_meta.complete_after_final_save(run, 8)
+    run_meta.begin(run, {"config": {}}, 4, {"lineage": "aaaa", "ancestors": []})
 
 
 @pytest.mark.parametrize("name", ["checkpoint.json", "lineage.json", "run_meta.json"])
@@ -162,15 +162,15 @@ def test_the_genuine_records_are_read_whole(tmp_path):
     check_resume(cfg)
     assert read_checkpoint_record(step) == records["checkpoint.json"]
     assert read_head(step.parent) == records["lineage.json"]
-    assert run_record.load_record(run) == records["run_meta.json"]
+    assert run_meta.load_record(run) == records["run_meta.json"]
     read_everything(cfg, run, step)
 
 
 def test_the_protocol_reads_a_damaged_run_record_as_none(tmp_path):
     (tmp_path / "run_meta.json").write_text('{"status": 3}')
-    assert run_record.read_record(tmp_path) is None
+    assert run_meta.read_record(tmp_path) is None
     with pytest.raises(RecordError, match=r"run_meta.json: status is 3 \(int\), expected a string"):
-        run_record.load_record(tmp_path)
+        run_meta.load_record(tmp_path)
 
 
 @pytest.mark.parametrize("text, message", [

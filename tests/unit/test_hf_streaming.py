@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from trainer.dcp_metadata import UnsafeCheckpointError
+from trainer.checkpoint.checked_reader import UnsafeCheckpointError
 from trainer.hf.__main__ import main as hf_main
 from trainer.hf.export import export_hf_folder, export_host_peak_bytes, parse_size, whole_model_export_peak_bytes
 from trainer.hf.folder import INDEX_FILE, read_hf_folder, write_hf_tensors

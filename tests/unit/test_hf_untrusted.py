@@ -184,7 +184,7 @@ def test_a_tensor_that_is_not_floating_point_is_named(tmp_path):
 
 def test_the_trainer_gets_one_value_error_it_reports_as_one_line(sharded):
     """HFWeights.load is what checkpoint.initial_load_in_hf calls; the manager turns a ValueError
-    into its CheckpointError (trainer/checkpoint.py, _load_external)."""
+    into its CheckpointError (trainer/checkpoint/manager.py, _load_external)."""
     folder, args = sharded
     tensor, _ = first_entry(folder)
     rewrite_index(folder, lambda m: m.update({tensor: "../../../../etc/hostname"}))

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-import trainer.preflight as preflight
+import trainer.preflight.checks as preflight
 from trainer.config.manager import ConfigError, load_config
 from trainer.models.llama3.args import get_flavor, num_params
-from trainer.preflight import (
+from trainer.preflight.checks import (
     available_memory,
     check,
     check_seed,
@@ -111,7 +111,7 @@ def test_skip_variable(tmp_path, monkeypatch):
 
 def test_seed_process_refuses_before_building_the_model(tmp_path, monkeypatch):
     """create_seed_checkpoint itself (what `python -m trainer.train` runs) refuses before any allocation."""
-    import trainer.seed_checkpoint as seed
+    import trainer.checkpoint.seed as seed
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built")
@@ -125,7 +125,7 @@ def test_seed_process_refuses_before_building_the_model(tmp_path, monkeypatch):
 
 
 def test_launcher_refuses_the_8b_seed_with_one_message(tmp_path, monkeypatch, capsys):
-    from trainer import launcher
+    from trainer.launch import launcher
 
     monkeypatch.setattr(preflight, "MEMINFO", str(meminfo(tmp_path, GB16)))
     code = launcher.main(["--nproc", "8", "--device", "cpu", "--job.config_file", "llama3_8b.toml",

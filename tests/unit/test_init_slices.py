@@ -50,7 +50,7 @@ def check(world: int, rank: int, args: list[str]) -> int:
     from trainer.estimate.fake_world import fake_process_group
     from trainer.model_build import build_on_meta, training_model_args
     from trainer.models.llama3.model import copy_global_into, local_slices
-    from trainer.preflight import plan_run
+    from trainer.preflight.checks import plan_run
 
     config = load_config(with_default_config(["--model.flavor", "debugmodel", *args]))
     plan = plan_run(config, world)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from trainer.failure_report import Hang, short_reason
-from trainer.launcher import (
+from trainer.launch.failure_report import Hang, short_reason
+from trainer.launch.launcher import (
     Options,
     RankFailure,
     UsageError,
@@ -77,10 +77,10 @@ def test_a_rank_without_a_report_is_described_by_its_last_stderr_line(tmp_path):
 
 
 def test_report_files_are_read_through_torch(tmp_path, monkeypatch):
-    """What a rank writes (trainer.process_exit.report_error) is what torch's ProcessFailure reads."""
+    """What a rank writes (trainer.launch.process_exit.report_error) is what torch's ProcessFailure reads."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    import trainer.process_exit as process_exit
+    import trainer.launch.process_exit as process_exit
 
     path = tmp_path / "rank1" / "error.json"
     path.parent.mkdir()
@@ -192,7 +192,7 @@ def test_a_native_crash_is_reported_with_the_frames_where_it_happened(tmp_path):
 
 
 def test_a_users_mistake_is_not_retried_a_lost_peer_is():
-    from trainer.rank_agent import retryable
+    from trainer.launch.elastic_agent import retryable
 
     assert not retryable(RankFailure(0, 2, T, "checkpoint.load_step=5: newer checkpoints"))
     assert retryable(RankFailure(1, -9, T)) and retryable(RankFailure(0, 1, T, "ValueError: boom"))

@@ -96,14 +96,14 @@ def test_the_ranks_keep_the_launchers_warning_about_ignored_options_without_prin
 
 
 def test_the_run_record_holds_the_warnings(fresh, tmp_path):
-    from trainer import run_record
+    from trainer.records import run_meta
 
     console()
     logging.getLogger("trainer.config").warning("ignored: [float8]", extra=messages.SHOWN)
-    run_record.begin(tmp_path, {"config": {}}, 0)
+    run_meta.begin(tmp_path, {"config": {}}, 0)
     assert json.loads((tmp_path / "run_meta.json").read_text())["warnings"] == ["warning: ignored: [float8]"]
     logging.getLogger("trainer.data").warning("late in the run")
-    record = run_record.finish(tmp_path, run_record.read_record(tmp_path), "completed", 3)
+    record = run_meta.finish(tmp_path, run_meta.read_record(tmp_path), "completed", 3)
     assert record["warnings"] == ["warning: ignored: [float8]", "warning: late in the run"]
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of trainer.metrics: arithmetic, metrics.jsonl, TensorBoard, device tables."""
+"""Unit tests of trainer.metrics.step_log: arithmetic, metrics.jsonl, TensorBoard, device tables."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import metrics
+from trainer.metrics import step_log
 from trainer.config.job_config import JobConfig
-from trainer.metrics import (
+from trainer.metrics.step_log import (
     PEAK_BF16_DENSE_FLOPS,
     MetricsLogger,
     StepFigures,
@@ -94,7 +94,7 @@ def test_throughput_tflops_mfu_with_configured_peak(tmp_path):
 def test_mfu_omitted_on_cpu_without_peak(tmp_path, caplog):
     cfg = make_config(tmp_path)  # peak_flops = 0
     log = make_logger(cfg, world_size=1, flops_per_token=3e8)
-    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
         record = log.log_step(figures(1, tokens=1000, elapsed_s=0.5))
     log.close()
     assert log.peak_flops is None
@@ -114,10 +114,10 @@ def test_zero_elapsed_gives_zero_throughput(tmp_path):
 
 
 def test_console_line_plain_and_colored(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(metrics, "console_is_terminal", lambda: True)
+    monkeypatch.setattr(step_log, "console_is_terminal", lambda: True)
     cfg = make_config(tmp_path, peak_flops=1e13)
     log = make_logger(cfg, world_size=1, flops_per_token=1e9)
-    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
         log.log_step(figures(10, loss=6.12341, grad_norm=1.23449, lr=8e-4,
                              tokens=24690, elapsed_s=2.0))
     log.close()
@@ -134,7 +134,7 @@ def test_console_line_plain_and_colored(tmp_path, caplog, monkeypatch):
     colored_cfg = make_config(tmp_path / "c", disable_color_printing=False)
     colored = make_logger(colored_cfg)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
         colored.log_step(figures(1))
     colored.close()
     assert any("\033[" in r.getMessage() and "loss 5.0000" in r.getMessage() for r in caplog.records)
@@ -165,13 +165,13 @@ def test_jsonl_one_flushed_line_per_call(tmp_path):
 
 
 def test_appends_to_an_existing_file(tmp_path, caplog):
-    """Which records of earlier starts stay is trainer.run_record's decision; the logger appends."""
+    """Which records of earlier starts stay is trainer.records.run_meta's decision; the logger appends."""
     cfg = make_config(tmp_path)
     first = make_logger(cfg)
     first.log_step(figures(1))
     first.log_step(figures(10))
     first.close()
-    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+    with caplog.at_level(logging.WARNING, logger="trainer.metrics.step_log"):
         resumed = make_logger(cfg)
     resumed.log_step(figures(20))
     resumed.close()
@@ -199,7 +199,7 @@ def test_resumed_tensorboard_continues_the_run_folder(tmp_path):
 def test_non_log_rank_writes_nothing(tmp_path, caplog):
     cfg = make_config(tmp_path, enable_tensorboard=True, peak_flops=1e13)
     log = make_logger(cfg, rank=3, is_log_rank=False, world_size=4)
-    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
         record = log.log_step(figures(1, tokens=8000, elapsed_s=1.0))
     log.log_scalars(1, {"loss": 4.0}, "validation")
     log.close()
@@ -212,7 +212,7 @@ def test_non_log_rank_writes_nothing(tmp_path, caplog):
 def test_log_scalars_record_and_console(tmp_path, caplog):
     log = make_logger(make_config(tmp_path))
     log.log_step(figures(1))
-    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
         log.log_scalars(10, {"loss": 4.25, "perplexity": 70.1054}, prefix="validation")
     log.close()
     records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
@@ -331,10 +331,10 @@ def test_peak_flops_table_lookup(monkeypatch, name, expected):
 
 def test_peak_flops_unknown_cpu_and_configured(monkeypatch, caplog):
     name = "Imaginary Accelerator X1 (test_metrics)"
-    metrics._warned_unknown_devices.discard(name)
+    step_log._warned_unknown_devices.discard(name)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     cuda = torch.device("cuda")
-    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+    with caplog.at_level(logging.WARNING, logger="trainer.metrics.step_log"):
         assert peak_flops_per_device(cuda, 0.0) is None
         assert peak_flops_per_device(cuda, 0.0) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -357,9 +357,9 @@ def test_colors_only_on_a_terminal(tmp_path, monkeypatch, caplog):
     """A rank's output goes to a log file under the launcher: no ANSI codes there."""
     cfg = make_config(tmp_path, disable_color_printing=False)
     for tty, colored in ((False, False), (True, True)):
-        monkeypatch.setattr(metrics, "console_is_terminal", lambda: tty)
+        monkeypatch.setattr(step_log, "console_is_terminal", lambda: tty)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        with caplog.at_level(logging.INFO, logger="trainer.metrics.step_log"):
             log = make_logger(cfg)
             log.log_step(figures(1))
             log.close()

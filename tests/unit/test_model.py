@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -165,7 +166,7 @@ def gqa_saved_bytes(dim: int, heads: int, kv_heads: int, batch: int = 2, seq: in
     block = model.layers["0"]
     results = []
     for core in (RepeatedKVAttention(), CausalAttention()):
-        block.attention.core = core
+        block.apply_runtime(replace(block.runtime, attention_core=core))
         x = torch.randn(batch, seq, dim, generator=torch.Generator().manual_seed(2), requires_grad=True)
         saved, out = saved_bytes(block, x, model.freqs_cis)
         out.backward(torch.ones_like(out))
@@ -334,7 +335,7 @@ def test_a_tied_model_stays_tied_when_materialized_from_the_meta_device():
 
 def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path):
     """Its separate output layer would otherwise be dropped without a word."""
-    from trainer.checkpoint import CheckpointError, check_model_shapes, save_seed_checkpoint
+    from trainer.checkpoint.manager import CheckpointError, check_model_shapes, save_seed_checkpoint
 
     untied = Transformer(get_flavor("tiny"))
     untied.init_weights(seed=0)

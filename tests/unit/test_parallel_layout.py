@@ -9,7 +9,7 @@ import pytest
 from trainer.config.manager import ConfigError, load_config
 from trainer.parallel.dims import ParallelDims, layout_problems
 from trainer.parallel.stages import StageError, check_microbatches, plan_stages
-from trainer.preflight import plan_run
+from trainer.preflight.checks import plan_run
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.models.llama3 import Transformer, get_flavor
-from trainer.parallel.checkpointing import apply_ac
-from trainer.parallel.context import load_balanced_positions, shard_sequence
+from trainer.parallel import local_runtime
+from trainer.parallel.context_parallel import load_balanced_positions, shard_sequence
 from trainer.parallel.pipeline import RankModel, split_into_stages
 from trainer.parallel.stages import plan_stages
 
@@ -50,7 +50,7 @@ def test_activation_checkpointing_recomputes_and_keeps_gradients():
     ops = {}
     for mode, option in (("full", "1"), ("selective", "2"), ("selective", "op")):
         model = tiny()
-        apply_ac(model, mode, option)
+        model.apply_runtime(local_runtime(model, ac_mode=mode, ac_option=option))
         ops[option], grads = train_once(model)
         assert all(torch.allclose(grads[n], plain_grads[n], rtol=0, atol=1e-7) for n in grads), (mode, option)
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
@@ -67,8 +67,8 @@ def test_activation_checkpointing_recomputes_and_keeps_gradients():
 
 def test_selective_ac_uses_global_layer_indices_so_pipeline_stages_agree():
     stage = split_into_stages(tiny(), plan_stages(4, 2, "1F1B", None, 0, 0), pp_rank=1)[1]
-    apply_ac(stage, "selective", "2")
-    assert {name: block.recompute is not None for name, block in stage.layers.items()} == {"2": True, "3": False}
+    stage.apply_runtime(local_runtime(stage, ac_mode="selective", ac_option="2"))
+    assert {name: block.runtime.recompute is not None for name, block in stage.layers.items()} == {"2": True, "3": False}
 
 
 def test_load_balanced_positions_cover_the_sequence_evenly():

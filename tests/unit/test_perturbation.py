@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.models.llama3 import Transformer, get_flavor
-from trainer.perturbation import perturb_weights, rounding_error
+from trainer.model_build import perturb_weights, rounding_error
 
 
 def tiny_model() -> Transformer:

@@ -7,7 +7,7 @@ import pytest
 from trainer.config.job_config import Parallelism
 from trainer.config.manager import ConfigError, load_config
 from trainer.parallel.dims import ParallelDims
-from trainer.preflight import plan_run
+from trainer.preflight.checks import plan_run
 
 
 def test_shard_degree_minus_one_takes_the_rest():
@@ -54,7 +54,7 @@ def test_a_config_json_the_flavor_ignores_is_mentioned(tmp_path, caplog):
 
     from trainer.models.llama3 import get_flavor
     from trainer.models.llama3.hf_config import hf_config
-    from trainer.preflight import say_unused_hf_shapes
+    from trainer.preflight.checks import say_unused_hf_shapes
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(get_flavor("tiny"))))
     with caplog.at_level(logging.WARNING):
@@ -100,7 +100,7 @@ def test_the_whole_split_is_only_checked_when_validating():
 
 
 def test_bfloat16_state_halves_the_host_memory_need():
-    from trainer.preflight import training_memory_need
+    from trainer.preflight.checks import training_memory_need
 
     def need(*argv):
         config = load_config(["--model.flavor", "debugmodel", *argv])

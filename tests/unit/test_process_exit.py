@@ -1,4 +1,4 @@
-"""How a process that ran gloo collectives ends: `trainer.process_exit.run_process` keeps the entry
+"""How a process that ran gloo collectives ends: `trainer.launch.process_exit.run_process` keeps the entry
 point's exit code and output, and no gloo worker thread can crash the process after a successful run;
 its error is reported to the launcher."""
 
@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 from tests.launch import REPO
-from trainer.env import _free_port
+from trainer.process_setup import _free_port
 
 # Two processes set up the exit race deterministically on rank 0:
 # 1. rank 0 starts an asynchronous all-reduce and drops its tensor and handle at once; rank 1
@@ -26,15 +26,15 @@ from trainer.env import _free_port
 # has passed destroy_process_group().
 EXIT_RACE = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
-    from trainer import env
-    from trainer.process_exit import run_process
+    from trainer import process_setup
+    from trainer.launch.process_exit import run_process
 
     class ReleasesTheGilInTeardown:
         def __del__(self, sleep=time.sleep):  # bound now: module globals may be gone by then
             sleep(0.2)
 
     releaser = ReleasesTheGilInTeardown()
-    env.init_distributed(torch.device("cpu"), timeout_s=60)
+    process_setup.init_distributed(torch.device("cpu"), timeout_s=60)
     dist.barrier()
     sys.setswitchinterval(100)
     if dist.get_rank() == 1:
@@ -82,7 +82,7 @@ def test_run_process_ends_cleanly_where_interpreter_teardown_crashes():
     code, _, err = run_two_ranks(EXIT_RACE, "sys_exit")[0]
     assert code == -signal.SIGABRT, (
         f"the race no longer crashes a plain exit (exit {code}): check whether this torch/Python still needs "
-        f"trainer.process_exit.exit_without_teardown\n{err[-2000:]}")
+        f"trainer.launch.process_exit.exit_without_teardown\n{err[-2000:]}")
     assert "terminate called without an active exception" in err
 
     for code, _, err in run_two_ranks(EXIT_RACE, "run_process"):
@@ -92,7 +92,7 @@ def test_run_process_ends_cleanly_where_interpreter_teardown_crashes():
 def test_run_process_keeps_exit_codes_and_flushes_output():
     script = textwrap.dedent("""
         import logging, sys
-        from trainer.process_exit import run_process
+        from trainer.launch.process_exit import run_process
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
         def entry():
@@ -124,7 +124,7 @@ def test_errors_are_reported_to_the_launcher(tmp_path):
     and a user's mistake found by trainer.train, are written where the launcher reads them."""
     script = textwrap.dedent("""
         import sys
-        from trainer.process_exit import run_process
+        from trainer.launch.process_exit import run_process
 
         def entry():
             outcome = sys.argv[1]

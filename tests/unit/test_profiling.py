@@ -11,9 +11,9 @@ import torch
 
 from trainer.config.job_config import JobConfig, Profiling
 from trainer.config.manager import ConfigError, load_config
-from trainer.preflight import check_device_options
-from trainer.preflight import main as preflight_main
-from trainer.profiling import StepProfiler
+from trainer.preflight.checks import check_device_options
+from trainer.preflight.checks import main as preflight_main
+from trainer.metrics.profiling import StepProfiler
 
 CPU = torch.device("cpu")
 

@@ -24,8 +24,8 @@ from trainer.data.build import build_sources, document_eos, is_streamed, text_da
 from trainer.data.hashing import document_unit
 from trainer.data.shards import ShardSet
 from trainer.data.tokenizer import load_tokenizer
-from trainer.launcher import hub_datasets
-from trainer.preflight_data import check_data
+from trainer.launch.launcher import hub_datasets
+from trainer.preflight.data import check_data
 
 JOB = ["--model.flavor", "tiny", "--training.dataset", "python_stdlib", "--training.seq_len", "64"]
 SUBSET = 30  # documents of the subset the machinery tests prepare

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.launch import TINY_JOB
-from trainer.checkpoint_items import OptimizerState, SchedulerState
+from trainer.checkpoint.items import OptimizerState, SchedulerState
 from trainer.config.job_config import LRScheduler, Optimizer
 from trainer.config.manager import load_config, to_dict
 from trainer.optim import build_lr_scheduler, build_optimizer, set_schedule_position, settings_changed

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 
 from trainer.models.llama3.model import CausalAttention, document_causal_mask, grouped_query_attention
 from trainer.parallel import ring_attention
-from trainer.parallel.context import ContextParallelAttention, load_balanced_positions, shard_sequence
-from trainer.process_exit import exit_without_teardown
+from trainer.parallel.context_parallel import ContextParallelAttention, load_balanced_positions, shard_sequence
+from trainer.launch.process_exit import exit_without_teardown
 
 WORLD = 4
 B, T, HEADS, KV_HEADS, DIM = 2, 32, 4, 2, 8
@@ -121,7 +121,7 @@ def run_rank(rank: int, init_file: str, results) -> None:
         ring_attention.Hop.__init__ = original
         results[(f"cp{degree} bf16", rank, "messages")] = (sent, [g.dtype for g in grads])
     dist.destroy_process_group()
-    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.process_exit
+    exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
 class Patched:

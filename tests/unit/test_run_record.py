@@ -1,4 +1,4 @@
-"""Unit tests of trainer.run_record: one record per run, kept with its metrics across starts."""
+"""Unit tests of trainer.records.run_meta: one record per run, kept with its metrics across starts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 import os
 from datetime import datetime
 
-from trainer import run_record
-from trainer.run_record import METRICS_FILE, RECORD_FILE, begin, finish, read_record
+from trainer.records import run_meta
+from trainer.records.run_meta import METRICS_FILE, RECORD_FILE, begin, finish, read_record
 
 
 def write_metrics(folder, lines: list[str]) -> None:
@@ -72,7 +72,7 @@ def test_a_resume_with_nothing_to_drop_moves_nothing(tmp_path):
 
 
 def test_record_is_written_atomically_and_read_back(tmp_path):
-    run_record.write_record(tmp_path / "out", {"dtype": object.__new__(type("Dtype", (), {"__str__": lambda s: "bf16"}))})
+    run_meta.write_record(tmp_path / "out", {"dtype": object.__new__(type("Dtype", (), {"__str__": lambda s: "bf16"}))})
     assert json.loads((tmp_path / "out" / RECORD_FILE).read_text()) == {"dtype": "bf16"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [RECORD_FILE]
     (tmp_path / "out" / RECORD_FILE).write_text("{not json")

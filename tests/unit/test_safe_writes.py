@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO, TINY_JOB
-from trainer import run_lock, run_record
-from trainer.checkpoint_lineage import write_head
+from trainer.launch import run_lock
+from trainer.records import run_meta
+from trainer.checkpoint.lineage import write_head
 from trainer.config.manager import load_config
-from trainer.safe_writes import LinkRefused, append_text, open_append, write_atomic
+from trainer.records.safe_writes import LinkRefused, append_text, open_append, write_atomic
 
 PRECIOUS = "a user's file\n"
 
@@ -53,7 +54,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, tar
 
 
 @pytest.mark.parametrize("name, write", [
-    ("run_meta.json", lambda folder: run_record.write_record(folder, {"status": "running"})),
+    ("run_meta.json", lambda folder: run_meta.write_record(folder, {"status": "running"})),
     ("metrics.jsonl", lambda folder: open_append(folder / "metrics.jsonl").write('{"step": 1}\n')),
     ("fingerprints.jsonl", lambda folder: append_text(folder / "fingerprints.jsonl", '{"step": 1}\n')),
     ("lineage.json", lambda folder: write_head(folder, "abc", 3, [])),
@@ -70,7 +71,7 @@ def test_a_record_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, t
 def test_a_stale_temporary_file_that_is_a_link_is_removed_not_followed(tmp_path, target):
     folder = tmp_path / "run"
     plant(folder, ".run_meta.json.tmp", target)  # where write_atomic writes before renaming
-    run_record.write_record(folder, {"status": "running"})
+    run_meta.write_record(folder, {"status": "running"})
     assert json.loads((folder / "run_meta.json").read_text()) == {"status": "running"}
     assert target.read_text() == PRECIOUS and not (folder / ".run_meta.json.tmp").exists()
 
@@ -80,7 +81,7 @@ def test_a_folder_where_a_record_should_be_is_refused(tmp_path):
     with pytest.raises(LinkRefused, match="metrics.jsonl is a folder"):
         open_append(tmp_path / "metrics.jsonl")
     with pytest.raises(LinkRefused, match="metrics.jsonl is not a regular file"):
-        run_record.refuse_links(tmp_path)
+        run_meta.refuse_links(tmp_path)
 
 
 def config(tmp_path: Path, *options: str):

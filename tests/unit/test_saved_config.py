@@ -7,7 +7,7 @@ import pytest
 
 from trainer.config.manager import ConfigError, load_config, to_toml
 from trainer.config.saved_config import HEADER, check_saved_config_file, write_config_file
-from trainer.preflight import plan_run
+from trainer.preflight.checks import plan_run
 
 
 def config_in(tmp_path, name="config.toml", *extra):

@@ -14,7 +14,7 @@ import torch
 from trainer.config.job_config import LRScheduler
 from trainer.config.manager import ConfigError, load_config
 from trainer.optim import build_lr_scheduler, lr_factor
-from trainer.preflight import main as preflight_main
+from trainer.preflight.checks import main as preflight_main
 
 DECAY_TYPES = typing.get_args(typing.get_type_hints(LRScheduler)["decay_type"])
 PEAK = 0.01

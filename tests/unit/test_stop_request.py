@@ -1,4 +1,4 @@
-"""Save and stop on a signal (trainer/stop_request.py): which step the ranks agree on, which
+"""Save and stop on a signal (trainer/launch/stop_request.py): which step the ranks agree on, which
 signals count, and when the launcher may pass a signal on to a rank."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from trainer import stop_request
-from trainer.stop_request import STOP_MARGIN, StopAgreement, catches
+from trainer.launch import stop_request
+from trainer.launch.stop_request import STOP_MARGIN, StopAgreement, catches
 
 
 class Store:
@@ -82,7 +82,7 @@ def test_a_signal_that_does_not_count_is_logged_once_and_training_goes_on(receiv
     store = Store()
     agreement = StopAgreement(configured, saves, store)
     received.add(signal.SIGUSR1)
-    with caplog.at_level(logging.WARNING, logger="trainer.stop_request"):
+    with caplog.at_level(logging.WARNING, logger="trainer.launch.stop_request"):
         assert agreement.after_step(1) is None and agreement.after_step(2) is None
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and warnings[0].startswith("SIGUSR1 received and ignored: ") and why in warnings[0]
@@ -120,7 +120,7 @@ def test_a_process_whose_work_is_done_ignores_a_late_stop_request():
     only in Python, whose shutdown would reset a handled signal to its default, death): a request
     that arrives then, as SLURM's time-limit signal can just as a run ends, leaves its exit code."""
     code = ("import os, signal\n"
-            "from trainer import stop_request\n"
+            "from trainer.launch import stop_request\n"
             "stop_request.listen(); stop_request.ignore()\n"
             "status = open('/proc/self/status').read()\n"
             "ignored = int(next(l for l in status.splitlines() if l.startswith('SigIgn:')).split()[1], 16)\n"

@@ -59,7 +59,7 @@ def test_the_job_names_it_and_refuses_a_path_for_it(tmp_path):
                          text_field="text", wrap=True, seq_len=64)
     assert isinstance(built, SyntheticContextSource) and built.row_length == 65 and built.seed == 3
     from trainer.config.manager import load_config
-    from trainer.preflight import check
+    from trainer.preflight.checks import check
 
     config = load_config(["--model.flavor", "tiny", "--training.dataset", "synthetic_context",
                           "--training.dataset_path", str(tmp_path)])

@@ -57,7 +57,7 @@ def test_the_version_read_is_torch_dot_version_without_importing_torch():
 
 
 @pytest.mark.parametrize("installed", ["2.10.0", "2.14.0"])
-@pytest.mark.parametrize("command", [["-m", "trainer.train"], ["-m", "trainer.launcher", "--nproc", "1", "--device", "cpu"],
+@pytest.mark.parametrize("command", [["-m", "trainer.train"], ["-m", "trainer.launch", "--nproc", "1", "--device", "cpu"],
                                      ["-m", "trainer.estimate"], ["-m", "protocol", "plan", "plan.toml"]])
 def test_an_entry_point_stops_with_one_line(tmp_path, installed, command):
     # A torch package of version `installed` ahead of the real one on the path; importing it fails,

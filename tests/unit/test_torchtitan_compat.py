@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
+from trainer.config.torchtitan_keys import IGNORED_KEYS, IGNORED_SECTIONS
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.torchtitan_keys import (
     DIFFERENT,

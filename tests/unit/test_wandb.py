@@ -13,9 +13,9 @@ import torch
 
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError, load_config
-from trainer.metrics import MetricsLogger, StepFigures
-from trainer.preflight import main as preflight_main
-from trainer.preflight import plan_run
+from trainer.metrics.step_log import MetricsLogger, StepFigures
+from trainer.preflight.checks import main as preflight_main
+from trainer.preflight.checks import plan_run
 
 # The .wandb file: a 7-byte header (":W&B", magic, version), then a LevelDB-style log of 32 KiB
 # blocks; each protobuf Record is written as chunks with a 7-byte header (CRC, length, type).

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-import trainer.process_exit
+import trainer.launch.process_exit
 from tests.launch import REPO
 from trainer.train import Trainer
 
@@ -27,9 +27,9 @@ import estimate_accuracy  # noqa: E402  (benchmarks/ on sys.path)
 
 def main() -> None:
     layouts = json.loads(Path(sys.argv[1]).read_text())
-    close, exit_without_teardown = Trainer.close, trainer.process_exit.exit_without_teardown
+    close, exit_without_teardown = Trainer.close, trainer.launch.process_exit.exit_without_teardown
     Trainer.close = lambda self, end_process_group=True: close(self, end_process_group=False)
-    trainer.process_exit.exit_without_teardown = lambda code=0: None  # the worker's last call
+    trainer.launch.process_exit.exit_without_teardown = lambda code=0: None  # the worker's last call
     for layout in layouts:
         estimate_accuracy.worker(Path(layout["out"]), layout["overrides"])
         gc.collect()  # the layout's model and optimizer, before the next one is built

@@ -20,7 +20,7 @@ import torch
 
 from trainer.config.manager import load_config, with_default_config
 from trainer.loss_scale import unscale_gradients
-from trainer.preflight import plan_run
+from trainer.preflight.checks import plan_run
 from trainer.train import Trainer
 
 

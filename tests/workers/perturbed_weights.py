@@ -9,8 +9,8 @@ import sys
 import torch
 
 from trainer.config.manager import load_config, with_default_config
-from trainer.preflight import plan_run
-from trainer.process_exit import exit_without_teardown
+from trainer.preflight.checks import plan_run
+from trainer.launch.process_exit import exit_without_teardown
 from trainer.train import Trainer
 
 

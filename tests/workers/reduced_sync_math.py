@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.models.llama3.args import FLAVORS
 from trainer.models.llama3.model import Transformer, apply_rope
+from trainer.parallel import model_runtime
 from trainer.parallel.tensor import apply_tp
-from trainer.process_exit import exit_without_teardown
+from trainer.launch.process_exit import exit_without_teardown
 
 TP = 2
 VARIANTS = {"full": ("full", 0), "per_block": ("per_block", 0), "grouped 2": ("grouped", 2), "grouped 4": ("grouped", 4)}
@@ -92,7 +93,8 @@ def compare(variant: str, mesh, tokens: torch.Tensor) -> dict:
     expected = simulate(reference, tokens, 1 if sync == "per_block" else group) if sync != "full" else reference(tokens)
     loss_of(expected, tokens).backward()
     model = build()
-    apply_tp(model, mesh, loss_parallel=False, sync=sync, sync_group=group, n_layers=model.args.n_layers)
+    parts = apply_tp(model, mesh, loss_parallel=False, sync=sync, sync_group=group, n_layers=model.args.n_layers)
+    model.apply_runtime(model_runtime(model, "mask", parts, None, dict.fromkeys(model.layers), None, None))
     logits = model(tokens)
     loss_of(logits, tokens).backward()
     grads = {name: (local(p.grad), dict(reference.named_parameters())[name].grad) for name, p in model.named_parameters()}

@@ -29,8 +29,8 @@ from torch._dynamo.utils import counters
 
 from trainer.config.manager import load_config, with_default_config
 from trainer.messages import MessageFormat
-from trainer.preflight import plan_run
-from trainer.process_exit import exit_without_teardown
+from trainer.preflight.checks import plan_run
+from trainer.launch.process_exit import exit_without_teardown
 from trainer.train import Trainer, configure_logging
 
 

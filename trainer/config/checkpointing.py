@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.config.ranges import DType, valid
-from trainer.stop_request import DEFAULT_SIGNAL
+from trainer.launch.stop_request import DEFAULT_SIGNAL
 
 
 @dataclass

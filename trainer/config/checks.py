@@ -1,6 +1,6 @@
 """Checks of a configuration's values that need no world size and no device (parallel degrees
 against a world size are checked in trainer.parallel.dims, the rest before launch in
-trainer.preflight). Every problem found is reported in one ConfigError.
+trainer.preflight.checks). Every problem found is reported in one ConfigError.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def bfloat16_problems(c: JobConfig) -> list[str]:
     return problems
 
 
-# What a run writes in its dump folder itself (trainer.metrics, trainer.run_record, the launcher's
+# What a run writes in its dump folder itself (trainer.metrics.step_log, trainer.records.run_meta, the launcher's
 # logs/, W&B's wandb/): the saved configuration may not take their place.
 RUN_OUTPUTS = ("metrics.jsonl", "run_meta.json", "logs", "wandb")
 

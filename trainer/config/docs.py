@@ -11,7 +11,7 @@ import inspect
 import sys
 import typing
 
-from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS
+from trainer.config.torchtitan_keys import IGNORED_KEYS, IGNORED_SECTIONS
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import field_docs, field_types, sections, type_name
 from trainer.config.ranges import declared

@@ -394,7 +394,7 @@ class Debug:
     """Multiply every initial weight matrix by (1 + x), x uniform in +-init_perturbation rounding
     errors of the compute dtype (half its machine epsilon: 2^-8 for bfloat16, 2^-24 for float32),
     drawn from (init_perturbation_seed, parameter name), so the same in every layout; norm gains
-    stay as they are (trainer/perturbation.py). Applied once, to the weights a new run starts from
+    stay as they are (trainer/model_build.py). Applied once, to the weights a new run starts from
     (initialized or loaded from checkpoint.initial_load_path), never on resume. 0: off. The
     convergence protocol's noise controls use 1: runs that differ from the control only in
     rounding, not in data or initial weights."""

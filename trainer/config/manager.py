@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from trainer.config.checks import validate
 from trainer.config.errors import ConfigError
-from trainer.config.ignored import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
+from trainer.config.torchtitan_keys import IGNORED_KEYS, IGNORED_SECTIONS, is_ignored
 from trainer.config.job_config import JobConfig
 from trainer.config.ranges import declared, shown
 from trainer.config.torchtitan_keys import REFUSED
@@ -233,7 +233,7 @@ def read_toml(path: Path) -> dict:
 
 def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     """Turn arguments into (section, key, raw value) triples; raw values stay strings or bools.
-    A torchtitan option this trainer ignores (trainer.config.ignored) comes out as well, its key
+    A torchtitan option this trainer ignores (trainer.config.torchtitan_keys) comes out as well, its key
     dotted as typed (quantize, "linear.float8.emulate"): load_config names and drops it."""
     known = sections()
     overrides = []
@@ -295,7 +295,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
 
 def ignored_option(section: str, key: str) -> str | None:
     """The key of a command-line option this trainer ignores (`no_` dropped from a negated
-    flag), or None when the option is not one of trainer.config.ignored's."""
+    flag), or None when the option is not one of trainer.config.torchtitan_keys's."""
     if is_ignored(section, key):
         return key
     if key.startswith("no_") and is_ignored(section, key[3:]):

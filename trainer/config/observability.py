@@ -50,7 +50,7 @@ class Metrics:
     """Record per-module fingerprints of chosen steps to job.dump_folder/fingerprints.jsonl: for
     every parameter (under its unsharded name) the norms of its gradient, its update and its
     value, and for every transformer block the RMS of its output and of the gradient flowing into
-    it, each a global figure that means the same in every parallel layout (trainer/fingerprints.py).
+    it, each a global figure that means the same in every parallel layout (trainer/metrics/fingerprints.py).
     The convergence protocol compares them to say where two layouts part. Which steps:
     fingerprint_first and fingerprint_every."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_toml
-from trainer.safe_writes import LinkRefused, write_atomic
+from trainer.records.safe_writes import LinkRefused, write_atomic
 
 HEADER = "# Resolved configuration of the run in this folder, written at each start (job.save_config_file)"
 
@@ -46,7 +46,7 @@ def check_saved_config_file(config: JobConfig) -> None:
 
 def write_config_file(config: JobConfig) -> Path | None:
     """Write the resolved configuration (what job.print_config prints) to job.save_config_file;
-    rank 0 calls it. Written beside and renamed (trainer.safe_writes.write_atomic), so the file is
+    rank 0 calls it. Written beside and renamed (trainer.records.safe_writes.write_atomic), so the file is
     never seen half written, and neither it nor the file beside it is written through a link."""
     path = saved_config_path(config)
     if path is None:

@@ -2,8 +2,8 @@
 the "Coming from torchtitan" table in docs/configuration.md (trainer/config/docs.py renders it).
 
 A key's status is derived, so it cannot drift from the code: a key of this trainer's schema is
-the same as torchtitan's unless DIFFERENT says how it differs; a key of trainer.config.ignored
-is ignored with a warning; any other key must be in REFUSED with the reason (a unit test checks
+the same as torchtitan's unless DIFFERENT says how it differs; a key of IGNORED_SECTIONS or
+IGNORED_KEYS is ignored with a warning; any other key must be in REFUSED with the reason (a unit test checks
 that every key has exactly one status). Nested torchtitan tables are dotted
 (training.dataloader.num_workers is [training.dataloader] num_workers).
 """
@@ -13,10 +13,50 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from trainer.config.ignored import is_ignored
 from trainer.config.job_config import JobConfig
 
 TORCHTITAN_VERSION = "v0.2.2"
+
+# torchtitan sections and keys this trainer does not implement (v0.2.2's, and a few of earlier
+# versions). A config that uses them still loads, from the TOML file or the command line alike
+# (so upstream configs and launch scripts work as they are), with one warning naming what is
+# ignored. A key here that names a table (training.dataloader) covers every key inside it, and
+# an ignored section any key inside it.
+IGNORED_SECTIONS = frozenset(
+    {"fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
+)
+IGNORED_KEYS = {
+    "job": {"custom_config_module", "use_for_integration_test", "print_args"},
+    "model": {"converters", "print_after_conversion"},
+    "optimizer": {"early_step_in_backward"},
+    "training": {"gc_debug", "dataloader"},
+    "parallelism": {
+        "enable_compiled_autograd",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "expert_parallel_comm_backend",  # MoE only: no effect on Llama
+        "pipeline_parallel_expert_parallel_overlap",  # MoE only: no effect on Llama
+        "module_fqns_per_model_part",
+        "pipeline_parallel_schedule_csv",
+        "pipeline_parallel_split_points",
+        "context_parallel_load_balancer",
+    },
+    "checkpoint": {"enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized"},
+    "activation_checkpoint": {
+        "per_op_sac_force_recompute_mm_shapes_by_fqns",
+        "early_stop",
+        "visualize_memory_budget_pareto",
+    },
+    "comm": {"save_traces_folder", "save_traces_file_prefix"},
+    "debug": {"moe_force_load_balance"},
+    "validation": {"dataloader"},
+}
+
+
+def is_ignored(section: str, key: str = "") -> bool:
+    """Whether `section.key` is an ignored option; `key` is dotted below a table
+    ("dataloader.num_workers"), empty for the section itself."""
+    return section in IGNORED_SECTIONS or key.split(".")[0] in IGNORED_KEYS.get(section, ())
 
 # torchtitan v0.2.2's sections in its JobConfig order, each with its keys in declaration order.
 TORCHTITAN_KEYS: dict[str, tuple[str, ...]] = {
@@ -178,7 +218,7 @@ def status(key: str, known: set[str] | None = None) -> tuple[str, str]:
         return IGNORED, ""
     if key in REFUSED:
         return REFUSED_STATUS, REFUSED[key]
-    raise KeyError(f"torchtitan's {key} has no status: implement it, list it in trainer/config/ignored.py, or give "
+    raise KeyError(f"torchtitan's {key} has no status: implement it, list it in IGNORED_KEYS, or give "
                    "the reason it is refused in REFUSED")
 
 

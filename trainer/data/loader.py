@@ -261,7 +261,7 @@ def evaluation_batches(loader: BatchLoader, steps: int) -> int:
         check_evaluation_fits(loader, steps)
         return steps
     if not isinstance(loader.source, FiniteTokenSource) or not loader.pad_uneven:
-        # The preflight refuses these (trainer.preflight.check_validation); this is the backstop.
+        # The preflight refuses these (trainer.preflight.checks.check_validation); this is the backstop.
         raise DataError(f"validation.steps = -1: {loader.source.describe()['source']} is not a finite split of "
                         "known length ('files', 'c4_test', 'shards' or 'python_stdlib'); set validation.steps to a number of batches")
     check_not_empty(loader)

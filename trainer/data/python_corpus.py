@@ -41,7 +41,7 @@ from typing import Callable
 
 from trainer.data.documents import DataError
 from trainer.data.shards import SPLITS, ShardSet, read_manifest
-from trainer.safe_writes import LinkRefused, open_no_follow
+from trainer.records.safe_writes import LinkRefused, open_no_follow
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def run(a, overrides: list[str]) -> int:
     from trainer.estimate import report
     from trainer.estimate.rank import RankKind, rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import describe_degrees, plan_layout
+    from trainer.preflight.checks import describe_degrees, plan_layout
 
     config, notes = estimated_config(overrides)
     plan = plan_layout(config, a.nproc)

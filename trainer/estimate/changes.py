@@ -54,7 +54,7 @@ def try_changes(overrides: list[str], config, plan, nproc: int, steps: int, usab
     from trainer.estimate.job import estimate_kinds, estimated_config
     from trainer.estimate.rank import rank_kinds
     from trainer.parallel.dims import stage_plan
-    from trainer.preflight import plan_layout
+    from trainer.preflight.checks import plan_layout
 
     tried = []
     for change in candidate_changes(config, plan, nproc):

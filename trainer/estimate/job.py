@@ -41,7 +41,7 @@ def estimate_kinds(overrides: list[str], nproc: int, kinds: list, steps: int) ->
 def _estimate_one(overrides: list[str], nproc: int, kind, steps: int):
     """In a fresh process: the fake world is process-wide state."""
     from trainer.estimate.rank import estimate_rank
-    from trainer.preflight import plan_layout
+    from trainer.preflight.checks import plan_layout
 
     # The parent loaded the same configuration and printed what it warned of: only errors here.
     messages.configure(level=logging.ERROR)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trainer import messages
-from trainer.checkpoint_checksums import ChecksumWriter
+from trainer.checkpoint.checksums import ChecksumWriter
 from trainer.hf.config_json import read_checked_config
 from trainer.hf.export import export_hf_folder, parse_size
 from trainer.hf.folder import read_hf_folder
@@ -64,7 +64,7 @@ def refuse_model_change(dcp_dir: Path, accepted: bool) -> None:
     """A checkpoint trained with reduced tensor-parallel synchronization is another model than the
     exact Llama a Hugging Face folder describes: refused unless accepted. Its checkpoint.json is
     beside .metadata, or one folder up for a step's model_only/ export."""
-    from trainer.checkpoint_lineage import model_change
+    from trainer.checkpoint.lineage import model_change
 
     for folder in (dcp_dir, dcp_dir.parent):
         if (folder / "checkpoint.json").is_file():

@@ -21,7 +21,7 @@ from trainer.hf.folder import DEFAULT_SHARD_BYTES, HFTensor, hf_tensors, shard_p
 from trainer.hf.weights import HFCheckpointError, permutes_rows
 from trainer.models.llama3.args import LlamaModelArgs
 
-MODEL_KEY = "model."  # the checkpoint item holding the weights (trainer.checkpoint_items.ModelState)
+MODEL_KEY = "model."  # the checkpoint item holding the weights (trainer.checkpoint.items.ModelState)
 SAVED_DTYPE = torch.float32  # what training checkpoints hold, and the estimates assume
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -44,7 +44,7 @@ def export_hf_folder(checkpoint: Path, out: Path, args: LlamaModelArgs, dtype: t
     """Write the model of the DCP checkpoint in `checkpoint` as a save_pretrained folder `out`
     (config.json and safetensors in `dtype`, shards of at most shard_bytes), reading one tensor
     at a time. Raises HFCheckpointError naming the checkpoint when it does not hold this model."""
-    from trainer.dcp_files import TensorReader
+    from trainer.checkpoint.dcp_read import TensorReader
 
     reader = TensorReader(Path(checkpoint))
     _check_saved_shapes(checkpoint, reader.saved, hf_tensors(args))

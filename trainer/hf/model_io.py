@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint_layout import HF_EXPORT_DIR
+from trainer.checkpoint.on_disk import HF_EXPORT_DIR
 from trainer.hf.export import export_hf_folder
 from trainer.hf.folder import read_hf_folder
 from trainer.models.llama3.args import LlamaModelArgs

@@ -4,15 +4,19 @@ Composition order, on the model built on the meta device (each step sees what th
   1. pipeline parallelism: cut the model into this PP rank's stages (pipeline.py, stages.py);
      every later step applies to each stage
   2. tensor + sequence parallelism over the tp mesh, loss parallelism (tensor.py)
-  3. context parallelism over the cp mesh: the attention core of every block (context.py),
+  3. context parallelism over the cp mesh: the attention core of every block (context_parallel.py),
      ring attention (ring_attention.py)
-  4. activation checkpointing (checkpointing.py)
+  4. activation checkpointing (activation_checkpointing.py)
   5. torch.compile per block (compile.py)
-  6. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py); skipped
+  6. the stage's runtime: what steps 2-5 returned (the attention core, recompute, compile, sync,
+     norm-weight handling) and the compute dtype, as one frozen ModelRuntime the model installs
+     and its forward reads (trainer/models/llama3/runtime.py; the log prints it)
+  7. data parallelism over (dp_replicate, dp_shard x cp): FSDP, HSDP or DDP (fsdp.py); skipped
      for a single process computing in float32, where it would only copy the weights back and
      forth (FSDP over one rank stays when it has work: a lower compute dtype, CPU offload)
-TP comes before FSDP so FSDP shards the TP shards (2-D parameters); AC and compile wrap the
-blocks FSDP will shard. The trainer then materializes the weights and, under PP, builds the
+Steps 2-5 change no attribute of the model's modules: TP and reduced sync distribute the weights
+(torch's DTensor API) and return the rest. TP comes before FSDP so FSDP shards the TP shards
+(2-D parameters); AC and compile wrap the blocks FSDP will shard. The trainer then materializes the weights and, under PP, builds the
 schedule over the stages (pipeline.Pipeline).
 
 This package imports torch only inside functions: the launcher's preflight imports
@@ -31,6 +35,8 @@ from trainer.parallel.stages import StagePlan
 if TYPE_CHECKING:
     import torch
 
+    from trainer.models.llama3.runtime import ModelRuntime
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,9 +54,9 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 
 def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device."""
-    from trainer.parallel.checkpointing import apply_ac
+    from trainer.parallel.activation_checkpointing import apply_ac
     from trainer.parallel.compile import apply_compile, isolate_compile_cache, set_memory_budget
-    from trainer.parallel.context import apply_cp
+    from trainer.parallel.context_parallel import apply_cp
     from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
     from trainer.parallel.pipeline import RankModel, split_into_stages
     from trainer.parallel.tensor import apply_tp, enable_async_tp
@@ -68,19 +74,21 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     if config.compile.enable:
         isolate_compile_cache(mesh.world.get_rank(), dims.degrees())
         set_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
-    for stage in stages.values():
-        set_document_kernel(stage, config.training.document_masking_kernel)
+    for index, stage in stages.items():
+        tp = None
         if dims.tp > 1:
-            apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
-                     sync=p.tensor_parallel_sync, sync_group=p.tensor_parallel_sync_group,
-                     n_layers=model.args.n_layers)
-        if dims.cp > 1:
-            apply_cp(stage, mesh["cp"], reduce_dtype=reduce_dtype)
-        apply_ac(stage, ac.mode, ac.selective_ac_option)
-        if config.compile.enable and "model" in config.compile.components:
-            apply_compile(stage, config.compile.backend)
-        if compute_cast is not None:
-            stage.set_compute_dtype(compute_cast)
+            tp = apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
+                          sync=p.tensor_parallel_sync, sync_group=p.tensor_parallel_sync_group,
+                          n_layers=model.args.n_layers)
+        cp_cores = apply_cp(stage, mesh["cp"], reduce_dtype=reduce_dtype) if dims.cp > 1 else None
+        recompute = apply_ac(stage, ac.mode, ac.selective_ac_option)
+        compiled = (apply_compile(recompute, config.compile.backend)
+                    if config.compile.enable and "model" in config.compile.components else None)
+        runtime = model_runtime(stage, config.training.document_masking_kernel, tp, cp_cores, recompute, compiled,
+                                compute_cast)
+        stage.apply_runtime(runtime)
+        for line in stage.describe():
+            logger.info("runtime%s: %s", f" (stage {index})" if plan else "", line)
         if data_parallel:
             apply_fsdp(
                 stage,
@@ -97,17 +105,51 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     return ParallelModel(model=owned[0] if len(owned) == 1 else RankModel(owned), stages=stages, stage_plan=plan)
 
 
-def set_document_kernel(model, kernel: str) -> None:
-    """How each block's attention computes document masking (training.document_masking_kernel).
-    Set before context parallelism, which replaces the attention core by its ring."""
-    for block in model.layers.values():
-        block.attention.core.document_kernel = kernel
+def model_runtime(stage, document_kernel: str, tp, cp_cores: dict | None, recompute: dict, compiled: dict | None,
+                  compute_dtype) -> "ModelRuntime":
+    """How `stage` computes (trainer/models/llama3/runtime.py), from what each parallelism returned:
+    tensor parallelism's parts (`tp`), context parallelism's attention cores, each block's
+    recompute and compile, and the compute dtype of a model without FSDP."""
+    from trainer.models.llama3.model import CausalAttention
+    from trainer.models.llama3.runtime import BlockRuntime, ModelRuntime
+    from trainer.parallel.compile import wait_for_collectives
+
+    blocks = []
+    for name in stage.layers:
+        blocks.append((name, BlockRuntime(
+            attention_core=cp_cores[name] if cp_cores else CausalAttention(document_kernel),
+            recompute=recompute[name],
+            compile=compiled[name] if compiled else None,
+            sync=tp.syncs[name] if tp is not None and tp.syncs else None,
+            norm_weights=tp.norm_weights if tp is not None else None,
+            local_shard_weights=tp is not None and tp.local_shard_weights,
+        )))
+    return ModelRuntime(
+        blocks=tuple(blocks),
+        final_norm_weights=tp.final_norm_weights if tp is not None else None,
+        compute_dtype=compute_dtype,
+        embedding_output=wait_for_collectives if compiled and stage.embeds_tokens else None,
+        stage_role=stage.stage_role,
+    )
+
+
+def local_runtime(stage, *, ac_mode: str = "none", ac_option: str = "2", compile_backend: str | None = None,
+                  document_kernel: str = "mask", compute_dtype=None) -> "ModelRuntime":
+    """The runtime of a model in one process without tensor or context parallelism, from the
+    same settings a config gives (activation_checkpoint mode and option, compile backend or None,
+    document masking kernel, compute dtype): what tests and benchmarks install by hand."""
+    from trainer.parallel.activation_checkpointing import apply_ac
+    from trainer.parallel.compile import apply_compile
+
+    recompute = apply_ac(stage, ac_mode, ac_option)
+    compiled = apply_compile(recompute, compile_backend) if compile_backend else None
+    return model_runtime(stage, document_kernel, None, None, recompute, compiled, compute_dtype)
 
 
 def needs_fsdp(dims: ParallelDims, cpu_offload: bool) -> bool:
     """FSDP over a world of one shards nothing and reduces nothing: it is only worth its copies
     of the weights when it offloads them. A lower compute dtype is then the model's own cast
-    (Transformer.set_compute_dtype), which gives FSDP's numbers without its per-block copies and
+    (ModelRuntime.compute_dtype), which gives FSDP's numbers without its per-block copies and
     hooks (on one H100 they left the GPU waiting on the host in every block's forward)."""
     return dims.world_size > 1 or cpu_offload
 

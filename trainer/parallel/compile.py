@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from trainer.parallel.checkpointing import recompute_all
+from trainer.models.llama3.runtime import Compile, Recompute
+from trainer.parallel.activation_checkpointing import RECOMPUTE_ALL
 
 
 class _WaitForCollective(torch.autograd.Function):
@@ -55,10 +56,6 @@ class _WaitForCollective(torch.autograd.Function):
 def wait_for_collectives(value):
     """`value` as a plain tensor when it is an AsyncCollectiveTensor, else unchanged."""
     return _WaitForCollective.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
-
-
-def _plain_output(module: torch.nn.Module, inputs, output):
-    return wait_for_collectives(output)
 
 
 _cache_base: str | None = None
@@ -94,16 +91,13 @@ def set_memory_budget(budget: float) -> None:
         torch._functorch.config.unsafe_treat_script_objects_as_zero_size = True
 
 
-def apply_compile(model: torch.nn.Module, backend: str) -> None:
-    """Compile each block of `model` (a whole Llama or a pipeline stage) in place."""
-    for block in model.layers.values():
-        if block.recompute is recompute_all:  # the checkpoint stays eager, around the graph
-            block.compute = torch.compile(block.compute, backend=backend)
-        else:
-            block.compile(backend=backend)
-    if model.tok_embeddings is not None:
-        # The embedding runs eagerly and feeds the first compiled block.
-        model.tok_embeddings.register_forward_hook(_plain_output)
+def apply_compile(recompute: dict[str, Recompute | None], backend: str) -> dict[str, Compile]:
+    """How each block is compiled (BlockRuntime.compile), given its recompute: a fully recomputed
+    block's computation alone (the checkpoint stays eager, around the graph), any other block
+    whole. The embedding runs eagerly and feeds the first compiled block: its output goes through
+    `wait_for_collectives` (ModelRuntime.embedding_output)."""
+    return {name: Compile("compute" if policy is RECOMPUTE_ALL else "block", backend)
+            for name, policy in recompute.items()}
 
 
 def compile_loss(loss_fn: Callable, backend: str) -> Callable:

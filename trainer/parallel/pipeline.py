@@ -15,7 +15,6 @@ share of the global loss.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,23 +29,9 @@ from trainer.parallel.stages import SINGLE_STAGE_SCHEDULES, StagePlan
 
 def split_into_stages(model: nn.Module, plan: StagePlan, pp_rank: int) -> dict[int, nn.Module]:
     """stage index -> copy of `model` (on the meta device) holding only that stage's modules."""
-    stages = {}
-    for stage in plan.stages_of_rank(pp_rank):
-        part = copy.deepcopy(model)
-        keep = {str(b) for b in plan.blocks[stage]}
-        for name in [n for n in part.layers if n not in keep]:
-            del part.layers[name]
-        last = stage == plan.num_stages - 1
-        part.embeds_tokens = stage == 0
-        # A tied output layer needs the embedding's weight: the last stage keeps its own copy,
-        # whose gradient is summed with the first stage's after backward (TiedEmbeddings).
-        if stage != 0 and not (last and model.args.tie_embeddings):
-            part.tok_embeddings = None
-        if not last:
-            part.norm = None
-            part.output = None
-        stages[stage] = part
-    return stages
+    return {stage: model.pipeline_stage({str(b) for b in plan.blocks[stage]}, first=stage == 0,
+                                        last=stage == plan.num_stages - 1)
+            for stage in plan.stages_of_rank(pp_rank)}
 
 
 class RankModel(nn.Module):

@@ -34,9 +34,10 @@ import warnings
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import Partial, Shard, distribute_module, distribute_tensor
+
+from trainer.models.llama3.runtime import NormWeights
 
 SEQUENCE_DIM = 1
 # Autograd-aware functional collectives (backward: reduce-scatter, all-gather), under their names
@@ -45,23 +46,15 @@ _gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gath
 _reduce_scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
 
 
-class LocalShardLinear(torch.nn.Linear):
-    """A linear layer whose weight is a DTensor shard, applied to plain tensors with its local
-    shard: a column-split weight gives this rank's output features, a row-split one this rank's
-    partial sums of every output feature. No collective; the weight's gradient stays a shard."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to_local())
-
-
 def _shard_linear(linear: torch.nn.Linear, mesh, dim: int) -> None:
+    """The linear layer's weight as a DTensor split along `dim`; the block computes with its local
+    shard (BlockRuntime.local_shard_weights): no collective, the weight's gradient stays a shard."""
     def partition(name, module, device_mesh):
         for param_name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, device_mesh, [Shard(dim)])
             module.register_parameter(param_name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     distribute_module(linear, mesh, partition)
-    linear.__class__ = LocalShardLinear
 
 
 def _partial_weight(reduce_gradient, weight: torch.Tensor) -> torch.Tensor:
@@ -70,11 +63,16 @@ def _partial_weight(reduce_gradient, weight: torch.Tensor) -> torch.Tensor:
 
 
 class GroupSync:
-    """A block's forward under reduced synchronization (installed as `TransformerBlock.sync`):
-    `gathers` for the first block of a group, `scatters` for the last (both when G = 1)."""
+    """A block's forward under reduced synchronization (BlockRuntime.sync): `gathers` for the
+    first block of a group, `scatters` for the last (both when G = 1)."""
 
     def __init__(self, mesh, gathers: bool, scatters: bool):
         self.mesh, self.gathers, self.scatters = mesh, gathers, scatters
+
+    def describe(self) -> str:
+        ends = [what for what, on in (("all-gathers its input", self.gathers),
+                                      ("reduce-scatters its output", self.scatters)) if on]
+        return "reduced over TP " + str(self.mesh.size()) + ": " + (" and ".join(ends) or "passes partial sums on")
 
     def __call__(self, block, carried, rope: torch.Tensor, documents: torch.Tensor | None):
         if self.gathers:
@@ -97,14 +95,17 @@ class GroupSync:
         return x_full.chunk(self.mesh.size(), dim=SEQUENCE_DIM)[self.mesh.get_local_rank()]
 
 
-def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layers: int, reduce_gradient) -> None:
-    """Split the blocks of `model` (a whole Llama or a pipeline stage) over the TP ranks, to be
-    synchronized once per `group_size` blocks. `reduce_gradient` passes a replicated weight
-    through the TP sum of its gradient (tensor.ReduceGradient in the reduce dtype)."""
+def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layers: int,
+                       reduce_gradient) -> tuple[dict[str, GroupSync], NormWeights]:
+    """Split the weights of the blocks of `model` (a whole Llama or a pipeline stage) over the TP
+    ranks, to be synchronized once per `group_size` blocks: each block's forward (BlockRuntime.sync)
+    by block name, and what its norm weights pass through (their gradient's TP sum, in the dtype
+    of `reduce_gradient`, tensor.ReduceGradient)."""
     # Blocks inside a group pass the group's all-gathered input on unchanged, and FSDP hands a
     # block its inputs as views (its backward hook); FSDP warns of in-place writes to such views,
     # and nothing here writes in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    syncs = {}
     for index, block in model.layers.items():
         layer = int(index)
         for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
@@ -113,6 +114,12 @@ def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layer
             _shard_linear(block.get_submodule(name), tp_mesh, dim=1)  # by input features
         for norm in (block.attention_norm, block.ffn_norm):
             distribute_module(norm, tp_mesh)  # replicated
-            norm.weight_hook = partial(_partial_weight, reduce_gradient)
-        block.sync = GroupSync(tp_mesh, gathers=layer % group_size == 0,
-                               scatters=(layer + 1) % group_size == 0 or layer == n_layers - 1)
+        syncs[index] = GroupSync(tp_mesh, gathers=layer % group_size == 0,
+                                 scatters=(layer + 1) % group_size == 0 or layer == n_layers - 1)
+    return syncs, NormWeights(f"partial sums, TP gradient sum in {dtype_name(reduce_gradient)}",
+                              partial(_partial_weight, reduce_gradient))
+
+
+def dtype_name(reduce_gradient) -> str:
+    dtype = reduce_gradient.args[0] if isinstance(reduce_gradient, partial) and reduce_gradient.args else None
+    return str(dtype).removeprefix("torch.") if dtype is not None else "the weight's dtype"

@@ -1,7 +1,7 @@
 """Ring attention: causal attention over a context-parallel group without gathering the sequence.
 
 Each of the `degree` ranks holds two chunks of every sequence (chunks `rank` and
-`2 * degree - 1 - rank` of `2 * degree`, trainer/parallel/context.py) for its queries, keys and
+`2 * degree - 1 - rank` of `2 * degree`, trainer/parallel/context_parallel.py) for its queries, keys and
 values. The queries stay; the keys and values travel around the ring, rank r sending to r + 1 and
 receiving from r - 1, so at step s rank r holds the keys and values of rank `r - s` (mod degree).
 After `degree - 1` hops every rank has seen every key chunk, holding at most two ranks' keys and
@@ -28,7 +28,7 @@ Forward and backward are custom ops (`torch.ops.trainer.ring_attention` and `_ba
 compiler keeps each as one opaque node (its communication never enters a graph), fake tensors
 take their shapes from the fake implementations (the memory estimator runs them without a
 process group), and selective activation checkpointing can keep the forward's outputs rather than
-run the ring again in backward (trainer/parallel/checkpointing.py).
+run the ring again in backward (trainer/parallel/activation_checkpointing.py).
 
 Kernels: on CPU `_scaled_dot_product_flash_attention_for_cpu` and its backward (they share the
 K/V heads of grouped-query attention themselves, and take the per-pair mask); on CUDA the flash

@@ -21,6 +21,7 @@ the shards (torch's `loss_parallel`), never gathering a (B, T, vocab) tensor.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -34,8 +35,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainer.models.llama3.runtime import NormWeights
 from trainer.parallel.dims import sync_group_size
-from trainer.parallel.reduced_sync import apply_reduced_sync
+from trainer.parallel.reduced_sync import apply_reduced_sync, dtype_name
 
 
 class ReduceGradient(torch.autograd.Function):
@@ -60,9 +62,20 @@ def reduce_gradient_in(dtype: torch.dtype | None, weight: torch.Tensor) -> torch
     return ReduceGradient.apply(weight, dtype or weight.dtype)
 
 
+@dataclass(frozen=True)
+class TensorParallelParts:
+    """What tensor parallelism changes in how the blocks compute (their BlockRuntime fields)."""
+
+    norm_weights: NormWeights | None  # the blocks' norms
+    final_norm_weights: NormWeights | None
+    syncs: dict | None = None  # reduced sync: each block's forward, by block name
+    local_shard_weights: bool = False  # reduced sync: linear layers compute with their local shard
+
+
 def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dtype: torch.dtype | None = None,
-             sync: str = "full", sync_group: int = 0, n_layers: int = 0) -> None:
-    """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks, in place.
+             sync: str = "full", sync_group: int = 0, n_layers: int = 0) -> TensorParallelParts:
+    """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks: its weights in
+    place, and what the blocks' runtime needs returned.
     `reduce_dtype` is the precision of the norm weights' gradient all-reduce (None: their dtype).
     `sync` other than "full" synchronizes the blocks' residual stream less often (reduced_sync.py):
     once per block, or once per `sync_group` of the model's `n_layers` blocks."""
@@ -78,16 +91,14 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
             use_local_output=not loss_parallel,  # the loss needs the DTensor to compute on shards
         )
     parallelize_module(model, tp_mesh, outer)
-    if model.args.tie_embeddings and model.output is not None:
-        # Each plan distributed its own copy; both split the (vocab, dim) matrix by vocabulary
-        # rows (Shard(0)), so one DTensor parameter serves both again.
-        model.output.weight = model.tok_embeddings.weight
+    # A tied model: each plan distributed its own copy; both split the (vocab, dim) matrix by
+    # vocabulary rows (Shard(0)), so one DTensor parameter serves both again.
+    model.tie_weights()
+    reduce = partial(reduce_gradient_in, reduce_dtype)
+    summed = NormWeights(f"TP gradient sum in {dtype_name(reduce)}", reduce)
     if sync != "full":
-        reduce = partial(reduce_gradient_in, reduce_dtype)
-        apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)
-        if model.norm is not None:
-            model.norm.weight_hook = reduce
-        return
+        syncs, partial_sums = apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)
+        return TensorParallelParts(partial_sums, summed if model.norm is not None else None, syncs, True)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
@@ -103,11 +114,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
-    if reduce_dtype is not None:
-        norms = [block.attention_norm for block in model.layers.values()]
-        norms += [block.ffn_norm for block in model.layers.values()]
-        for norm in norms + ([model.norm] if model.norm is not None else []):
-            norm.weight_hook = partial(reduce_gradient_in, reduce_dtype)
+    if reduce_dtype is None:
+        return TensorParallelParts(None, None)
+    return TensorParallelParts(summed, summed if model.norm is not None else None)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -4,25 +4,30 @@ Built on the meta device and materialized by `init_weights`, which draws every p
 generator seeded by (seed, parameter name) as the full tensor and keeps the local shard: the same
 seed gives the same global weights whatever the sharding.
 
-Two hooks let the parallelisms change how a block computes without changing its parameters or
-their names: `Attention.core` (which query positions this rank holds and how it attends: context
-parallelism replaces it) and `TransformerBlock.recompute` (activation checkpointing).
+How each block computes under the parallelisms (its attention core, recompute, compile, sync,
+norm-weight handling, compute dtype) is one frozen description, `runtime.ModelRuntime`, that
+`parallelize` builds and `Transformer.apply_runtime` installs; the forward reads it. The
+parallelisms never change a parameter's name, so checkpoints and Hugging Face interop are the
+same in every layout.
 
-`Transformer.set_compute_dtype` makes every layer compute with its parameters cast to a lower
-dtype (bfloat16 over float32 weights) in one process, where FSDP would shard nothing: the numbers
-are those FSDP's parameter-dtype policy gives, without its per-block copies and hooks.
+A compute dtype (ModelRuntime.compute_dtype) makes every layer compute with its parameters cast to
+a lower dtype (bfloat16 over float32 weights) in one process, where FSDP would shard nothing: the
+numbers are those FSDP's parameter-dtype policy gives, without its per-block copies and hooks.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.llama3.args import LlamaModelArgs, RopeScaling
+from trainer.models.llama3.runtime import BlockRuntime, ModelRuntime, default_runtime
 
 
 class CastsWeights:
@@ -39,10 +44,18 @@ class CastsWeights:
 
 
 class Linear(CastsWeights, nn.Linear):
+    # Reduced-synchronization tensor parallelism (BlockRuntime.local_shard_weights): the weight is
+    # a DTensor shard applied to plain tensors with its local shard: a column-split weight gives
+    # this rank's output features, a row-split one its partial sums of every output feature. No
+    # collective; the weight's gradient stays a shard.
+    local_shard: bool = False
+
     def forward(self, x: torch.Tensor, cast_weight: torch.Tensor | None = None) -> torch.Tensor:
         """`cast_weight`: this layer's weight already cast (a tied weight is cast once)."""
         bias = None if self.bias is None else self.cast(self.bias)
-        return F.linear(x, self.cast(self.weight) if cast_weight is None else cast_weight, bias)
+        if cast_weight is None:
+            cast_weight = self.cast(self.weight.to_local() if self.local_shard else self.weight)
+        return F.linear(x, cast_weight, bias)
 
 
 class Embedding(CastsWeights, nn.Embedding):
@@ -59,8 +72,8 @@ class RMSNorm(CastsWeights, nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # Tensor parallelism sets this to a function the weight passes through, which reduces the
-        # weight's gradient over the TP ranks in the configured precision (trainer/parallel/tensor.py).
+        # What the weight passes through before use (runtime.NormWeights: tensor parallelism's sum
+        # of its gradient over the TP ranks in the reduce dtype); None: nothing.
         self.weight_hook = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,17 +121,23 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class CausalAttention:
     """The attention core of a rank that holds whole sequences: positions 0..T-1, causal mask.
 
-    Context parallelism swaps in a core whose rank holds a subset of the positions and gathers
-    the keys and values of the others (trainer/parallel/context.py); both keep this interface.
+    Context parallelism gives the blocks a core whose rank holds a subset of the positions and
+    gathers the keys and values of the others instead (BlockRuntime.attention_core,
+    trainer/parallel/context_parallel.py); both keep this interface.
+
+    `document_kernel` (training.document_masking_kernel) is how document masking attends: "mask",
+    SDPA with an explicit mask; "flex", block-sparse flex attention (flex_attention.py; CUDA only).
     """
+
+    def __init__(self, document_kernel: str = "mask"):
+        self.document_kernel = document_kernel
+
+    def describe(self) -> str:
+        return f"causal SDPA over whole sequences, documents by {self.document_kernel}"
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Sequence positions of the local query rows (they index the RoPE table)."""
         return torch.arange(local_len, device=device)
-
-    # How document masking attends (training.document_masking_kernel): "mask", SDPA with an
-    # explicit mask; "flex", block-sparse flex attention (flex_attention.py; CUDA only).
-    document_kernel = "mask"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,7 +197,7 @@ class Attention(nn.Module):
         self.wk = Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.core = CausalAttention()
+        self.core = CausalAttention()  # the block's runtime sets it (BlockRuntime.attention_core)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim); rope is the whole RoPE table, indexed by the core's
@@ -214,21 +233,35 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        # Activation checkpointing sets this to a function that runs `compute` without keeping
-        # (all of) its activations for backward (trainer/parallel/checkpointing.py).
-        self.recompute = None
-        # Tensor parallelism with reduced synchronization sets this to the block's forward under
-        # it, which may pass a group's partial residual stream on (trainer/parallel/reduced_sync.py).
-        self.sync = None
+        self.runtime = BlockRuntime(attention_core=self.attention.core)
+        self._compiled_compute = None  # `compute` compiled, when the runtime compiles it alone
+
+    def apply_runtime(self, runtime: BlockRuntime) -> None:
+        """Compute as `runtime` says from now on (see trainer/models/llama3/runtime.py)."""
+        if self.runtime.compile is not None:
+            raise RuntimeError("a compiled block's runtime cannot change")
+        self.runtime = runtime
+        self.attention.core = runtime.attention_core
+        hook = runtime.norm_weights.hook if runtime.norm_weights is not None else None
+        self.attention_norm.weight_hook = self.ffn_norm.weight_hook = hook
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.local_shard = runtime.local_shard_weights
+        if runtime.compile is not None and runtime.compile.scope == "compute":
+            self._compiled_compute = torch.compile(self.compute, backend=runtime.compile.backend)
+        elif runtime.compile is not None:
+            self.compile(backend=runtime.compile.backend)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None,
                 branches: bool = False):
         """The block's output; with `branches`, (output, attention branch, feed-forward branch):
         what the attention and the FFN add to the residual stream, detached, for
         metrics.fingerprints (None under reduced sync, where each rank holds a partial sum)."""
-        if self.recompute is not None:
-            return self.recompute(self.compute, x, rope, documents, branches)
-        return self.compute(x, rope, documents, branches)
+        compute = self._compiled_compute or self.compute
+        recompute = self.runtime.recompute
+        if recompute is not None:
+            return recompute.run(compute, x, rope, documents, branches)
+        return compute(x, rope, documents, branches)
 
     def compute(self, x: torch.Tensor, rope: torch.Tensor, documents: torch.Tensor | None = None,
                 branches: bool = False):
@@ -236,8 +269,9 @@ class TransformerBlock(nn.Module):
         # traces one more graph for the steps that ask (no graph break, and the graph of the
         # other steps is unchanged), and the recomputation of activation checkpointing, whose
         # outputs are discarded, cannot count them a second time.
-        if self.sync is not None:
-            out = self.sync(self, x, rope, documents)
+        sync = self.runtime.sync
+        if sync is not None:
+            out = sync(self, x, rope, documents)
             return (out, None, None) if branches else out
         attention = self.attention(self.attention_norm(x), rope, documents)
         h = x + attention
@@ -252,8 +286,8 @@ class Transformer(nn.Module):
 
     `layers` is a ModuleDict keyed by the original layer index, so a pipeline stage can delete
     the blocks it does not own and keep parameter names stable; tok_embeddings, norm and output
-    may be None on stages that do not own them. A tied model's last pipeline stage keeps
-    tok_embeddings for its weight but does not embed (`embeds_tokens` is False).
+    may be None on stages that do not own them (`pipeline_stage`). A tied model's last pipeline
+    stage keeps tok_embeddings for its weight but does not embed (`embeds_tokens` is False).
     """
 
     def __init__(self, args: LlamaModelArgs):
@@ -267,12 +301,57 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.embeds_tokens = True  # False on pipeline stages that take the hidden state
+        self.stage_role = "whole model"
+        self.runtime = default_runtime(self.layers, CausalAttention)
         # Called with each block's name and output, and while its `recording` is true with the
         # block's attention and feed-forward branches too (metrics.fingerprints,
-        # trainer/fingerprints.py); it runs here, outside the blocks, which may be compiled or
-        # recompute their forward.
+        # trainer/metrics/fingerprints.py); it runs here, outside the blocks, which may be compiled or
+        # recompute their forward. Set by attach_probe.
         self.block_probe = None
         self.register_buffer("freqs_cis", rope_table(args), persistent=False)
+        self.apply_runtime(self.runtime)
+
+    def apply_runtime(self, runtime: ModelRuntime) -> None:
+        """Compute as `runtime` says from now on: its blocks (by name, every block of this model
+        or stage), the final norm's weight and the compute dtype (runtime.py)."""
+        if [name for name, _ in runtime.blocks] != list(self.layers):
+            raise ValueError(f"runtime for blocks {[n for n, _ in runtime.blocks]}, model has {list(self.layers)}")
+        for name, block_runtime in runtime.blocks:
+            self.layers[name].apply_runtime(block_runtime)
+        if self.norm is not None:
+            self.norm.weight_hook = runtime.final_norm_weights.hook if runtime.final_norm_weights else None
+        for module in self.modules():
+            if isinstance(module, CastsWeights):
+                module.compute_dtype = runtime.compute_dtype
+        self.runtime = replace(runtime, stage_role=self.stage_role)
+
+    def describe(self) -> list[str]:
+        """How this model computes, one line for the model and one per run of alike blocks."""
+        return self.runtime.describe()
+
+    def attach_probe(self, probe) -> None:
+        """Call `probe` with every block's output (see block_probe); None detaches it."""
+        self.block_probe = probe
+
+    def pipeline_stage(self, blocks: set[str], first: bool, last: bool) -> "Transformer":
+        """A copy (on the meta device) holding only the modules of a pipeline stage: `blocks`,
+        the embedding on the first stage, the final norm and output layer on the last."""
+        part = copy.deepcopy(self)
+        for name in [n for n in part.layers if n not in blocks]:
+            del part.layers[name]
+        part.embeds_tokens = first
+        # A tied output layer needs the embedding's weight: the last stage keeps its own copy,
+        # whose gradient is summed with the first stage's after backward (TiedEmbeddings).
+        if not first and not (last and self.args.tie_embeddings):
+            part.tok_embeddings = None
+        if not last:
+            part.norm = None
+            part.output = None
+        part.stage_role = ("whole model" if first and last else "first pipeline stage" if first
+                           else "last pipeline stage" if last else "middle pipeline stage")
+        part.runtime = replace(self.runtime, blocks=tuple((n, block.runtime) for n, block in part.layers.items()),
+                               stage_role=part.stage_role)
+        return part
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). A pipeline stage without the embedding takes the
@@ -280,7 +359,11 @@ class Transformer(nn.Module):
         (B, T, the whole sequence under context parallelism; see document_index): attention
         within documents only."""
         tied = self._tied_weight_cast()
-        h = self.tok_embeddings(tokens, tied) if self.embeds_tokens else tokens
+        h = tokens
+        if self.embeds_tokens:
+            h = self.tok_embeddings(tokens, tied)
+            if self.runtime.embedding_output is not None:
+                h = self.runtime.embedding_output(h)
         probe = self.block_probe
         branches = probe is not None and probe.recording
         for name, block in self.layers.items():
@@ -295,7 +378,7 @@ class Transformer(nn.Module):
         return self.output(h, tied) if self.output is not None else h
 
     def _tied_weight_cast(self) -> torch.Tensor | None:
-        """A tied weight under set_compute_dtype, cast once for both of its uses: the gradients of
+        """A tied weight under a compute dtype (ModelRuntime.compute_dtype), cast once for both of its uses: the gradients of
         the embedding and the output layer then add up in the compute dtype before reaching the
         stored weight, as they do on the one copy FSDP casts. None otherwise."""
         embedding = self.tok_embeddings
@@ -304,21 +387,19 @@ class Transformer(nn.Module):
             return None
         return embedding.cast(embedding.weight)
 
-    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
-        """Compute every layer with its parameters cast to `dtype` (None: as stored); see the
-        module docstring."""
-        for module in self.modules():
-            if isinstance(module, CastsWeights):
-                module.compute_dtype = dtype
-
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """Materialize on `device`. Moving off the meta device gives each module a new parameter,
         which would untie a tied output layer: tie it again (FSDP keeps shared parameters
         shared itself; setting the same parameter again changes nothing there)."""
         super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
+    def tie_weights(self) -> None:
+        """A tied output layer uses the embedding's weight again (after something gave each its own
+        copy: materializing, or tensor parallelism distributing both)."""
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
-        return self
 
     # -----------------------------------------------------------------------------------------
     # Initialization
