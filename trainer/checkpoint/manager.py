@@ -335,7 +335,7 @@ class CheckpointManager(LastSaveExports):
                 logger.warning("%s is not a complete save: %s", partial, problem)
                 continue  # removed by _remove_stale_partials
             logger.info("publishing %s: its save had completed before the run stopped", partial)
-            self._rename_into_place(step, partial)
+            self._publish(step, partial)
 
     def _remove_stale_partials(self) -> None:
         if not self.folder.is_dir():
@@ -384,7 +384,7 @@ class CheckpointManager(LastSaveExports):
             dcp.save(state, storage_writer=ChecksumWriter(partial))  # with checksums.json
         except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP raises it on every rank)
             self._save_failed(step, partial, e)
-        self._finish(step, partial)
+        self._publish_sync(step, partial)
         if last:
             self._write_exports(final, missing_exports(final, self.config))
 
@@ -442,23 +442,24 @@ class CheckpointManager(LastSaveExports):
 
     def _publish_async(self, step: int, partial: Path) -> None:
         """Rank 0, on the writer's thread, once DCP wrote .metadata (after every rank's data)."""
-        self._rename_into_place(step, partial)
+        self._publish(step, partial)
         self._apply_retention()
 
-    def _finish(self, step: int, partial: Path) -> None:
-        """Publish a fully written checkpoint under its final name, then apply keep_latest_k."""
+    def _publish_sync(self, step: int, partial: Path) -> None:
+        """Every rank, after a synchronous save: rank 0 publishes the checkpoint, then applies keep_latest_k."""
         dist.barrier()
         if self.rank == 0:
             try:
-                self._rename_into_place(step, partial)
+                self._publish(step, partial)
             except OSError as e:  # lineage.json on a disk that filled up meanwhile: the checkpoint is whole
                 raise CheckpointWriteError(f"{self.folder / f'step-{step}'} was saved, but the checkpoint folder's "
                                            f"record could not be written: {save_error_text(e, self.folder)}") from None
             self._apply_retention()
         dist.barrier()
 
-    def _rename_into_place(self, step: int, partial: Path) -> None:
-        """Rank 0: publish a complete save under its final name; it becomes the parent of the
+    def _publish(self, step: int, partial: Path) -> None:
+        """Rank 0: publish a complete save, renaming its .step-N.partial folder to step-N (the
+        only place a checkpoint gets its final name); it becomes the parent of the
         next save and the head of the folder's lineage."""
         final = self.folder / f"step-{step}"
         if final.exists() or final.is_symlink():  # only with checkpoint.overwrite: the partial is the newer save

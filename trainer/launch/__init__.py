@@ -2,7 +2,8 @@
 
 - launcher.py: checks the configuration, takes the folder's lock, starts the ranks through
   torch's elastic agent and reports how they ended.
-- elastic_agent.py: the agent and its restart policy (what restarts, from which checkpoint).
+- elastic_agent.py: the agent and which failures it restarts (never a user's mistake); how many
+  restarts a run gets is the launcher's `restarts_for`; the ranks resume from the newest checkpoint.
 - failure_report.py: which rank failed first and why, as one message and an exit code.
 - run_lock.py: one live job per dump folder and per checkpoint folder.
 - stop_request.py: save-and-stop on SIGUSR1 (checkpoint.save_on_signal), passed on to the ranks.

@@ -125,7 +125,7 @@ def check_ancestors(fields: Fields, key: str = "ancestors") -> None:
 
 
 def check_checkpoint_record(path: Path, record: dict) -> dict:
-    """checkpoint.json (trainer/checkpoint_files.checkpoint_record): the fields the trainer reads."""
+    """checkpoint.json (trainer/checkpoint/step_folder.py: checkpoint_record): the fields the trainer reads."""
     fields = Fields(path, record)
     fields.require("step", int, "a step")
     if record["step"] < 0:
@@ -146,7 +146,7 @@ def check_checkpoint_record(path: Path, record: dict) -> dict:
 
 
 def check_lineage_head(path: Path, record: dict) -> dict:
-    """lineage.json (trainer/checkpoint_lineage.write_head)."""
+    """lineage.json (trainer/checkpoint/lineage.py: write_head)."""
     fields = Fields(path, record)
     fields.require("lineage", str, "a lineage id")
     fields.require("step", int, "a step")
