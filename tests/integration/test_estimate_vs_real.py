@@ -3,7 +3,7 @@ CPU once for real under torchrun (gloo) and once on fake tensors in a fake world
 kind holds (parameters, gradients, optimizer state) must be equal to the byte in every layout the
 benchmark covers (1 process, FSDP, FSDP x TP, PP Interleaved1F1B, CP, FSDP x TP x PP with full and
 selective AC); the step peaks of the tracker over real and fake tensors must agree within 5%
-(docs/performance.md gives the figures for larger models).
+(docs/performance_measurements.md gives the figures for larger models).
 
 The script runs end to end on its one-process layout. The other layouts are compared by the
 script's own functions in this process (`compare`: the estimator's processes, the rows), their

@@ -264,7 +264,7 @@ def test_tiny_model_overfits_one_batch():
 
 
 if __name__ == "__main__":
-    # The saved-activation table of docs/performance.md.
+    # The saved-activation table of docs/performance_measurements.md.
     print("| dim | heads | kv heads | saved with repeated K/V | saved now | change | K and V kept once |")
     print("|---|---|---|---|---|---|---|")
     for dim, heads, kv_heads in ((64, 4, 2), (512, 32, 8), (512, 64, 8)):
