@@ -93,7 +93,7 @@ def reductions(counts: Counter) -> dict[tuple[str, str], int]:
 
 
 def show(name: str, counts: Counter) -> None:
-    """The figures of docs/parallelisms.md and docs/performance_measurements.md (pytest -s prints them)."""
+    """The figures of docs/parallelisms_measurements.md and docs/performance_measurements.md (pytest -s prints them)."""
     collectives = sorted((key, n) for key, n in counts.items() if key[0] != "_wrap_tensor_autograd")  # not one
     print(f"{name}: " + ", ".join(f"{op} {dtype} x{n}" for (op, dtype), n in collectives))
 
