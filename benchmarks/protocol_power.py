@@ -337,7 +337,7 @@ def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, wi
     import numpy as np
     from scipy import signal
 
-    from protocol.verdict.decision import noise_sd
+    from protocol.verdict.decision import family_noise_sd
     from protocol.verdict.family_wise import offset_bound_sigmas
     from protocol.verdict.statistics import t_quantile
 
@@ -358,7 +358,7 @@ def design_rows(plan_sets: tuple[int, ...] = (3, 4), experiments: int = 1500, wi
         for e in range(experiments):
             for o in range(2):  # two observables, independent noise
                 family = runs(members + 1)
-                sigma = noise_sd(family)
+                sigma = family_noise_sd(family)
                 diffs = runs(max(plan_sets)).mean(axis=1) - family.mean()
                 ratios[e, :, o] = np.abs(diffs) / sigma
                 sigmas[e, o] = sigma

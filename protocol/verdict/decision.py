@@ -155,7 +155,7 @@ def noise_parts(window_rows: np.ndarray) -> tuple[float, float]:
     return between, within
 
 
-def noise_sd(window_rows: np.ndarray) -> float:
+def family_noise_sd(window_rows: np.ndarray) -> float:
     """sigma: standard deviation of a new member's window mean about the family's mean, from the
     family's final windows (members x steps): the larger of the two estimates of noise_parts."""
     return max(noise_parts(window_rows)) * math.sqrt(1 + 1 / len(window_rows))
@@ -241,7 +241,7 @@ def judge(steps: np.ndarray, family: np.ndarray, test: np.ndarray, observable: s
     d = test - reference
     k = window_size(n, tol.final_window)
     window = slice(n - k, n)
-    family_sigma = noise_sd(family[:, window])
+    family_sigma = family_noise_sd(family[:, window])
     own = mean_with_stderr(d[window])
     family_own = own_errors(family[:, window])
     sigma = with_own_noise(family_sigma, family, d, k)

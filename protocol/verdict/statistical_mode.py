@@ -12,7 +12,7 @@ from protocol.plan.tolerance import Tolerance
 from protocol.verdict.alignment import common_steps, skipped_steps, summarize, transformed, values_at
 from protocol.verdict.curves import Curve
 from protocol.verdict.decision import (ObservableVerdict, detectable_if_noisier, false_fail_chance, judge, margin_for,
-                                       minimum_detectable_effect, noise_sd)
+                                       family_noise_sd, minimum_detectable_effect)
 from protocol.verdict.family_wise import offset_bound_sigmas
 from protocol.verdict.results import NoiseSummary, SetResult
 from protocol.verdict.statistics import t_quantile, window_size
@@ -113,8 +113,10 @@ def judge_observable(family: list[Curve], test: Curve, observable: str, steps: l
 
 
 def noise_summaries(family: list[Curve], tol: Tolerance, judged: int = 1) -> list[NoiseSummary]:
-    """Noise SD, margin, detectable effect and growth of each judged observable, from the family;
-    `judged`: the (set, observable) pairs of the plan, whose count sets the plan-level bound."""
+    """Noise SD, margin, detectable effect and growth of each judged observable, from the family
+    alone: the report's summary of the noise. A set's verdict uses its own unit, this noise with
+    the set's own added (decision.with_own_noise). `judged`: the (set, observable) pairs of the
+    plan, whose count sets the plan-level bound."""
     steps = common_steps(family)
     n = len(steps)
     k = window_size(n, tol.final_window)
@@ -131,7 +133,7 @@ def noise_summaries(family: list[Curve], tol: Tolerance, judged: int = 1) -> lis
         if rows.shape[1] < 3:
             continue
         means = rows[:, -k:].mean(axis=1)
-        sigma = noise_sd(rows[:, -k:])
+        sigma = family_noise_sd(rows[:, -k:])
         margin, _ = margin_for(observable, sigma, tol)
         summaries.append(NoiseSummary(
             observable=observable, noise_sd=sigma, margin=margin,
