@@ -85,6 +85,7 @@ USAGE = ("usage: python -m trainer.launch --nproc N --device cpu|cuda [--log-ran
 AUTO_RESTARTS = 3
 LOG_STAMP = "%Y%m%d-%H%M%S"
 
+
 class UsageError(ValueError):
     pass
 
@@ -370,6 +371,8 @@ def main(argv: list[str]) -> int:
         return 2
     args = with_default_config(args)  # the ranks get the same explicit config file
     if "-h" in args or "--help" in args:  # one process answers, without a log folder
+        print(f"{USAGE}\n(the launcher's own options, which torchrun_launch.sh sets from NGPU, LOG_RANK and MAX_RESTARTS; "
+              "several machines: docs/training.md)\n", flush=True)
         os.execv(sys.executable, [sys.executable, "-m", "trainer.train", *args])
     try:
         config = load_config(args)
