@@ -13,7 +13,7 @@ import logging
 import torch
 
 from trainer.models.llama3 import Transformer
-from trainer.models.llama3.model import copy_global_into, parameter_seed
+from trainer.models.llama3.initialization import copy_global_into, parameter_seed
 from trainer.models.llama3.hf_config import configured_model_args
 from trainer.parallel import ParallelModel, parallelize
 from trainer.parallel.fsdp import DTYPES, parameters_in

@@ -1,4 +1,4 @@
-"""Initialization keeps each rank's shard as a slice of the full tensor (model.local_slices); the
+"""Initialization keeps each rank's shard as a slice of the full tensor (initialization.local_slices); the
 slice must be exactly what DTensor's distribute_tensor keeps, for every placement the layouts
 produce: FSDP (uneven and empty shards at 64 ranks), HSDP, FSDP over TP (a strided shard), CP and
 PP. Each case is one rank of a fake world (torch's fake process group): the mesh and the
@@ -49,7 +49,7 @@ def check(world: int, rank: int, args: list[str]) -> int:
     from trainer.config.manager import load_config, with_default_config
     from trainer.estimate.fake_world import fake_process_group
     from trainer.model_build import build_on_meta, training_model_args
-    from trainer.models.llama3.model import copy_global_into, local_slices
+    from trainer.models.llama3.initialization import copy_global_into, local_slices
     from trainer.preflight.checks import plan_run
 
     config = load_config(with_default_config(["--model.flavor", "debugmodel", *args]))

@@ -13,7 +13,7 @@ from trainer.checkpoint.on_disk import HF_EXPORT_DIR
 from trainer.hf.export import export_hf_folder
 from trainer.hf.folder import read_hf_folder
 from trainer.models.llama3.args import LlamaModelArgs
-from trainer.models.llama3.model import copy_global_into
+from trainer.models.llama3.initialization import copy_global_into
 
 logger = logging.getLogger(__name__)
 
