@@ -127,3 +127,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # A closed lane's worker pipeline can leave requests in a multiprocessing queue whose workers
+    # are gone; Python's exit would wait for them forever (Queue._finalize_join, seen on a loaded
+    # machine). Everything is printed and flushed: end without the interpreter's teardown, as the
+    # trainer's ranks do.
+    from trainer.launch.process_exit import exit_without_teardown
+
+    exit_without_teardown(0)
