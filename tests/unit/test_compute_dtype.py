@@ -9,20 +9,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from trainer.loss import cross_entropy_sum
 from trainer.models.llama3 import Transformer, get_flavor
 from trainer.parallel.fsdp import apply_fsdp
-
-
-@pytest.fixture(scope="module")
-def one_rank_mesh(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def two_microbatches(model: Transformer, tokens: torch.Tensor) -> list[float]:

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.models.llama3 import Transformer, get_flavor
@@ -151,14 +149,6 @@ def test_a_compiled_block_keeps_its_runtime():
     model.apply_runtime(local_runtime(model, compile_backend="eager"))
     with pytest.raises(RuntimeError, match="compiled block"):
         model.apply_runtime(local_runtime(model))
-
-
-@pytest.fixture(scope="module")
-def one_rank_mesh(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "init"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def test_a_local_shard_linear_keeps_the_compute_dtype(one_rank_mesh):

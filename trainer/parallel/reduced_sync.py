@@ -96,11 +96,11 @@ class GroupSync:
 
 
 def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layers: int,
-                       reduce_gradient) -> tuple[dict[str, GroupSync], NormWeights]:
+                       reduce_gradient: NormWeights) -> tuple[dict[str, GroupSync], NormWeights]:
     """Split the weights of the blocks of `model` (a whole Llama or a pipeline stage) over the TP
     ranks, to be synchronized once per `group_size` blocks: each block's forward (BlockRuntime.sync)
-    by block name, and what its norm weights pass through (their gradient's TP sum, in the dtype
-    of `reduce_gradient`, tensor.ReduceGradient)."""
+    by block name, and what its norm weights pass through (this rank's partial sums, then
+    `reduce_gradient`: their gradient's TP sum, tensor.ReduceGradient)."""
     # Blocks inside a group pass the group's all-gathered input on unchanged, and FSDP hands a
     # block its inputs as views (its backward hook); FSDP warns of in-place writes to such views,
     # and nothing here writes in place.
@@ -116,10 +116,4 @@ def apply_reduced_sync(model: torch.nn.Module, tp_mesh, group_size: int, n_layer
             distribute_module(norm, tp_mesh)  # replicated
         syncs[index] = GroupSync(tp_mesh, gathers=layer % group_size == 0,
                                  scatters=(layer + 1) % group_size == 0 or layer == n_layers - 1)
-    return syncs, NormWeights(f"partial sums, TP gradient sum in {dtype_name(reduce_gradient)}",
-                              partial(_partial_weight, reduce_gradient))
-
-
-def dtype_name(reduce_gradient) -> str:
-    dtype = reduce_gradient.args[0] if isinstance(reduce_gradient, partial) and reduce_gradient.args else None
-    return str(dtype).removeprefix("torch.") if dtype is not None else "the weight's dtype"
+    return syncs, NormWeights(f"partial sums, {reduce_gradient.name}", partial(_partial_weight, reduce_gradient.hook))

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.models.llama3.runtime import NormWeights
 from trainer.parallel.dims import sync_group_size
-from trainer.parallel.reduced_sync import apply_reduced_sync, dtype_name
+from trainer.parallel.reduced_sync import apply_reduced_sync
 
 
 class ReduceGradient(torch.autograd.Function):
@@ -94,10 +94,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
     # A tied model: each plan distributed its own copy; both split the (vocab, dim) matrix by
     # vocabulary rows (Shard(0)), so one DTensor parameter serves both again.
     model.tie_weights()
-    reduce = partial(reduce_gradient_in, reduce_dtype)
-    summed = NormWeights(f"TP gradient sum in {dtype_name(reduce)}", reduce)
+    dtype = str(reduce_dtype).removeprefix("torch.") if reduce_dtype is not None else "the weight's dtype"
+    summed = NormWeights(f"TP gradient sum in {dtype}", partial(reduce_gradient_in, reduce_dtype))
     if sync != "full":
-        syncs, partial_sums = apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, reduce)
+        syncs, partial_sums = apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, summed)
         return TensorParallelParts(partial_sums, summed if model.norm is not None else None, syncs, True)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {

@@ -93,9 +93,6 @@ class ModelRuntime:
     embedding_output: Callable | None = None  # applied to the embedding's output (compiled blocks: a plain tensor)
     stage_role: str = "whole model"
 
-    def block(self, name: str) -> BlockRuntime:
-        return dict(self.blocks)[name]
-
     def with_blocks(self, **changes) -> "ModelRuntime":
         """A copy whose every block has `changes` (BlockRuntime fields)."""
         return replace(self, blocks=tuple((name, replace(rt, **changes)) for name, rt in self.blocks))
