@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# Under pytest-xdist (`-n 2`), the workers share the cores: tests/machine_share.py.
+pytest_plugins = ["tests.machine_share"]
+
 # Every process of the suite computes with one thread, this one and those the tests start (they
 # inherit the variable): what the launcher gives each of several processes. The tests' models are
 # small, and where other work shares the 2 cores a lone process's two threads wait on each other:
@@ -35,3 +38,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in _MEASURED:
             terminalreporter.write_line(line)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier (make test-fast): every test under tests/unit and the tests marked smoke")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "smoke: in the fast tier (`--fast`, make test-fast): the short test of a "
+                                       "subsystem that the unit tests do not reach")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        in_tier = "unit" in item.path.relative_to(config.rootpath).parts[:2] or item.get_closest_marker("smoke")
+        (kept if in_tier else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept

@@ -1,0 +1,114 @@
+"""Share the machine's cores between pytest-xdist's workers (`pytest -n 2`).
+
+Each test holds as many cores as it keeps busy processes at once: `@pytest.mark.processes(n)`,
+1 when unmarked, and 2 for every test under tests/integration and tests/slurm unless marked
+otherwise (most start ranks). A test asking for more cores than the machine has holds all of them.
+So on 2 cores a 4-rank test runs with the machine to itself, while one-process tests run two at a
+time: overcommitted cores would make the ranks' collectives and the tests' deadlines wait on each
+other, which is slower, and makes timing-sensitive tests (signals, restarts, stalls) flaky.
+
+The cores are lock files, one per core, in a folder of this test run (its xdist run id). A test
+takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
+overtaken by one-process tests; locks held by a process die with it. Without xdist nothing is
+locked. TEST_CORES sets the number of cores (default: those this process may run on).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import pytest
+
+# The folders whose tests start ranks unless marked otherwise.
+MULTI_PROCESS_FOLDERS = ("integration", "slurm")
+
+
+def machine_cores() -> int:
+    return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
+
+
+class CoreLocks:
+    def __init__(self, folder: Path, cores: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.turnstile = folder / "turnstile"
+        self.cores = [folder / f"core-{index}" for index in range(cores)]
+
+    @contextmanager
+    def hold(self, wanted: int):
+        wanted = max(1, min(wanted, len(self.cores)))
+        held: dict[Path, object] = {}
+        try:
+            with open(self.turnstile, "a") as turnstile:
+                fcntl.flock(turnstile, fcntl.LOCK_EX)
+                while len(held) < wanted:
+                    for path in self.cores:
+                        if len(held) < wanted and path not in held and (handle := self._try_lock(path)):
+                            held[path] = handle
+                    if len(held) < wanted:
+                        time.sleep(0.05)
+            yield
+        finally:
+            for handle in held.values():
+                handle.close()  # closing the file releases its lock
+
+    @staticmethod
+    def _try_lock(path: Path):
+        handle = open(path, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            handle.close()
+            return None
+
+
+def processes_of(item: pytest.Item) -> int:
+    mark = item.get_closest_marker("processes")
+    if mark is not None:
+        return int(mark.args[0])
+    folder = Path(str(item.fspath)).parent.name
+    return 2 if folder in MULTI_PROCESS_FOLDERS else 1
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "processes(n): the test keeps n processes busy at once (the cores it "
+                                       "holds under pytest-xdist; tests/machine_share.py)")
+    workerinput = getattr(config, "workerinput", None)  # set in xdist's workers only
+    if workerinput is not None:
+        folder = Path(tempfile.gettempdir()) / f"pytest-cores-{workerinput['testrunuid']}"
+        config.stash[LOCKS] = CoreLocks(folder, machine_cores())
+
+
+LOCKS = pytest.StashKey[CoreLocks]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    locks = item.config.stash.get(LOCKS, None)
+    with locks.hold(processes_of(item)) if locks else nullcontext(), busy_cores_logged(item):
+        yield
+
+
+@contextmanager
+def busy_cores_logged(item: pytest.Item):
+    """With TEST_CPU_LOG=FILE, a JSON line per test: its wall seconds and the CPU seconds of its
+    process and of the processes it started and waited for (what a `processes` mark is chosen from)."""
+    path = os.environ.get("TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    wall, before = time.monotonic(), os.times()
+    try:
+        yield
+    finally:
+        after = os.times()
+        cpu = sum(after[:4]) - sum(before[:4])
+        with open(path, "a") as log:
+            log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
+                                  "cpu": round(cpu, 2), "cores": processes_of(item)}) + "\n")

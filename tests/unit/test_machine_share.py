@@ -1,0 +1,76 @@
+"""The cores that pytest-xdist's workers share (tests/machine_share.py): one-process tests run side
+by side, a test that wants the machine waits for them and then runs alone, and is not overtaken."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.machine_share import CoreLocks, processes_of
+
+
+def hold_in_thread(locks: CoreLocks, cores: int, log: list, name: str, release: threading.Event):
+    def body():
+        with locks.hold(cores):
+            log.append(f"{name} in")
+            release.wait(10)
+            log.append(f"{name} out")
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread
+
+
+def wait_until(condition, timeout: float = 5):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_them(tmp_path):
+    locks = CoreLocks(tmp_path, cores=2)
+    log: list[str] = []
+    first, second, whole, late = (threading.Event() for _ in range(4))
+    threads = [hold_in_thread(locks, 1, log, "a", first), hold_in_thread(locks, 1, log, "b", second)]
+    wait_until(lambda: {"a in", "b in"} <= set(log))  # two one-core tests at once
+    threads.append(hold_in_thread(locks, 4, log, "whole", whole))  # more than the machine: all of it
+    time.sleep(0.3)
+    threads.append(hold_in_thread(locks, 1, log, "late", late))  # comes after the waiting whole-machine test
+    time.sleep(0.3)
+    assert "whole in" not in log and "late in" not in log
+    first.set()
+    time.sleep(0.3)
+    assert "whole in" not in log and "late in" not in log  # one core is free, the whole test needs two
+    second.set()
+    wait_until(lambda: "whole in" in log)
+    time.sleep(0.3)
+    assert "late in" not in log  # the machine is the whole test's alone
+    whole.set()
+    wait_until(lambda: "late in" in log)
+    late.set()
+    for thread in threads:
+        thread.join(10)
+    assert log.index("whole out") < log.index("late in")
+
+
+class FakeItem:
+    def __init__(self, path: str, mark=None):
+        self.fspath = path
+        self._mark = mark
+
+    def get_closest_marker(self, name):
+        return self._mark if name == "processes" else None
+
+
+@pytest.mark.parametrize("path, mark, cores", [
+    ("/repo/tests/unit/test_x.py", None, 1),
+    ("/repo/tests/protocol/test_x.py", None, 1),
+    ("/repo/tests/integration/test_x.py", None, 2),
+    ("/repo/tests/slurm/test_x.py", None, 2),
+    ("/repo/tests/integration/test_x.py", pytest.mark.processes(1).mark, 1),
+    ("/repo/tests/unit/test_x.py", pytest.mark.processes(4).mark, 4),
+])
+def test_the_cores_a_test_holds(path, mark, cores):
+    assert processes_of(FakeItem(path, mark)) == cores
