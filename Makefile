@@ -1,6 +1,7 @@
 # Two entry points on a fresh machine with Python 3.11:
 #   make train   set up .venv with what training needs and train the debug model (train_configs/debug_model.toml)
-#   make test    add the test extras (pytest, transformers, wandb) to .venv and run the whole test suite
+#   make test    add the test extras (pytest, pytest-xdist, transformers, wandb) to .venv and run the whole test suite
+#   make test-fast   the same, for the edit-run loop: every unit test and a smoke test of each subsystem
 #
 # torch: pyproject.toml accepts the tested range (torch>=2.11,<2.14), and on Linux PyPI's torch is a
 # multi-GB CUDA build. So .venv first gets $(TORCH), by default the CPU build of 2.13.0: from the
@@ -17,7 +18,11 @@ PIP := $(VENV)/bin/python -m pip
 TRAIN_STAMP := $(VENV)/.installed-train
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup train test
+.PHONY: setup train test test-fast
+# pytest-xdist's workers (one per core by default); they share the cores by what each test keeps
+# busy (tests/machine_share.py). TEST_WORKERS=0 runs the tests in this process, one after the other.
+TEST_WORKERS ?= auto
+PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 setup: $(TRAIN_STAMP)
 
 $(VENV)/bin/python:
@@ -42,4 +47,7 @@ train: $(TRAIN_STAMP)
 	./torchrun_launch.sh
 
 test: $(TEST_STAMP)
-	$(VENV)/bin/python -m pytest tests
+	$(PYTEST) tests
+
+test-fast: $(TEST_STAMP)
+	$(PYTEST) --fast tests

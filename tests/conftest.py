@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,9 +29,15 @@ _MEASURED: list[str] = []
 
 
 @pytest.fixture
-def measured():
-    """Record a line (a measured figure or a table row) for the end-of-run summary."""
-    return _MEASURED.append
+def measured(request):
+    """Record a line (a measured figure or a table row) for the end-of-run summary. The line travels
+    with the test's report, so under pytest-xdist it reaches the summary from the worker too."""
+    return lambda line: request.node.user_properties.append(("measured", line))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the last report of a test carries all its lines
+        _MEASURED.extend(value for name, value in report.user_properties if name == "measured")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -42,20 +49,35 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
-                     help="the fast tier (make test-fast): every test under tests/unit and the tests marked smoke")
+                     help="the fast tier (make test-fast): every test under tests/unit, those under tests/protocol "
+                          "not marked slow, and the tests marked smoke")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "smoke: in the fast tier (`--fast`, make test-fast): the short test of a "
+    config.addinivalue_line("markers", "smoke: in the fast tier (`--fast`, make test-fast): a short test of a "
                                        "subsystem that the unit tests do not reach")
+    config.addinivalue_line("markers", "slow: under tests/protocol, left out of the fast tier (it trains for real)")
+
+
+FAST_FOLDERS = ("unit", "protocol")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and folder_of(item) != "protocol":
+            raise pytest.UsageError(f"{item.nodeid}: only tests under tests/protocol may be marked slow "
+                                    "(the fast tier runs every unit test)")
     if not config.getoption("--fast"):
         return
     kept, dropped = [], []
     for item in items:
-        in_tier = "unit" in item.path.relative_to(config.rootpath).parts[:2] or item.get_closest_marker("smoke")
+        in_tier = item.get_closest_marker("smoke") or (folder_of(item) in FAST_FOLDERS
+                                                       and not item.get_closest_marker("slow"))
         (kept if in_tier else dropped).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept
+
+
+def folder_of(item: pytest.Item) -> str:
+    """unit, protocol, integration, slurm, cuda: the folder under tests/ that holds the test."""
+    return item.path.relative_to(Path(__file__).parent).parts[0]

@@ -1,16 +1,19 @@
-"""Share the machine's cores between pytest-xdist's workers (`pytest -n 2`).
+"""Share the machine's cores between pytest-xdist's workers (`pytest -n 2`, make test).
 
-Each test holds as many cores as it keeps busy processes at once: `@pytest.mark.processes(n)`,
-1 when unmarked, and 2 for every test under tests/integration and tests/slurm unless marked
-otherwise (most start ranks). A test asking for more cores than the machine has holds all of them.
-So on 2 cores a 4-rank test runs with the machine to itself, while one-process tests run two at a
-time: overcommitted cores would make the ranks' collectives and the tests' deadlines wait on each
-other, which is slower, and makes timing-sensitive tests (signals, restarts, stalls) flaky.
+Each test holds the cores it keeps busy: `@pytest.mark.cores(n)`, else 1. A test asking for more
+cores than the machine has holds all of them. So on 2 cores a test that keeps both
+busy (a 4-rank test, a compile matrix) runs with the machine to itself, and one-core tests run two
+at a time. A test's cores are what it measures, CPU seconds over wall seconds alone on an idle
+machine (TEST_CPU_LOG below), 2 from 1.45 up: most 2-rank launches of the tiny model spend much of
+their time in one process (the launcher's checks, a rank's start, checkpoint files) and keep 0.7 to
+1.4 cores busy; tests whose timing against a deadline is what they check hold the machine too.
+Overcommitting the cores would make ranks' collectives and tests' deadlines wait on each other:
+slower, and flaky where a test times a signal, a restart or a stall.
 
 The cores are lock files, one per core, in a folder of this test run (its xdist run id). A test
 takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
-overtaken by one-process tests; locks held by a process die with it. Without xdist nothing is
-locked. TEST_CORES sets the number of cores (default: those this process may run on).
+overtaken by one-core tests; locks held by a process die with it. Without xdist nothing is locked.
+TEST_CORES sets the number of cores (default: those this process may run on).
 """
 
 from __future__ import annotations
@@ -24,10 +27,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
-
-# The folders whose tests start ranks unless marked otherwise.
-MULTI_PROCESS_FOLDERS = ("integration", "slurm")
-
 
 def machine_cores() -> int:
     return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
@@ -68,17 +67,14 @@ class CoreLocks:
             return None
 
 
-def processes_of(item: pytest.Item) -> int:
-    mark = item.get_closest_marker("processes")
-    if mark is not None:
-        return int(mark.args[0])
-    folder = Path(str(item.fspath)).parent.name
-    return 2 if folder in MULTI_PROCESS_FOLDERS else 1
+def cores_of(item: pytest.Item) -> int:
+    mark = item.get_closest_marker("cores")
+    return int(mark.args[0]) if mark is not None else 1
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "processes(n): the test keeps n processes busy at once (the cores it "
-                                       "holds under pytest-xdist; tests/machine_share.py)")
+    config.addinivalue_line("markers", "cores(n): the cores the test keeps busy, which it holds under "
+                                       "pytest-xdist (tests/machine_share.py)")
     workerinput = getattr(config, "workerinput", None)  # set in xdist's workers only
     if workerinput is not None:
         folder = Path(tempfile.gettempdir()) / f"pytest-cores-{workerinput['testrunuid']}"
@@ -91,14 +87,14 @@ LOCKS = pytest.StashKey[CoreLocks]()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     locks = item.config.stash.get(LOCKS, None)
-    with locks.hold(processes_of(item)) if locks else nullcontext(), busy_cores_logged(item):
+    with locks.hold(cores_of(item)) if locks else nullcontext(), busy_cores_logged(item):
         yield
 
 
 @contextmanager
 def busy_cores_logged(item: pytest.Item):
     """With TEST_CPU_LOG=FILE, a JSON line per test: its wall seconds and the CPU seconds of its
-    process and of the processes it started and waited for (what a `processes` mark is chosen from)."""
+    process and of the processes it started and waited for (what a `cores` mark is chosen from)."""
     path = os.environ.get("TEST_CPU_LOG")
     if not path:
         yield
@@ -111,4 +107,4 @@ def busy_cores_logged(item: pytest.Item):
         cpu = sum(after[:4]) - sum(before[:4])
         with open(path, "a") as log:
             log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
-                                  "cpu": round(cpu, 2), "cores": processes_of(item)}) + "\n")
+                                  "cpu": round(cpu, 2), "cores": cores_of(item)}) + "\n")

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch import REPO
 
 
@@ -39,6 +41,7 @@ def test_fsdp_divides_model_state_by_its_degree(tmp_path, measured):
     measured(f"memory_scaling (tiny): model state per rank {one['total']} bytes at FSDP 1, {two['total']} at FSDP 2")
 
 
+@pytest.mark.cores(2)
 def test_strategies_train_identically_and_ddp_holds_everything(tmp_path, measured):
     run_script("strategies.py", "--flavor", "tiny", "--nproc", "2", "--steps", "3", "--seq-len", "32",
                "--only", "DDP,FSDP (reshard)", "--ac", "none", "--json", str(tmp_path / "s.json"))
@@ -106,6 +109,7 @@ def test_data_streams_benchmark_reads_each_ranks_lanes_only(tmp_path, measured):
     measured(f"data_streams (2 MB): {len(rows)} configurations; {waits}")
 
 
+@pytest.mark.smoke
 def test_tied_init_prints_one_row_per_std():
     out = run_script("tied_init.py", "--flavor", "tiny", "--steps", "3")
     rows = table_rows(out)

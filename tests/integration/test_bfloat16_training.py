@@ -107,6 +107,7 @@ def step(tmp_path_factory) -> dict:
         return results[0]
 
 
+@pytest.mark.smoke
 def test_fsdp_neither_upcasts_the_parameters_nor_reduces_in_bfloat16(step):
     assert step["parameters"] == {torch.bfloat16} and step["gradients"] == {torch.bfloat16}
     assert step["logits"] == torch.bfloat16

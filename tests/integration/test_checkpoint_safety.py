@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
 
 FAULTS = '''
@@ -182,6 +184,7 @@ def test_a_crash_while_exporting_keeps_the_final_checkpoint(tmp_path):
     assert sorted(losses(dump)) == list(range(1, 9))
 
 
+@pytest.mark.cores(2)
 def test_a_restart_after_a_crash_while_exporting_finishes_the_exports(tmp_path):
     """With automatic restarts (the default for runs that save) the job recovers by itself."""
     dump = tmp_path / "run"
@@ -195,6 +198,7 @@ def test_a_restart_after_a_crash_while_exporting_finishes_the_exports(tmp_path):
     assert sorted(losses(dump)) == list(range(1, 5))
 
 
+@pytest.mark.cores(2)
 def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_older_checkpoints(tmp_path):
     dump = tmp_path / "run"
     args = [*TINY_JOB, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",

@@ -12,6 +12,9 @@ from trainer.config.job_config import JobConfig
 from trainer.config.manager import ConfigError
 from trainer.preflight.checks import plan_run
 
+# Runs of 2 to 4 ranks that keep both cores busy (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
+
 BLOCKS = 4  # the tiny flavor's
 JOB = [*TINY_JOB, "--training.steps", "2", "--metrics.count_collectives", "--metrics.log_freq", "1"]
 

@@ -58,6 +58,9 @@ from trainer.data.tokenizer import train_tokenizer
 from trainer.models.llama3.args import get_flavor
 from trainer.models.llama3.hf_config import hf_config
 
+# The compile matrix keeps both cores busy (compiling ranks): tests/machine_share.py.
+pytestmark = pytest.mark.cores(2)
+
 STEPS = 3
 BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),
         "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--optimizer.weight_decay", "0",

@@ -174,6 +174,7 @@ name = "small"
     assert refused.returncode == 2 and "training.datasets[1].name: 'shards' names two sources" in refused.stderr
 
 
+@pytest.mark.cores(2)
 def test_document_masking_trains_the_same_in_every_layout(tmp_path, shard_folder):
     """FSDP 2, TP 2 and CP 2 with attention kept within documents: the same losses (fp32), and
     other losses than plain packing. The four runs share one 2-process group
@@ -202,6 +203,7 @@ def test_document_masking_trains_the_same_in_every_layout(tmp_path, shard_folder
     assert synthetic.returncode == 2 and "the synthetic source has no documents" in synthetic.stderr
 
 
+@pytest.mark.smoke
 def test_data_mistakes_stop_before_launch(tmp_path, text_corpus):
     folder, tokenizer = text_corpus
     too_big = launch(2, ["--model.flavor", "tiny", "--training.dataset", "files", "--training.dataset_path",
@@ -250,6 +252,8 @@ def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: i
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.smoke
+@pytest.mark.cores(2)
 def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus, nproc):
     folder, tokenizer = text_corpus
     global_batch = 4 * nproc

@@ -102,6 +102,7 @@ def test_exports_on_a_full_disk_and_an_export_renamed_but_not_recorded(disk):
     assert json.loads((final / "checkpoint.json").read_text())["exports"] == ["model_only"]
 
 
+@pytest.mark.smoke
 def test_a_read_only_folder_is_refused_before_anything_starts(disk):
     """A dump folder on a read-only filesystem, new or existing: refused by the launcher (exit 2,
     no rank started), not a rank's crash restarted three times."""

@@ -16,6 +16,7 @@ def run_tiny(tmp_path, name, nproc, *extra):
     return result, read_metrics(dump)
 
 
+@pytest.mark.smoke
 def test_two_process_fsdp_loss_falls(tmp_path):
     result, records = run_tiny(tmp_path, "fsdp2", 2, "--training.local_batch_size", "4", "--training.steps", "30", "--optimizer.lr", "1e-2",
                                "--metrics.log_freq", "5")
@@ -60,6 +61,7 @@ def test_same_global_batch_gives_same_losses(one_process_run, two_process_runs, 
 
 
 @pytest.mark.parametrize("log_freq", [1, 5])
+@pytest.mark.cores(2)
 def test_non_finite_loss_stops_at_the_step_it_happened(tmp_path, log_freq):
     # An absurd learning rate without clipping turns the weights into inf/NaN after step 1.
     # Step 2 is a logging step with log_freq 1; with log_freq 5 it is read once step 3 is queued,

@@ -55,6 +55,7 @@ def test_print_config_of_8b_round_trips_without_allocating(tmp_path):
         (["--training.enable_cpu_offload"], "training.enable_cpu_offload: moves FSDP state from GPU to CPU memory"),
     ],
 )
+@pytest.mark.smoke
 def test_user_mistakes_give_one_message_and_exit_2(args, message):
     result = launch(2, args)
     assert result.returncode == 2, describe(result)
@@ -72,6 +73,8 @@ def test_runs_from_another_directory_with_a_local_config(tmp_path):
     assert not (REPO / "out").exists()
 
 
+@pytest.mark.smoke
+@pytest.mark.cores(2)
 def test_default_job_writes_metrics_and_tensorboard(tmp_path):
     """The quick start's job (debug config, defaults of the launcher), shortened to 3 steps."""
     result = launch(2, ["--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path)])
@@ -187,6 +190,8 @@ def rank_process(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.smoke
+@pytest.mark.cores(2)
 def test_rank_killed_by_sigkill_is_named_exit_137(tmp_path):
     env = dict(os.environ, NGPU="2", PYTHON=sys.executable, LOG_RANK="0", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([str(LAUNCHER), *TINY_JOB, "--training.steps", "100000", "--metrics.log_freq", "1000",

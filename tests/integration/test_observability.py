@@ -42,6 +42,7 @@ def test_every_rank_writes_a_trace_of_each_profile_freq_th_step(run):
         assert any(name.startswith("autograd::engine::evaluate_function") for name in names), path  # and backward
 
 
+@pytest.mark.smoke
 def test_the_wandb_run_logs_the_loss_of_metrics_jsonl(run):
     (path,) = offline_runs(run)  # rank 0 only, as TensorBoard
     wandb_run = read_run(path)

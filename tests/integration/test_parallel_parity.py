@@ -34,6 +34,9 @@ import pytest
 
 from tests.launch import describe, launch, run_many
 
+# Its fixtures run the layouts of 2 to 8 ranks: they keep both cores busy (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
+
 STEPS = 20
 JOB = [
     "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),

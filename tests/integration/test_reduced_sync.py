@@ -14,6 +14,9 @@ import pytest
 
 from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
 
+# Runs of 2 and 4 ranks that keep both cores busy (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
+
 BLOCKS = 4  # the tiny flavor's
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PER_BLOCK = ["--parallelism.tensor_parallel_sync", "per_block"]
@@ -24,6 +27,7 @@ def losses(dump) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump) if "kind" not in r}
 
 
+@pytest.mark.smoke
 def test_each_variant_computes_its_definition(tmp_path):
     """Two TP ranks against a one-process computation of each rank's partial sums from slices of
     the whole weights (tests/workers/reduced_sync_math.py), with the output projections scaled up

@@ -100,6 +100,9 @@ time.sleep(60)
 """
 MIDDLE = """
 import os, subprocess, sys, time
+
+# Stalls, kills and timeouts timed against deadlines: the machine to itself (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
 os.environ["TRAINER_LAUNCHER_PID"] = str(os.getpid())
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
 print(child.pid, child.stdout.readline().strip(), flush=True)
@@ -108,6 +111,7 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("how", ["kernel", "thread"])
+@pytest.mark.smoke
 def test_the_launcher_watch_without_torch(how, measured):
     """The rank's side alone: through the kernel's parent-death signal, and through the polling
     thread of systems without it."""
@@ -136,6 +140,7 @@ def test_the_launcher_watch_without_torch(how, measured):
 # One live job per dump folder
 
 
+@pytest.mark.smoke
 def test_the_lock_of_a_live_process_is_refused_a_gone_one_taken_over(tmp_path):
     lock = run_lock.take(tmp_path)
     holder = json.loads((tmp_path / ".lock").read_text())

@@ -120,6 +120,7 @@ def workdir(tmp_path):
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
+@pytest.mark.smoke
 def test_a_torchtitan_config_loads_and_prints(name, workdir, monkeypatch):
     printed = launch(8, ["--job.config_file", str(workdir / f"{name}.toml"), "--job.print_config"], cwd=workdir)
     assert printed.returncode == 0, describe(printed)
@@ -145,6 +146,7 @@ def test_a_torchtitan_config_loads_and_prints(name, workdir, monkeypatch):
     assert settings(to_toml(again)) == settings(toml)
 
 
+@pytest.mark.cores(2)
 def test_the_torchtitan_debug_config_trains_with_only_a_data_path(workdir):
     result = launch(2, ["--job.config_file", str(workdir / "debug_model.toml"), "--training.dataset_path",
                         "tests/assets/c4_test", "--training.steps", "2"], cwd=workdir, timeout=600)

@@ -13,10 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protocol.plan.model import slugify
 from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
+# Real plans: runs of 1 to 16 processes.
+pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]
 
 
 def protocol(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.protocol.test_end_to_end import explain, protocol
+
+# A real plan of 2-process runs.
+pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]
 
 PLAN = """
 [plan]

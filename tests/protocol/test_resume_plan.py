@@ -111,6 +111,8 @@ def tree_hash(folder: Path) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
+@pytest.mark.cores(2)
 def test_an_interrupted_plan_resumes_onto_the_same_curves(tmp_path):
     straight = tmp_path / "straight"
     finish(start(straight, "--compare"))

@@ -15,8 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from protocol.plan.model import slugify
 from tests.protocol import smoke
+
+# Jobs of up to 16 processes, and a job timed against its time limit: the machine to itself
+# (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,6 +166,7 @@ def test_cancelling_the_seed_cancels_every_job_waiting_on_it(slurm_cluster, tmp_
                                                                            ("AC full", "NOT RUN")]
 
 
+@pytest.mark.smoke
 def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, tmp_path):
     failing = ('[slurm.train]\ndevice = "cpu"\n'
                'prologue = ["echo \'error: the site prologue failed (on purpose)\' >&2", "exit 3"]\n')

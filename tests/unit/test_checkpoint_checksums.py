@@ -85,6 +85,7 @@ def flip_float_bits(folder: Path, file: str, values: torch.Tensor, count: int = 
 
 
 @pytest.mark.parametrize("kind", ["seed", "sync", "async"])
+@pytest.mark.cores(2)
 def test_every_item_and_the_metadata_have_their_checksum(saved, kind):
     """checksums.json lists every item .metadata lists, at the same place, each data file's size and
     .metadata's checksum; DCP's own files are unchanged, so plain torch reads the checkpoint."""

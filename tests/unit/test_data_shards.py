@@ -19,7 +19,7 @@ from trainer.data.finite_sources import ShardSource, TokenArraySource
 from trainer.data.hashing import document_unit
 from trainer.data.loader import BatchLoader
 from trainer.data.prepare import main as prepare_main
-from trainer.data.prepare import prepare
+from trainer.data.prepare import _check_output, prepare
 from trainer.data.shuffle import permute
 from trainer.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -108,6 +108,18 @@ def test_prepare_resumes_and_refuses_to_mix_settings(tmp_path, tokenizer_path, c
     assert prepare([str(tmp_path / "corpus")], str(other), str(tmp_path / "shards"), overwrite=True,
                    **args)["tokenizer"]["vocab_size"] == 300
 
+
+
+def test_settings_a_manifest_holds_beyond_this_versions_are_counted_not_quoted(tmp_path):
+    """A manifest's keys come from a file: a key of 100,000 characters (found by fuzzing) made
+    the message 100,000 characters long."""
+    settings = {"tokenizer_sha256": "ab", "text_field": "text", "validation_fraction": 0.05, "dtype": "<u2"}
+    (tmp_path / "manifest.json").write_text(json.dumps({"settings": {**settings, "dtype": "<u4", "x" * 100_000: 1}}))
+    with pytest.raises(DataError) as refused:
+        _check_output(tmp_path, settings, overwrite=False)
+    assert str(refused.value) == (f"--output: {tmp_path} holds shards prepared with other settings (dtype, 1 setting "
+                                  "this version does not know); choose another --output, or pass --overwrite to "
+                                  "prepare them again")
 
 def test_a_large_jsonl_file_is_cut_into_ranges_that_workers_share(tmp_path, tokenizer_path, monkeypatch, caplog):
     import trainer.data.prepare as prepare_module

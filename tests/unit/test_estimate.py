@@ -9,6 +9,8 @@ import time
 
 import torch
 
+import pytest
+
 from trainer.estimate.__main__ import main
 from trainer.estimate.job import estimate_kinds, estimated_config
 from trainer.estimate.rank import rank_kinds
@@ -50,6 +52,7 @@ def test_fsdp_over_64_fake_ranks_holds_the_first_shard_of_every_parameter():
     assert fsdp["_allgather_base_"]["calls"] == 2 * units - 1
 
 
+@pytest.mark.cores(2)
 def test_pipeline_rank_kinds_hold_the_first_shards_of_their_stages():
     args = [*DEBUG, "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
             "--training.local_batch_size", "4"]

@@ -157,6 +157,7 @@ def test_a_recomputing_block_counts_once(tmp_path, mode, option):
 @pytest.mark.parametrize("mode, option, backend", [
     ("none", "1", "aot_eager"), ("full", "1", "aot_eager"), ("selective", "op", "aot_eager"),
     ("memory_budget", "1", "aot_eager_decomp_partition")])
+@pytest.mark.cores(2)
 def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path, mode, option, backend):
     """A compiled block hands its branches on as graph outputs at a recorded step (a second graph,
     no break); an unrecorded step between two recorded ones runs the first graph. Under every
@@ -233,6 +234,7 @@ def _count_on_two_ranks(rank: int, folder: str) -> None:
     exit_without_teardown(0)  # this process ran gloo collectives: see trainer.launch.process_exit
 
 
+@pytest.mark.cores(2)
 def test_each_element_of_a_branch_counts_once_however_the_ranks_hold_it(tmp_path):
     """A sequence part, a DTensor sharded, replicated, or of partial sums (added up first: the
     squares of the parts are not the square of their sum): the same global sum of squares."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.machine_share import CoreLocks, processes_of
+from tests.machine_share import CoreLocks, cores_of
 
 
 def hold_in_thread(locks: CoreLocks, cores: int, log: list, name: str, release: threading.Event):
@@ -61,16 +61,15 @@ class FakeItem:
         self._mark = mark
 
     def get_closest_marker(self, name):
-        return self._mark if name == "processes" else None
+        return self._mark if name == "cores" else None
 
 
 @pytest.mark.parametrize("path, mark, cores", [
     ("/repo/tests/unit/test_x.py", None, 1),
     ("/repo/tests/protocol/test_x.py", None, 1),
-    ("/repo/tests/integration/test_x.py", None, 2),
-    ("/repo/tests/slurm/test_x.py", None, 2),
-    ("/repo/tests/integration/test_x.py", pytest.mark.processes(1).mark, 1),
-    ("/repo/tests/unit/test_x.py", pytest.mark.processes(4).mark, 4),
+    ("/repo/tests/integration/test_x.py", None, 1),
+    ("/repo/tests/integration/test_x.py", pytest.mark.cores(2).mark, 2),
+    ("/repo/tests/unit/test_x.py", pytest.mark.cores(4).mark, 4),
 ])
 def test_the_cores_a_test_holds(path, mark, cores):
-    assert processes_of(FakeItem(path, mark)) == cores
+    assert cores_of(FakeItem(path, mark)) == cores

@@ -23,6 +23,9 @@ from trainer.parallel import ring_attention
 from trainer.parallel.context_parallel import ContextParallelAttention, load_balanced_positions, shard_sequence
 from trainer.launch.process_exit import exit_without_teardown
 
+# Its fixture spawns the ring's ranks, which keep both cores busy (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
+
 WORLD = 4
 B, T, HEADS, KV_HEADS, DIM = 2, 32, 4, 2, 8
 # |difference| <= 1e-6 + 1e-6 |expected|. Gradient entries reach 4.4 here, where float32's spacing is

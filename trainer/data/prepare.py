@@ -233,7 +233,12 @@ def _check_output(output: Path, settings: dict, overwrite: bool) -> None:
         raise DataError(f"--output: {manifest} is not the manifest of a prepared folder (unreadable, or without "
                         "settings); choose another --output, or pass --overwrite to prepare the folder again")
     if earlier != settings:
-        changed = sorted(k for k in set(settings) | set(earlier or {}) if (earlier or {}).get(k) != settings.get(k))
+        # Only this version's own keys are named: the manifest's other keys come from a file and
+        # may be anything (a key of a megabyte would make the message one).
+        changed = [k for k in sorted(settings) if earlier.get(k) != settings[k]]
+        unknown = len(set(earlier) - set(settings))
+        if unknown:
+            changed.append(f"{unknown} setting{'s' if unknown > 1 else ''} this version does not know")
         raise DataError(f"--output: {output} holds shards prepared with other settings ({', '.join(changed)}); "
                         "choose another --output, or pass --overwrite to prepare them again")
 
