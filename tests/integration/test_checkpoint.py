@@ -52,7 +52,6 @@ def seed(tmp_path_factory):
     return dump / "checkpoint" / "step-0"
 
 
-@pytest.mark.smoke
 @pytest.mark.cores(2)
 def test_seed_checkpoint_refuses_several_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")

@@ -34,7 +34,6 @@ def run_worker(nproc: int, args: list[str], tmp_path) -> dict:
     (2, ["--parallelism.data_parallel_replicate_degree", "2"]),  # DDP 2 x 1
     (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),  # HSDP
 ], ids=["DDP2", "HSDP2x2"])
-@pytest.mark.smoke
 def test_one_all_reduce_per_step_under_accumulation(nproc, layout, tmp_path):
     local, accumulation = 2, 4
     replicas = 2

@@ -73,7 +73,6 @@ def test_runs_from_another_directory_with_a_local_config(tmp_path):
     assert not (REPO / "out").exists()
 
 
-@pytest.mark.smoke
 @pytest.mark.cores(2)
 def test_default_job_writes_metrics_and_tensorboard(tmp_path):
     """The quick start's job (debug config, defaults of the launcher), shortened to 3 steps."""

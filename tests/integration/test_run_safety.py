@@ -17,6 +17,9 @@ import pytest
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.launch import run_lock
 
+# Stalls, kills and timeouts timed against deadlines: the machine to itself (tests/machine_share.py).
+pytestmark = pytest.mark.cores(2)
+
 LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
 
 
@@ -101,8 +104,6 @@ time.sleep(60)
 MIDDLE = """
 import os, subprocess, sys, time
 
-# Stalls, kills and timeouts timed against deadlines: the machine to itself (tests/machine_share.py).
-pytestmark = pytest.mark.cores(2)
 os.environ["TRAINER_LAUNCHER_PID"] = str(os.getpid())
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
 print(child.pid, child.stdout.readline().strip(), flush=True)

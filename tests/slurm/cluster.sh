@@ -12,9 +12,6 @@
 # written outside DIR: no systemd, no cgroups (ProctrackType=proctrack/linuxproc,
 # TaskPlugin=task/none), no accounting daemon. The node may declare more CPUs than the machine has
 # (SlurmdParameters=config_overrides) so that a plan's largest job, one CPU per process, can start.
-# Its jobs run one at a time (OverSubscribe=EXCLUSIVE: a job has the node to itself), as the
-# machine's cores allow: the cpu_smoke plan's six sets at once, 30 processes on 2 cores, took 3.5
-# minutes (its compiled set alone 140 s), where the same plan run one after the other takes 30 s.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd munge slurm-client)
@@ -78,7 +75,7 @@ MessageTimeout=30
 KillWait=10
 MinJobAge=300
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
+PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
 CONF
 }
 
