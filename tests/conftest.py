@@ -1,4 +1,6 @@
-"""Measured figures from the tests, printed at the end of the run (pytest captures test output)."""
+"""The suite's settings: one thread per process, the cores its xdist workers share
+(tests/machine_share.py), measured figures printed at the end of the run (pytest captures test
+output), and the fast tier (`--fast`, make test-fast)."""
 
 from __future__ import annotations
 

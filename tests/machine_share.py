@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+
 def machine_cores() -> int:
     return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
 
@@ -67,6 +68,9 @@ class CoreLocks:
             return None
 
 
+LOCKS = pytest.StashKey[CoreLocks]()  # a worker's locks, set in pytest_configure
+
+
 def cores_of(item: pytest.Item) -> int:
     mark = item.get_closest_marker("cores")
     return int(mark.args[0]) if mark is not None else 1
@@ -79,9 +83,6 @@ def pytest_configure(config):
     if workerinput is not None:
         folder = Path(tempfile.gettempdir()) / f"pytest-cores-{workerinput['testrunuid']}"
         config.stash[LOCKS] = CoreLocks(folder, machine_cores())
-
-
-LOCKS = pytest.StashKey[CoreLocks]()
 
 
 @pytest.hookimpl(hookwrapper=True)
