@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # Under pytest-xdist (`-n 2`), the workers share the cores: tests/machine_share.py.
-pytest_plugins = ["tests.machine_share"]
+pytest_plugins = ["tests.machine_share", "tests.warm_python"]
 
 # Every process of the suite computes with one thread, this one and those the tests start (they
 # inherit the variable): what the launcher gives each of several processes. The tests' models are

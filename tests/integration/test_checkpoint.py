@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
+from tests.warm_python import REAL_PROCESSES
 from trainer.launch.stop_request import catches
 
 
@@ -118,7 +119,8 @@ def head_step(folder) -> int | None:
 
 def kill_after_checkpoint(args, dump, step: int, nproc: int = 2) -> None:
     """Start a run and SIGKILL all its processes as soon as the checkpoint of `step` is published."""
-    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    # Real processes: the ranks are found below the launcher.
+    env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", **REAL_PROCESSES)
     proc = subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     published = dump / "checkpoint" / f"step-{step}"
@@ -634,7 +636,8 @@ def test_a_stop_signal_saves_stops_with_75_and_the_same_command_resumes_onto_the
     its ranks exist: it passes the signal on once they handle it, they agree on step 1 + 2, save
     it and stop (exit 75); started again, the run resumes from step 3 onto the uninterrupted curve."""
     args = [*RESUMABLE, "--job.dump_folder", str(tmp_path)]
-    env = dict(os.environ, NGPU="2", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    # Real processes: the test waits until the launcher itself handles SIGUSR1.
+    env = dict(os.environ, NGPU="2", PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", **REAL_PROCESSES)
     proc = subprocess.Popen([str(LAUNCHER), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60

@@ -191,6 +191,7 @@ def rank_process(launcher_pid: int, rank: int) -> int | None:
 
 @pytest.mark.smoke
 @pytest.mark.cores(2)
+@pytest.mark.real_processes  # the rank is found below the launcher
 def test_rank_killed_by_sigkill_is_named_exit_137(tmp_path):
     env = dict(os.environ, NGPU="2", PYTHON=sys.executable, LOG_RANK="0", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([str(LAUNCHER), *TINY_JOB, "--training.steps", "100000", "--metrics.log_freq", "1000",

@@ -18,7 +18,8 @@ from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch
 from trainer.launch import run_lock
 
 # Stalls, kills and timeouts timed against deadlines: the machine to itself (tests/machine_share.py).
-pytestmark = pytest.mark.cores(2)
+# Real processes (tests/warm_python): launchers and ranks are killed, stopped and watched.
+pytestmark = [pytest.mark.cores(2), pytest.mark.real_processes]
 
 LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
 

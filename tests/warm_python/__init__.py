@@ -1,0 +1,92 @@
+"""A warm Python for the suite's child processes: the tests' launches start their launcher and
+ranks in milliseconds instead of importing torch and the trainer in each (3 s of CPU a rank).
+
+Each pytest process that runs tests starts SLOTS servers (tests/warm_python/server.py) that import
+torch and the trainer once, then points `sys.executable` at a client script
+(tests/warm_python/client.py). A test's `[sys.executable, "-m", MODULE, ...]` or `python SCRIPT.py`,
+and the launcher's ranks (which torch's agent starts with `sys.executable`), then run as forks of a
+server: the same code, arguments, environment, directory, descriptors, limits, exit codes and
+signals. Whatever a fork could not reproduce is refused by the server and started as a real
+interpreter: another interpreter setting, a variable read at import (TORCH*, OMP_*, PYTHON*, ...),
+another PYTHONPATH (a sitecustomize a test adds), a folder that shadows a module, a SLURM job.
+TEST_WARM_PYTHON_LOG=FILE collects the servers' log: each refusal and its reason.
+
+Tests whose subject is the process boundary itself (the launcher's process tree, kills and signals
+to it, stops, restarts) are marked `real_processes`: their processes are started as real
+interpreters. TEST_WARM_PYTHON=0 turns the warm Python off for a whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SLOTS = 4  # servers per pytest process: ranks 0-3 of a run get distinct hash seeds
+# What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver.
+PRELOAD = ["trainer.train", "trainer.launch.launcher", "trainer.launch.elastic_agent", "torch.distributed.run",
+           "tests.workers.run_many", "protocol.cli"]
+SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interpreters
+# The environment of a child process that must be a real interpreter, whatever the test's mark.
+REAL_PROCESSES = {SWITCH: ""}
+
+_servers: list[subprocess.Popen] = []
+_folder: list[Path] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_processes: the test's child processes are real interpreters, "
+                                       "not forks of the warm Python (tests/warm_python)")
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    if os.environ.get(SWITCH) == "0" or not runs_tests or _servers:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
+    client = folder / "python"
+    client.write_text(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"import client\nclient.main({sys.executable!r}, sys.argv[1:])\n")
+    client.chmod(0o755)
+    # The tests launch with PYTHONPATH at the repository (torchrun_launch.sh, run_many) and, but
+    # for tests/cuda, with no GPU visible (tests/launch.py).
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if os.environ.get("TRAINER_TEST_DEVICE") != "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop(SWITCH, None)
+    # The servers' log (the requests they refused, and why): TEST_WARM_PYTHON_LOG, else in the folder.
+    with open(os.environ.get(f"{SWITCH}_LOG") or folder / "servers.log", "a") as log:
+        for slot in range(SLOTS):
+            _servers.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.warm_python.server", str(folder / f"slot-{slot}.sock"), *PRELOAD],
+                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+    _folder.append(folder)
+    os.environ[SWITCH] = str(folder)
+    os.environ[f"{SWITCH}_SLOTS"] = str(SLOTS)
+    sys.executable = str(client)
+
+
+def pytest_unconfigure(config):
+    for server in _servers:
+        server.terminate()
+    for server in _servers:
+        server.wait()
+    for folder in _folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A `real_processes` test (and the fixtures it sets up) starts real interpreters."""
+    if not item.get_closest_marker("real_processes") or SWITCH not in os.environ:
+        yield
+        return
+    folder = os.environ[SWITCH]
+    os.environ[SWITCH] = ""
+    try:
+        yield
+    finally:
+        os.environ[SWITCH] = folder

@@ -1,0 +1,104 @@
+"""The client of the suite's warm Python (tests/warm_python/__init__.py): what the tests' child
+processes run as `sys.executable`. It is started with `-I -S` (stdlib only, milliseconds) by a
+script that names the real interpreter, and either
+
+- asks the server of its slot to fork `python [-u] -m MODULE ARGS` or `python [-u] SCRIPT ARGS`
+  with its descriptors, directory and environment, passes the signals it gets on to that process
+  and ends as it ends (the same exit code, or killed by the same signal); or
+- when the request is another form of the command line, the warm Python is off (TEST_WARM_PYTHON
+  empty), the process is a SLURM job's, no server listens yet or the server refuses (its fork would
+  differ from a fresh interpreter), replaces itself with the real interpreter: exactly what runs
+  without the warm Python.
+
+The slot is the process's LOCAL_RANK (else RANK, else 0) modulo the servers: each server has its own
+hash seed, so the ranks of a run up to that size iterate sets of strings in different orders, as
+fresh interpreters do.
+"""
+
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGALRM, signal.SIGWINCH]
+LIMITS = ["RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
+          "RLIMIT_STACK"]
+
+
+def main(real_python: str, argv: list[str]) -> None:
+    main_of = parse(argv)
+    folder = os.environ.get("TEST_WARM_PYTHON", "")
+    if main_of is None or not folder or "SLURM_JOB_ID" in os.environ:
+        start_real(real_python, argv)
+    connection = connect(folder)
+    if connection is None:
+        start_real(real_python, argv)
+    unbuffered, kind, target, args = main_of
+    request = {"main": [kind, target], "args": args, "unbuffered": unbuffered, "cwd": os.getcwd(),
+               "env": dict(os.environ), "umask": current_umask(), "executable": sys.argv[0],
+               "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
+    body = json.dumps(request).encode()
+    socket.send_fds(connection, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+    reader = connection.makefile("rb")
+    answer = reader.readline().decode()
+    if not answer.startswith("ok "):
+        connection.close()
+        start_real(real_python, argv)
+    for number in FORWARDED:
+        signal.signal(number, lambda number, _: pass_on(connection, number))
+    line = reader.readline().decode()
+    end_as(int(line.split()[1]) if line.startswith("exit ") else signal.SIGKILL)  # the relay died: as if killed
+
+
+def parse(argv: list[str]):
+    """(unbuffered, "module" | "script", MODULE | SCRIPT, ARGS) for `[-u] -m MODULE ARGS` or
+    `[-u] SCRIPT ARGS`; None for any other command line."""
+    unbuffered = bool(argv) and argv[0] == "-u"
+    rest = argv[1:] if unbuffered else argv
+    if len(rest) >= 2 and rest[0] == "-m":
+        return unbuffered, "module", rest[1], rest[2:]
+    if rest and rest[0].endswith(".py") and not rest[0].startswith("-"):
+        return unbuffered, "script", rest[0], rest[1:]
+    return None
+
+
+def connect(folder: str):
+    slots = int(os.environ.get("TEST_WARM_PYTHON_SLOTS", "1"))
+    rank = os.environ.get("LOCAL_RANK") or os.environ.get("RANK") or "0"
+    slot = int(rank) % slots if rank.isdigit() else 0
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(os.path.join(folder, f"slot-{slot}.sock"))
+    except OSError:
+        connection.close()
+        return None
+    return connection
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def pass_on(connection: socket.socket, number: int) -> None:
+    try:
+        connection.sendall(f"signal {number}\n".encode())
+    except OSError:
+        pass
+
+
+def end_as(status: int) -> None:
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def start_real(real_python: str, argv: list[str]) -> None:
+    os.execv(real_python, [real_python, *argv])

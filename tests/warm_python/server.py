@@ -1,0 +1,272 @@
+"""The server of the suite's warm Python (tests/warm_python/__init__.py): an interpreter that has
+imported torch and the trainer once and forks a ready process for each `python [-u] -m MODULE ...`
+or `python [-u] SCRIPT.py ...` that a client asks for.
+
+    python -m tests.warm_python.server SOCKET MODULE...
+
+It imports the MODULEs, then listens on the Unix socket SOCKET (the path appears only once it
+is ready, so a client that finds no socket starts a real interpreter). For each connection it forks
+a relay, which reads the request (argv, cwd, environment, umask, resource limits and the client's
+stdin, stdout and stderr), refuses it when the fresh interpreter would differ from a fork of this one
+(`refusal`), else forks the process that runs the module and relays signals in and the exit status
+out until it ends. The process it forks becomes what `python -m MODULE` would be: its own session,
+the client's descriptors, directory, environment, limits and umask, default signal handlers, sys.argv
+and sys.path as the interpreter sets them, the module run as __main__ (it is dropped from the
+preloaded modules first, so it runs once, as in a fresh interpreter), then the exit a fresh one
+makes: non-daemon threads joined, atexit handlers run, streams flushed, the exit code or the signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import io
+import json
+import os
+import resource
+import runpy
+import select
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import traceback
+import types
+
+# Read when the interpreter or a module starts (torch, its compilers, OpenMP, the locale,
+# sys.path): a request whose value differs is refused, as the fork would keep this server's.
+READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "NCCL", "GLOO",
+                 "TRITON", "LD_", "LC_", "LANG", "TZ", "HF_", "TRANSFORMERS", "TOKENIZERS", "WANDB")
+# ... except these, read when they are used: the elastic agent's settings for its ranks, the
+# compile cache folder (read at each compile; the trainer sets it per rank itself), the CUDA
+# allocator's settings (read when it starts), -u's variable
+# (the streams are opened by the fork), the launcher's interpreter and PYTHONPATH (compared apart).
+READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                  "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONUNBUFFERED", "PYTHONPATH")
+NOT_READ = ("PYTHON",)
+PR_SET_PDEATHSIG = 1
+
+
+def main() -> None:
+    path, modules = sys.argv[1], sys.argv[2:]
+    for module in modules:
+        importlib.import_module(module)
+    for name, module in list(sys.modules.items()):
+        location = getattr(module, "__file__", None)
+        if "." not in name and location:
+            TOP_LEVEL[name] = os.path.realpath(location)
+    if threading.active_count() != 1:  # a fork would lose them: serve nothing, clients start real interpreters
+        sys.exit(f"warm python: importing {modules} started threads; not serving")
+    start_env = dict(os.environ)
+    die_with_parent()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the relays are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".starting")
+    listener.listen(64)
+    os.rename(path + ".starting", path)
+    while True:
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            relay(connection, start_env)  # never returns
+        connection.close()
+
+
+def die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:
+        sys.exit(0)
+
+
+def receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    head, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    size = struct.unpack("!I", head[:4])[0]
+    body = head[4:]
+    while len(body) < size:
+        chunk = connection.recv(size - len(body))
+        if not chunk:
+            raise EOFError("the client went away")
+        body += chunk
+    return json.loads(body), fds
+
+
+def relay(connection: socket.socket, start_env: dict[str, str]) -> None:
+    code = 0
+    try:
+        request, fds = receive(connection)
+        why = refusal(request, start_env)
+        if why:  # in the servers' log: what runs as a real interpreter, and why
+            print(f"refused {' '.join(request['main'])}: {why}", file=sys.stderr, flush=True)
+            connection.sendall(f"no {why}\n".encode())
+        else:
+            pid = os.fork()
+            if pid == 0:
+                become(request, fds, connection)  # never returns
+            for fd in fds:
+                os.close(fd)
+            connection.sendall(f"ok {pid}\n".encode())
+            relay_until_exit(connection, pid)
+    except BaseException:  # noqa: BLE001 (a relay must never return into the server's loop)
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def relay_until_exit(connection: socket.socket, pid: int) -> None:
+    """Signals from the client to the process; its exit status to the client. A client that
+    goes away (killed) takes the process with it."""
+    exited = os.pidfd_open(pid)
+    pending = b""
+    while True:
+        ready, _, _ = select.select([connection, exited], [], [])
+        if exited in ready:
+            _, status = os.waitpid(pid, 0)
+            connection.sendall(f"exit {status}\n".encode())
+            return
+        data = connection.recv(4096)
+        if not data:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            try:
+                os.kill(pid, int(line.split()[1]))
+            except ProcessLookupError:
+                pass
+
+
+def refusal(request: dict, start_env: dict[str, str]) -> str:
+    """Why a fork of this server would not be the interpreter the request starts ('' when it would)."""
+    env = request["env"]
+    for name in sorted(set(env) | set(start_env)):
+        if name.startswith(READ_AT_START) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ:
+            if env.get(name) != start_env.get(name):
+                return f"{name} differs"
+    if python_path(env) != python_path(start_env):
+        return "PYTHONPATH differs"
+    first = first_entry(request)
+    for name in TOP_LEVEL:
+        if os.path.exists(os.path.join(first, name)) or os.path.exists(os.path.join(first, name + ".py")):
+            if not TOP_LEVEL[name].startswith(os.path.join(first, "")):
+                return f"{first} holds a {name} of its own"
+    for name, (_, hard) in request["limits"].items():
+        _, our_hard = resource.getrlimit(getattr(resource, name))
+        if our_hard != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > our_hard):
+            return f"{name} above this server's"
+    return ""
+
+
+def python_path(env: dict[str, str]) -> list[str]:
+    """PYTHONPATH's entries, each once (torchrun_launch.sh puts the repository first again)."""
+    return list(dict.fromkeys(entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry))
+
+
+def first_entry(request: dict) -> str:
+    """sys.path[0] of a fresh interpreter: the working directory for -m, else the script's folder."""
+    kind, target = request["main"]
+    if kind == "module":
+        return request["cwd"]
+    return os.path.dirname(os.path.realpath(os.path.join(request["cwd"], target)))
+
+
+# The installation's folders: what follows sys.path[0] and PYTHONPATH's entries.
+INSTALLATION_PATH = sys.path[1 + len(python_path(dict(os.environ))):]
+# Where each top-level package imported here comes from (filled in by main): a request whose
+# sys.path[0] holds one of the same name would import that one instead.
+TOP_LEVEL: dict[str, str] = {}
+
+
+def become(request: dict, fds: list[int], connection: socket.socket) -> None:
+    """Turn this fork into the requested interpreter and run it to its exit."""
+    connection.close()
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    for name, limits in request["limits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(limits))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for number in range(1, signal.NSIG):
+        if number in (signal.SIGKILL, signal.SIGSTOP, getattr(signal, "SIGRTMIN", 0)) or number >= 32:
+            continue
+        try:
+            signal.signal(number, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what Python installs at start
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin, sys.stdout, sys.stderr = (standard_stream(0, unbuffered), standard_stream(1, unbuffered),
+                                         standard_stream(2, unbuffered))
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    sys.executable = request["executable"]  # the processes it starts ask this server too
+    sys.path[:] = [first_entry(request), *python_path(os.environ), *INSTALLATION_PATH]
+    tempfile.tempdir = None  # found again from TMPDIR
+    kind, target = request["main"]
+    sys.argv = [("-m" if kind == "module" else target), *request["args"]]
+    finish(run_main(kind, target))
+
+
+def standard_stream(fd: int, unbuffered: bool) -> io.TextIOWrapper:
+    """sys.stdin, stdout or stderr as a fresh interpreter opens them (-u: written through)."""
+    if fd == 0:
+        return io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8",
+                            errors="backslashreplace" if fd == 2 else "strict",
+                            line_buffering=not unbuffered and (fd == 2 or raw.isatty()), write_through=unbuffered)
+
+
+def run_main(kind: str, target: str) -> int:
+    """Run the module or script as __main__; the exit code a fresh interpreter would give."""
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    if kind == "module":  # imported by this server: run it once, as a fresh interpreter does
+        module = sys.modules.get(target)
+        sys.modules.pop(f"{target}.__main__" if hasattr(module, "__path__") else target, None)
+    try:
+        if kind == "module":
+            runpy._run_module_as_main(target)  # what `python -m` runs
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -signal.SIGINT  # Python ends by the signal
+    except BaseException:  # noqa: BLE001
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def finish(code: int) -> None:
+    try:
+        threading._shutdown()  # noqa: SLF001 (what the interpreter does at exit: join non-daemon threads)
+        atexit._run_exitfuncs()  # noqa: SLF001
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    finally:
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    main()
