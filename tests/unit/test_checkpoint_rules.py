@@ -4,12 +4,14 @@ what retention keeps, how a changed schedule is continued."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from trainer.checkpoint.manager import CheckpointError, CheckpointManager, TrainingComplete
 from trainer.checkpoint.items import TrainState
+from trainer.checkpoint.on_disk import incomplete_step_folders
 from trainer.config.job_config import JobConfig
 from trainer.config.manager import to_dict
 from trainer.optim import build_lr_scheduler, build_optimizer, schedule_change, set_schedule_position
@@ -66,6 +68,30 @@ def test_retention_keeps_the_newest_full_checkpoint_and_the_seed(tmp_path):
     make_checkpoint(folder, 6, ["model"])
     manager(tmp_path, keep=1)._apply_retention()
     assert sorted(p.name for p in folder.iterdir()) == ["step-0", "step-4", "step-6"]
+
+
+def test_a_removed_checkpoint_is_never_seen_as_a_step_folder_in_part(tmp_path, monkeypatch):
+    """Retention moves a step folder out of sight before emptying it: a reader of the folder
+    meanwhile (another job's checks, a resume) never finds a step-N without .metadata. One that an
+    interrupted removal left behind is removed when the next run opens the folder."""
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4):
+        make_checkpoint(folder, step, FULL)
+    seen_while_emptying = []
+    rmtree = shutil.rmtree
+
+    def watched_rmtree(path, *args, **kwargs):
+        seen_while_emptying.append(sorted(p.name for p in folder.iterdir()))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", watched_rmtree)
+    manager(tmp_path, keep=1)._apply_retention()
+    assert incomplete_step_folders(folder) == []
+    assert seen_while_emptying[-1] == [".step-2.removing", "step-4"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+    (folder / ".step-2.removing").mkdir()  # interrupted
+    manager(tmp_path)._remove_stale_partials()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
 
 
 def test_retention_removes_a_linked_step_folder_and_keeps_what_it_links_to(tmp_path):

@@ -1,9 +1,9 @@
 """A warm Python for the suite's child processes: the tests' launches start their launcher and
 ranks in milliseconds instead of importing torch and the trainer in each (3 s of CPU a rank).
 
-Each pytest process that runs tests starts SLOTS servers (tests/warm_python/server.py) that import
-torch and the trainer once, then points `sys.executable` at a client script
-(tests/warm_python/client.py). A test's `[sys.executable, "-m", MODULE, ...]` or `python SCRIPT.py`,
+The pytest process (xdist's controller under `-n`) starts SLOTS servers (tests/warm_python/server.py)
+that import torch and the trainer once, and each process that runs tests points `sys.executable`
+at a client script (tests/warm_python/client.py). A test's `[sys.executable, "-m", MODULE, ...]` or `python SCRIPT.py`,
 and the launcher's ranks (which torch's agent starts with `sys.executable`), then run as forks of a
 server: the same code, arguments, environment, directory, descriptors, limits, exit codes and
 signals. Whatever a fork could not reproduce is refused by the server and started as a real
@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+REAL_PYTHON = sys.executable  # before pytest_configure points sys.executable at the client
 SLOTS = 4  # servers per pytest process: ranks 0-3 of a run get distinct hash seeds
 # What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver.
 PRELOAD = ["trainer.train", "trainer.launch.launcher", "trainer.launch.elastic_agent", "torch.distributed.run",
-           "tests.workers.run_many", "protocol.cli"]
+           "protocol.cli"]
 SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interpreters
 # The environment of a child process that must be a real interpreter, whatever the test's mark.
 REAL_PROCESSES = {SWITCH: ""}
@@ -41,32 +42,48 @@ _folder: list[Path] = []
 
 
 def pytest_configure(config):
+    """The process that runs the session (pytest, or xdist's controller) starts the servers, which
+    then serve its workers too; each process that runs tests points sys.executable at the client."""
     config.addinivalue_line("markers", "real_processes: the test's child processes are real interpreters, "
                                        "not forks of the warm Python (tests/warm_python)")
-    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-    if os.environ.get(SWITCH) == "0" or not runs_tests or _servers:
+    if os.environ.get(SWITCH) == "0":
+        return
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's servers
+        if os.environ.get(SWITCH):
+            sys.executable = os.path.join(os.environ[SWITCH], "python")
         return
     folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
-    client = folder / "python"
-    client.write_text(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                      f"import client\nclient.main({sys.executable!r}, sys.argv[1:])\n")
-    client.chmod(0o755)
-    # The tests launch with PYTHONPATH at the repository (torchrun_launch.sh, run_many) and, but
-    # for tests/cuda, with no GPU visible (tests/launch.py).
+    # The tests launch with PYTHONPATH at the repository (torchrun_launch.sh, run_many).
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if os.environ.get("TRAINER_TEST_DEVICE") != "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    env.pop(SWITCH, None)
     # The servers' log (the requests they refused, and why): TEST_WARM_PYTHON_LOG, else in the folder.
-    with open(os.environ.get(f"{SWITCH}_LOG") or folder / "servers.log", "a") as log:
-        for slot in range(SLOTS):
-            _servers.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.warm_python.server", str(folder / f"slot-{slot}.sock"), *PRELOAD],
-                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+    log = os.environ.get(f"{SWITCH}_LOG") or folder / "servers.log"
+    _servers.extend(start_servers(folder, PRELOAD, SLOTS, env, log))
     _folder.append(folder)
-    os.environ[SWITCH] = str(folder)
-    os.environ[f"{SWITCH}_SLOTS"] = str(SLOTS)
-    sys.executable = str(client)
+    client = write_client(folder)
+    os.environ.update({SWITCH: str(folder), f"{SWITCH}_SLOTS": str(SLOTS)})  # inherited by the workers
+    if not getattr(config.option, "numprocesses", None):  # the tests run in this process
+        sys.executable = str(client)
+
+
+def start_servers(folder: Path, preload: list[str], slots: int, env: dict[str, str],
+                  log: Path | str) -> list[subprocess.Popen]:
+    """`slots` servers listening in `folder` (slot-K.sock, once they have imported `preload`)."""
+    env = {key: value for key, value in env.items() if key != SWITCH}
+    with open(log, "a") as log_file:
+        # Started as a script: the `tests` package is not among what a fork has imported.
+        return [subprocess.Popen([REAL_PYTHON, str(Path(__file__).parent / "server.py"), str(folder / f"slot-{slot}.sock"),
+                                  *preload], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=log_file) for slot in range(slots)]
+
+
+def write_client(folder: Path) -> Path:
+    """The client as an executable: the real interpreter, isolated and without site (it starts
+    in milliseconds), running tests/warm_python/client.py."""
+    client = folder / "python"
+    client.write_text(f"#!{REAL_PYTHON} -IS\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"import client\nclient.main({REAL_PYTHON!r}, sys.argv[1:])\n")
+    client.chmod(0o755)
+    return client
 
 
 def pytest_unconfigure(config):

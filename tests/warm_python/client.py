@@ -25,6 +25,7 @@ import sys
 
 FORWARDED = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGWINCH]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LIMITS = ["RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
           "RLIMIT_STACK"]
 
@@ -37,19 +38,28 @@ def main(real_python: str, argv: list[str]) -> None:
     connection = connect(folder)
     if connection is None:
         start_real(real_python, argv)
+    die_with_the_launcher()
     unbuffered, kind, target, args = main_of
     request = {"main": [kind, target], "args": args, "unbuffered": unbuffered, "cwd": os.getcwd(),
                "env": dict(os.environ), "umask": current_umask(), "executable": sys.argv[0],
                "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
+    # Signals that come before the process exists wait for it.
+    pending, forked = [], []
+    for number in FORWARDED:
+        signal.signal(number, lambda number, _: pass_on(connection, number) if forked else pending.append(number))
     body = json.dumps(request).encode()
     socket.send_fds(connection, [struct.pack("!I", len(body)) + body], [0, 1, 2])
     reader = connection.makefile("rb")
-    answer = reader.readline().decode()
-    if not answer.startswith("ok "):
+    if not reader.readline().startswith(b"ok "):
         connection.close()
+        for number in FORWARDED:
+            signal.signal(number, signal.SIG_DFL)
+        for number in pending:  # what they would have done to the real interpreter at its start
+            os.kill(os.getpid(), number)
         start_real(real_python, argv)
-    for number in FORWARDED:
-        signal.signal(number, lambda number, _: pass_on(connection, number))
+    forked.append(True)
+    for number in pending:
+        pass_on(connection, number)
     line = reader.readline().decode()
     end_as(int(line.split()[1]) if line.startswith("exit ") else signal.SIGKILL)  # the relay died: as if killed
 
@@ -77,6 +87,18 @@ def connect(folder: str):
         connection.close()
         return None
     return connection
+
+
+def die_with_the_launcher() -> None:
+    """A rank dies with its launcher (trainer/launch/launcher_watch.py), through the kernel's
+    parent-death signal to its process; here that process is this client, whose end takes the
+    fork with it."""
+    if os.environ.get("TRAINER_LAUNCHER_PID") == str(os.getppid()):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before the line above
+            os._exit(128 + signal.SIGKILL)
 
 
 def current_umask() -> int:

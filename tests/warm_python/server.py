@@ -2,7 +2,7 @@
 imported torch and the trainer once and forks a ready process for each `python [-u] -m MODULE ...`
 or `python [-u] SCRIPT.py ...` that a client asks for.
 
-    python -m tests.warm_python.server SOCKET MODULE...
+    python tests/warm_python/server.py SOCKET MODULE...
 
 It imports the MODULEs, then listens on the Unix socket SOCKET (the path appears only once it
 is ready, so a client that finds no socket starts a real interpreter). For each connection it forks
@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib
+import importlib.machinery
 import io
 import json
 import os
@@ -45,7 +46,8 @@ READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", 
 # allocator's settings (read when it starts), -u's variable
 # (the streams are opened by the fork), the launcher's interpreter and PYTHONPATH (compared apart).
 READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                  "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONUNBUFFERED", "PYTHONPATH")
+                  "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONUNBUFFERED", "PYTHONPATH",
+                  "CUDA_VISIBLE_DEVICES")  # read when CUDA starts, which the server refuses to have done
 NOT_READ = ("PYTHON",)
 PR_SET_PDEATHSIG = 1
 
@@ -55,11 +57,15 @@ def main() -> None:
     for module in modules:
         importlib.import_module(module)
     for name, module in list(sys.modules.items()):
-        location = getattr(module, "__file__", None)
-        if "." not in name and location:
-            TOP_LEVEL[name] = os.path.realpath(location)
+        spec = getattr(module, "__spec__", None)
+        if "." not in name and name != "__main__" and spec is not None and spec.has_location:  # not built in
+            TOP_LEVEL[name] = os.path.realpath(spec.origin)
+            if installed_origin(name) == TOP_LEVEL[name]:
+                FOUND_BY_INSTALLATION.add(name)
     if threading.active_count() != 1:  # a fork would lose them: serve nothing, clients start real interpreters
         sys.exit(f"warm python: importing {modules} started threads; not serving")
+    if cuda_started():  # it read CUDA_VISIBLE_DEVICES and holds a context that a fork cannot use
+        sys.exit(f"warm python: importing {modules} started CUDA; not serving")
     start_env = dict(os.environ)
     die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the relays are reaped by the kernel
@@ -72,15 +78,24 @@ def main() -> None:
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            die_with_parent(signal.SIGKILL)
             relay(connection, start_env)  # never returns
         connection.close()
 
 
-def die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def cuda_started() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return torch.cuda.is_initialized() or getattr(torch.cuda, "_cached_device_count", None) is not None
+
+
+def die_with_parent(how: int = signal.SIGTERM) -> None:
+    """The server with the pytest process that started it; a relay with its server, the fork with
+    its relay: nothing outlives the test run."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, how)
     if os.getppid() == 1:
-        sys.exit(0)
+        os._exit(0)
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
@@ -149,13 +164,9 @@ def refusal(request: dict, start_env: dict[str, str]) -> str:
         if name.startswith(READ_AT_START) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ:
             if env.get(name) != start_env.get(name):
                 return f"{name} differs"
-    if python_path(env) != python_path(start_env):
-        return "PYTHONPATH differs"
-    first = first_entry(request)
-    for name in TOP_LEVEL:
-        if os.path.exists(os.path.join(first, name)) or os.path.exists(os.path.join(first, name + ".py")):
-            if not TOP_LEVEL[name].startswith(os.path.join(first, "")):
-                return f"{first} holds a {name} of its own"
+    why = imports_differ([first_entry(request), *python_path(env)], request["cwd"])
+    if why:
+        return why
     for name, (_, hard) in request["limits"].items():
         _, our_hard = resource.getrlimit(getattr(resource, name))
         if our_hard != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > our_hard):
@@ -176,16 +187,58 @@ def first_entry(request: dict) -> str:
     return os.path.dirname(os.path.realpath(os.path.join(request["cwd"], target)))
 
 
+def imports_differ(entries: list[str], cwd: str) -> str:
+    """Why an interpreter whose sys.path starts with `entries` (then the installation's) would
+    import one of this server's top-level modules from another file, or a sitecustomize; '' if not."""
+    entries = list(dict.fromkeys(os.path.join(cwd, entry) for entry in entries))
+    listings = {entry: set(os.listdir(entry)) if os.path.isdir(entry) else set() for entry in entries}
+    for entry in entries[1:]:  # PYTHONPATH's: the interpreter's start imports a sitecustomize from there
+        if listings[entry] & {"sitecustomize.py", "usercustomize.py"}:
+            return f"{entry} holds a sitecustomize"
+    for name, origin in TOP_LEVEL.items():
+        found = next((found for entry in entries if (found := module_file(entry, listings[entry], name))), None)
+        if found is None and name not in FOUND_BY_INSTALLATION:
+            return f"{name} ({origin}) would not be found"
+        if found is not None and os.path.realpath(found) != origin:
+            return f"{name} would be {found}, not {origin}"
+    return ""
+
+
+def module_file(entry: str, names: set[str], name: str) -> str | None:
+    """The file that `import name` finds in the sys.path entry `entry` (listed as `names`)."""
+    if name in names and os.path.isfile(init := os.path.join(entry, name, "__init__.py")):
+        return init
+    if f"{name}.py" in names:
+        return os.path.join(entry, f"{name}.py")
+    extension = next((file for file in names if file.startswith(f"{name}.") and file.endswith(".so")), None)
+    return os.path.join(entry, extension) if extension else None
+
+
+def installed_origin(name: str) -> str | None:
+    """Where `import name` finds it with the installation's folders alone (and the import hooks of
+    editable installs)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, INSTALLATION_PATH)
+    for finder in sys.meta_path:
+        if spec is None and finder is not importlib.machinery.PathFinder and hasattr(finder, "find_spec"):
+            try:
+                spec = finder.find_spec(name, None)
+            except Exception:  # noqa: BLE001 (a finder that cannot answer finds nothing)
+                spec = None
+    return os.path.realpath(spec.origin) if spec is not None and spec.origin else None
+
+
 # The installation's folders: what follows sys.path[0] and PYTHONPATH's entries.
 INSTALLATION_PATH = sys.path[1 + len(python_path(dict(os.environ))):]
-# Where each top-level package imported here comes from (filled in by main): a request whose
-# sys.path[0] holds one of the same name would import that one instead.
+# The file of each top-level module imported here (filled in by main), and those of them that the
+# installation alone finds at the same file: a request finds the others on its own sys.path or not at all.
 TOP_LEVEL: dict[str, str] = {}
+FOUND_BY_INSTALLATION: set[str] = set()
 
 
 def become(request: dict, fds: list[int], connection: socket.socket) -> None:
     """Turn this fork into the requested interpreter and run it to its exit."""
     connection.close()
+    die_with_parent(signal.SIGKILL)
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)

@@ -343,6 +343,8 @@ class CheckpointManager(LastSaveExports):
         for path in self.folder.glob(".step-*.partial"):
             logger.warning("removing %s: a save that never completed", path)
             shutil.rmtree(path, ignore_errors=True)
+        for path in self.folder.glob(".step-*.removing"):  # a removal that was interrupted
+            shutil.rmtree(path, ignore_errors=True)
 
 
     @property

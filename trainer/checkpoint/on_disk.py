@@ -26,11 +26,22 @@ def checkpoint_folder(config) -> Path:
 
 def remove_checkpoint(path: Path) -> None:
     """Remove a step folder of the checkpoint folder; one that is a link (to a checkpoint kept
-    elsewhere, linked in to resume it) loses the link only, never what it points to."""
+    elsewhere, linked in to resume it) loses the link only, never what it points to. A folder is
+    renamed out of sight first (`removing_path`): emptied in place, it would be seen for a moment
+    as a step-N without .metadata, a checkpoint copied in part, by whatever reads the folder then
+    (another job's checks refused a live job's folder for it instead of naming the job)."""
     if path.is_symlink():
         path.unlink()
-    else:
-        shutil.rmtree(path)
+        return
+    doomed = removing_path(path)
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a removal that was interrupted
+    path.rename(doomed)
+    shutil.rmtree(doomed)
+
+
+def removing_path(path: Path) -> Path:
+    """Where a step folder goes while it is removed (a hidden name no reader takes for a step)."""
+    return path.with_name(f".{path.name}.removing")
 
 
 def partial_path(folder: Path, step: int) -> Path:

@@ -1,0 +1,181 @@
+"""The suite's warm Python (tests/warm_python): a process forked by a server is the interpreter
+the command line asks for (arguments, directory, environment, descriptors, limits, exit code or
+signal, signals passed in, a module run once), and whatever a fork could not reproduce is started
+as a real interpreter."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.warm_python import start_servers, write_client
+
+# Imported by the servers only: a process that has it in sys.modules at its start is a fork.
+PRELOADED = "xml.dom.minidom"
+# Run by the tests: it says what it is, then does what its arguments ask.
+PROBE = """
+import os, signal, sys, time
+print(repr(("forked" if "xml.dom.minidom" in sys.modules else "real", os.getcwd(), os.environ.get("PROBE_VALUE"),
+           sys.argv[1:], hash("a string"))), flush=True)
+print("to stderr", file=sys.stderr)
+action = sys.argv[1] if len(sys.argv) > 1 else ""
+if action == "exit":
+    sys.exit(int(sys.argv[2]))
+if action == "signal":
+    os.kill(os.getpid(), int(sys.argv[2]))
+if action == "raise":
+    raise ValueError("a mistake")
+if action == "stdin":
+    print("read", sys.stdin.read().strip())
+if action == "limit":
+    import resource
+    print("files", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+if action == "wait":
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(7))
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(60)
+"""
+# A module that records each execution of its body.
+COUNTED = """
+import os
+with open(os.environ["COUNT_FILE"], "a") as f:
+    f.write(__name__ + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    folder, code = tmp_path_factory.mktemp("warm"), tmp_path_factory.mktemp("code")
+    code_folder = code
+    (code / "probe.py").write_text(PROBE)
+    (code / "counted.py").write_text(COUNTED)
+    env = {**os.environ, "PYTHONPATH": str(code), "COUNT_FILE": str(folder / "count")}
+    servers = start_servers(folder, [PRELOADED, "counted"], 2, env, folder / "servers.log")
+    deadline = time.time() + 60
+    while not all((folder / f"slot-{slot}.sock").exists() for slot in range(2)):
+        assert time.time() < deadline and all(s.poll() is None for s in servers), (folder / "servers.log").read_text()
+        time.sleep(0.05)
+
+    class Warm:
+        client = str(write_client(folder))
+        code = code_folder
+        log = folder / "servers.log"
+
+        def env(self, **extra):
+            return {**env, "TEST_WARM_PYTHON": str(folder), "TEST_WARM_PYTHON_SLOTS": "2", **extra}
+
+        def run(self, *args, env=None, **kwargs):
+            return subprocess.run([self.client, *args], env=env or self.env(), capture_output=True, text=True,
+                                  timeout=60, **kwargs)
+
+    yield Warm()
+    for server in servers:
+        server.terminate()
+        server.wait()
+
+
+def test_a_module_runs_forked_with_its_arguments_directory_environment_and_streams(warm, tmp_path):
+    result = warm.run("-m", "probe", "plain", "--flag", cwd=tmp_path, env=warm.env(PROBE_VALUE="x"))
+    assert result.returncode == 0, result.stderr
+    assert said(result)[:4] == ("forked", str(tmp_path), "x", ["plain", "--flag"])
+    assert result.stderr == "to stderr\n"
+    script = warm.run("-u", str(warm.code / "probe.py"), "plain")
+    assert said(script)[0] == "forked", script
+
+
+def test_exit_codes_exceptions_and_deaths_by_signal_are_the_processs(warm):
+    assert warm.run("-m", "probe", "exit", "3").returncode == 3
+    raised = warm.run("-m", "probe", "raise")
+    assert raised.returncode == 1 and raised.stderr.strip().endswith("ValueError: a mistake"), raised.stderr
+    assert warm.run("-m", "probe", "signal", str(int(signal.SIGTERM))).returncode == -signal.SIGTERM
+
+
+def test_stdin_and_resource_limits_reach_the_process(warm):
+    assert "read hello" in warm.run("-m", "probe", "stdin", input="hello\n").stdout
+    limited = subprocess.run(["bash", "-c", f"ulimit -n 100 && exec {warm.client} -m probe limit"], env=warm.env(),
+                             capture_output=True, text=True, timeout=60)
+    assert said(limited)[0] == "forked" and "files 100" in limited.stdout, limited
+
+
+def test_signals_to_the_client_reach_the_process_and_its_death_takes_the_process(warm, tmp_path):
+    pid_file = tmp_path / "pid"
+    client = subprocess.Popen([warm.client, "-m", "probe", "wait", str(pid_file)], env=warm.env(),
+                              stdout=subprocess.PIPE, text=True)
+    wait_for(pid_file.exists)
+    client.send_signal(signal.SIGUSR1)
+    assert client.wait(timeout=30) == 7
+    pid_file.unlink()
+    client = subprocess.Popen([warm.client, "-m", "probe", "wait", str(pid_file)], env=warm.env(),
+                              stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text())
+    process = int(pid_file.read_text())
+    client.kill()
+    client.wait()
+    wait_for(lambda: not Path(f"/proc/{process}").exists() or "Z" in Path(f"/proc/{process}/stat").read_text().split()[2])
+
+
+def test_the_module_runs_once_as_main_as_in_a_fresh_interpreter(warm, tmp_path):
+    count = tmp_path / "count"
+    assert warm.run("-m", "counted", env=warm.env(COUNT_FILE=str(count))).returncode == 0
+    assert count.read_text() == "__main__\n"
+
+
+def test_ranks_in_different_slots_have_different_hash_seeds(warm):
+    hashes = [said(warm.run("-m", "probe", env=warm.env(RANK=str(rank))))[4] for rank in (0, 1, 2)]
+    assert hashes[0] != hashes[1] and hashes[0] == hashes[2]  # 2 slots: ranks 0 and 2 share one
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"TORCH_LOGS": "+dynamo"}, "TORCH_LOGS differs"),
+    ({"PYTHONHASHSEED": "0"}, "PYTHONHASHSEED differs"),
+    ({"OMP_NUM_THREADS": "7"}, "OMP_NUM_THREADS differs"),
+])
+def test_what_a_fork_could_not_reproduce_runs_in_a_real_interpreter(warm, change, reason):
+    result = warm.run("-m", "probe", env=warm.env(**change))
+    assert result.returncode == 0 and said(result)[0] == "real", result
+    assert reason in warm.log.read_text()
+
+
+@pytest.mark.parametrize("file, reason", [("sitecustomize.py", "holds a sitecustomize"),
+                                          ("counted.py", "counted would be")])
+def test_a_pythonpath_that_changes_an_import_runs_in_a_real_interpreter(warm, tmp_path, file, reason):
+    """A folder ahead on PYTHONPATH that the interpreter's start imports from, or that holds a module of
+    the server's own; a folder that changes nothing is served."""
+    (tmp_path / "empty").mkdir()
+    served = warm.run("-m", "probe", env=warm.env(PYTHONPATH=f"{tmp_path / 'empty'}:{warm.code}"))
+    assert said(served)[0] == "forked", served
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / file).write_text("")
+    result = warm.run("-m", "probe", env=warm.env(PYTHONPATH=f"{tmp_path / 'hook'}:{warm.code}"))
+    assert said(result)[0] == "real", result
+    assert reason in warm.log.read_text()
+
+
+@pytest.mark.parametrize("change", [{"TEST_WARM_PYTHON": ""}, {"SLURM_JOB_ID": "12"}])
+def test_switched_off_or_in_a_slurm_job_the_interpreter_is_real(warm, change):
+    assert warm.run("-m", "probe", env=warm.env(**change)).stdout.startswith("('real',")
+
+
+def test_other_command_lines_and_a_shadowing_folder_run_in_a_real_interpreter(warm, tmp_path):
+    assert warm.run("-c", "import sys; print('xml.dom.minidom' in sys.modules)").stdout == "False\n"
+    (tmp_path / "counted.py").write_text("")  # a module of the server's, shadowed by the working directory
+    assert warm.run("-m", "probe", cwd=tmp_path).stdout.startswith("('real',")
+
+
+def said(result: subprocess.CompletedProcess) -> tuple:
+    """What the probe printed first: (forked or real, directory, PROBE_VALUE, arguments, a hash)."""
+    return ast.literal_eval(result.stdout.splitlines()[0])
+
+
+def wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline
+        time.sleep(0.02)
