@@ -28,12 +28,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-REAL_PYTHON = sys.executable  # before pytest_configure points sys.executable at the client
-SLOTS = 4  # servers per pytest process: ranks 0-3 of a run get distinct hash seeds
+SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interpreters
+# The interpreter itself: sys.executable before pytest_configure points it at the client (a pytest
+# that a test starts may itself be a fork, whose sys.executable is the client).
+REAL_PYTHON = os.environ.get(f"{SWITCH}_REAL") or sys.executable
+SLOTS = 4  # servers per test run: ranks 0-3 of a launch get distinct hash seeds
 # What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver.
 PRELOAD = ["trainer.train", "trainer.launch.launcher", "trainer.launch.elastic_agent", "torch.distributed.run",
            "protocol.cli"]
-SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interpreters
 # The environment of a child process that must be a real interpreter, whatever the test's mark.
 REAL_PROCESSES = {SWITCH: ""}
 
@@ -48,8 +50,10 @@ def pytest_configure(config):
                                        "not forks of the warm Python (tests/warm_python)")
     if os.environ.get(SWITCH) == "0":
         return
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller's servers
-        if os.environ.get(SWITCH):
+    # An xdist worker uses its controller's servers, a pytest run by a test those of the outer run.
+    if hasattr(config, "workerinput") or os.path.isdir(os.environ.get(SWITCH) or "/nonexistent"):
+        if os.environ.get(SWITCH) and (hasattr(config, "workerinput")
+                                       or not getattr(config.option, "numprocesses", None)):
             sys.executable = os.path.join(os.environ[SWITCH], "python")
         return
     folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
@@ -60,7 +64,7 @@ def pytest_configure(config):
     _servers.extend(start_servers(folder, PRELOAD, SLOTS, env, log))
     _folder.append(folder)
     client = write_client(folder)
-    os.environ.update({SWITCH: str(folder), f"{SWITCH}_SLOTS": str(SLOTS)})  # inherited by the workers
+    os.environ.update({SWITCH: str(folder), f"{SWITCH}_SLOTS": str(SLOTS), f"{SWITCH}_REAL": REAL_PYTHON})
     if not getattr(config.option, "numprocesses", None):  # the tests run in this process
         sys.executable = str(client)
 
