@@ -21,10 +21,8 @@ TEST_STAMP := $(VENV)/.installed-test
 .PHONY: setup train test test-fast
 # pytest-xdist's workers (one per core by default); they share the cores by what each test keeps
 # busy (tests/machine_share.py). TEST_WORKERS=0 runs the tests in this process, one after the other.
-# Whole files go to the workers in the suite's order, longest folders first (tests/conftest.py);
-# xdist's own order, the files with the most tests first, left the few long ones to the end.
 TEST_WORKERS ?= auto
-PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 setup: $(TRAIN_STAMP)
 
 $(VENV)/bin/python:

@@ -62,10 +62,6 @@ def pytest_configure(config):
 
 
 FAST_FOLDERS = ("unit", "protocol")
-# The folders from the longest tests to the shortest: pytest-xdist hands out the files in this
-# order, so the many short unit tests fill the gaps at the end instead of a long file running last
-# while the other workers wait.
-LONGEST_FIRST = ("slurm", "integration", "cuda", "protocol", "unit")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,7 +69,6 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") and folder_of(item) != "protocol":
             raise pytest.UsageError(f"{item.nodeid}: only tests under tests/protocol may be marked slow "
                                     "(the fast tier runs every unit test)")
-    items.sort(key=lambda item: LONGEST_FIRST.index(folder_of(item)))  # stable: a file's tests stay together
     if not config.getoption("--fast"):
         return
     kept, dropped = [], []
