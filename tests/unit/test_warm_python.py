@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.warm_python import start_servers, write_client
+from tests.warm_python import REAL_PYTHON, start_servers, write_client
 
 # Imported by the servers only: a process that has it in sys.modules at its start is a fork.
 PRELOADED = "xml.dom.minidom"
@@ -25,6 +25,8 @@ import os, signal, sys, time
 print(repr(("forked" if "xml.dom.minidom" in sys.modules else "real", os.getcwd(), os.environ.get("PROBE_VALUE"),
            sys.argv[1:], hash("a string"))), flush=True)
 print("to stderr", file=sys.stderr)
+print("signals", [signal.getsignal(number) for number in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ,
+                                                          signal.SIGTERM, signal.SIGCHLD)])
 action = sys.argv[1] if len(sys.argv) > 1 else ""
 if action == "exit":
     sys.exit(int(sys.argv[2]))
@@ -86,6 +88,10 @@ def test_a_module_runs_forked_with_its_arguments_directory_environment_and_strea
     assert result.returncode == 0, result.stderr
     assert said(result)[:4] == ("forked", str(tmp_path), "x", ["plain", "--flag"])
     assert result.stderr == "to stderr\n"
+    # The fork's signal dispositions are a fresh interpreter's.
+    real = subprocess.run([REAL_PYTHON, "-m", "probe"], cwd=tmp_path, env=warm.env(), capture_output=True, text=True,
+                          timeout=60)
+    assert said(real)[0] == "real" and real.stdout.splitlines()[1] == result.stdout.splitlines()[1]
     script = warm.run("-u", str(warm.code / "probe.py"), "plain")
     assert said(script)[0] == "forked", script
 

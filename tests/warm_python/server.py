@@ -50,6 +50,11 @@ READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DIS
                   "CUDA_VISIBLE_DEVICES")  # read when CUDA starts, which the server refuses to have done
 NOT_READ = ("PYTHON",)
 PR_SET_PDEATHSIG = 1
+# The signal dispositions of a fresh interpreter: this one's before it imports anything (SIGINT
+# raises KeyboardInterrupt; SIGPIPE and SIGXFSZ are ignored, so a write past RLIMIT_FSIZE is an
+# OSError). Each fork starts with them.
+FRESH_SIGNALS = {number: signal.getsignal(number) for number in signal.valid_signals()
+                 if number not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(number) is not None}
 
 
 def main() -> None:
@@ -249,15 +254,8 @@ def become(request: dict, fds: list[int], connection: socket.socket) -> None:
         resource.setrlimit(getattr(resource, name), tuple(limits))
     os.environ.clear()
     os.environ.update(request["env"])
-    for number in range(1, signal.NSIG):
-        if number in (signal.SIGKILL, signal.SIGSTOP, getattr(signal, "SIGRTMIN", 0)) or number >= 32:
-            continue
-        try:
-            signal.signal(number, signal.SIG_DFL)
-        except (OSError, ValueError):
-            pass
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # what Python installs at start
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    for number, handler in FRESH_SIGNALS.items():
+        signal.signal(number, handler)
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin, sys.stdout, sys.stderr = (standard_stream(0, unbuffered), standard_stream(1, unbuffered),
                                          standard_stream(2, unbuffered))
