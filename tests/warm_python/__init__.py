@@ -48,13 +48,15 @@ def pytest_configure(config):
     then serve its workers too; each process that runs tests points sys.executable at the client."""
     config.addinivalue_line("markers", "real_processes: the test's child processes are real interpreters, "
                                        "not forks of the warm Python (tests/warm_python)")
-    if os.environ.get(SWITCH) == "0":
+    outer = os.environ.get(SWITCH, "")
+    if outer == "0":
         return
+    worker = hasattr(config, "workerinput")
+    runs_tests = worker or not getattr(config.option, "numprocesses", None)
     # An xdist worker uses its controller's servers, a pytest run by a test those of the outer run.
-    if hasattr(config, "workerinput") or os.path.isdir(os.environ.get(SWITCH) or "/nonexistent"):
-        if os.environ.get(SWITCH) and (hasattr(config, "workerinput")
-                                       or not getattr(config.option, "numprocesses", None)):
-            sys.executable = os.path.join(os.environ[SWITCH], "python")
+    if worker or (outer and os.path.isdir(outer)):
+        if outer and runs_tests:
+            sys.executable = os.path.join(outer, "python")
         return
     folder = Path(tempfile.mkdtemp(prefix="warm-python-"))
     # The tests launch with PYTHONPATH at the repository (torchrun_launch.sh, run_many).
@@ -65,7 +67,7 @@ def pytest_configure(config):
     _folder.append(folder)
     client = write_client(folder)
     os.environ.update({SWITCH: str(folder), f"{SWITCH}_SLOTS": str(SLOTS), f"{SWITCH}_REAL": REAL_PYTHON})
-    if not getattr(config.option, "numprocesses", None):  # the tests run in this process
+    if runs_tests:
         sys.executable = str(client)
 
 
