@@ -94,6 +94,23 @@ def test_a_removed_checkpoint_is_never_seen_as_a_step_folder_in_part(tmp_path, m
     assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
 
 
+def test_a_link_at_a_removals_name_is_unlinked_and_what_it_points_to_kept(tmp_path):
+    """A `.step-N.removing` that is a link (put there by hand) neither stops retention nor has what
+    it points to removed."""
+    folder, elsewhere = tmp_path / "checkpoint", tmp_path / "kept"
+    elsewhere.mkdir()
+    (elsewhere / "data").write_text("x")
+    for step in (2, 4, 6):
+        make_checkpoint(folder, step, FULL)
+    (folder / ".step-2.removing").symlink_to(elsewhere)
+    (folder / ".step-4.removing").symlink_to(elsewhere)
+    manager(tmp_path, keep=2)._apply_retention()
+    assert sorted(p.name for p in folder.iterdir()) == [".step-4.removing", "step-4", "step-6"]
+    manager(tmp_path)._remove_stale_partials()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]
+    assert (elsewhere / "data").read_text() == "x"
+
+
 def test_retention_removes_a_linked_step_folder_and_keeps_what_it_links_to(tmp_path):
     """A step-N that is a link to a checkpoint kept elsewhere (linked in to resume it): retention
     removes the link, never the checkpoint it points to, and the run goes on."""

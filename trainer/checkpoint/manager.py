@@ -56,6 +56,7 @@ from trainer.checkpoint.on_disk import (
     partial_path,
     past_steps_message,
     read_checkpoint_record,
+    discard,
     remove_checkpoint,
 )
 from trainer.checkpoint.lineage import (foreign_checkpoint, forked_ancestors, lineage_of, model_change,
@@ -344,7 +345,7 @@ class CheckpointManager(LastSaveExports):
             logger.warning("removing %s: a save that never completed", path)
             shutil.rmtree(path, ignore_errors=True)
         for path in self.folder.glob(".step-*.removing"):  # a removal that was interrupted
-            shutil.rmtree(path, ignore_errors=True)
+            discard(path)
 
 
     @property

@@ -34,7 +34,7 @@ def remove_checkpoint(path: Path) -> None:
         path.unlink()
         return
     doomed = removing_path(path)
-    shutil.rmtree(doomed, ignore_errors=True)  # left by a removal that was interrupted
+    discard(doomed)  # left by a removal that was interrupted (or put there by hand)
     path.rename(doomed)
     shutil.rmtree(doomed)
 
@@ -42,6 +42,15 @@ def remove_checkpoint(path: Path) -> None:
 def removing_path(path: Path) -> Path:
     """Where a step folder goes while it is removed (a hidden name no reader takes for a step)."""
     return path.with_name(f".{path.name}.removing")
+
+
+def discard(path: Path) -> None:
+    """Remove what is at `path`, if anything: a link or a file is unlinked (what a link points to
+    is never touched), a folder removed with its contents."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def partial_path(folder: Path, step: int) -> Path:
