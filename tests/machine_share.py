@@ -94,13 +94,16 @@ def pytest_runtest_protocol(item, nextitem):
 
 @contextmanager
 def busy_cores_logged(item: pytest.Item):
-    """With TEST_CPU_LOG=FILE, a JSON line per test: its wall seconds and the CPU seconds of its
-    process and of the processes it started and waited for (what a `cores` mark is chosen from)."""
+    """With TEST_CPU_LOG=FILE, a JSON line per test: its wall seconds, the CPU seconds of its process
+    and of the processes it started and waited for, and the whole machine's busy CPU seconds (what a
+    `cores` mark is chosen from, measured with the test alone: TEST_WORKERS=0). The machine's count
+    includes what the process's own count cannot see: forks of the warm Python (tests/warm_python),
+    a SLURM job's processes."""
     path = os.environ.get("TEST_CPU_LOG")
     if not path:
         yield
         return
-    wall, before = time.monotonic(), os.times()
+    wall, before, machine = time.monotonic(), os.times(), machine_busy_seconds()
     try:
         yield
     finally:
@@ -108,4 +111,14 @@ def busy_cores_logged(item: pytest.Item):
         cpu = sum(after[:4]) - sum(before[:4])
         with open(path, "a") as log:
             log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
-                                  "cpu": round(cpu, 2), "cores": cores_of(item)}) + "\n")
+                                  "cpu": round(cpu, 2), "machine_cpu": round(machine_busy_seconds() - machine, 2),
+                                  "cores": cores_of(item)}) + "\n")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since it started (/proc/stat: all but
+    idle and iowait)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields[:8]) - idle - iowait) / os.sysconf("SC_CLK_TCK")

@@ -131,6 +131,7 @@ def wait_for(condition, what: str, timeout: float = 120):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+@pytest.mark.real_processes  # scancel signals the job's processes
 def test_cancelling_the_seed_cancels_every_job_waiting_on_it(slurm_cluster, tmp_path):
     """submit_all.sh alone (no protocol process waiting): SLURM cancels the dependants itself
     (--kill-on-invalid-dep), instead of keeping them pending forever; then `protocol run`, with a
@@ -185,6 +186,7 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
     assert expected in (tmp_path / "runs" / "report.md").read_text()
 
 
+@pytest.mark.real_processes  # SLURM signals the job's processes at its time limit
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
     """One process for about 27 s of training under a 1-minute limit: SLURM signals it 30 s before
     the limit or up to 30 s earlier (its time-limit check runs every 30 s), so within 30 s of the

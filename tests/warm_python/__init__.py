@@ -8,7 +8,7 @@ and the launcher's ranks (which torch's agent starts with `sys.executable`), the
 server: the same code, arguments, environment, directory, descriptors, limits, exit codes and
 signals. Whatever a fork could not reproduce is refused by the server and started as a real
 interpreter: another interpreter setting, a variable read at import (TORCH*, OMP_*, PYTHON*, ...),
-another PYTHONPATH (a sitecustomize a test adds), a folder that shadows a module, a SLURM job.
+another PYTHONPATH (a sitecustomize a test adds), a folder that shadows a module.
 TEST_WARM_PYTHON_LOG=FILE collects the servers' log: each refusal and its reason.
 
 Tests whose subject is the process boundary itself (the launcher's process tree, kills and signals

@@ -6,9 +6,9 @@ script that names the real interpreter, and either
   with its descriptors, directory and environment, passes the signals it gets on to that process
   and ends as it ends (the same exit code, or killed by the same signal); or
 - when the request is another form of the command line, the warm Python is off (TEST_WARM_PYTHON
-  empty), the process is a SLURM job's, no server listens yet or the server refuses (its fork would
-  differ from a fresh interpreter), replaces itself with the real interpreter: exactly what runs
-  without the warm Python.
+  empty), no server listens yet or the server refuses (its fork would differ from a fresh
+  interpreter), replaces itself with the real interpreter: exactly what runs without the warm
+  Python.
 
 The slot is the process's LOCAL_RANK (else RANK, else 0) modulo the servers: each server has its own
 hash seed, so the ranks of a run up to that size iterate sets of strings in different orders, as
@@ -33,7 +33,7 @@ LIMITS = ["RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE
 def main(real_python: str, argv: list[str]) -> None:
     main_of = parse(argv)
     folder = os.environ.get("TEST_WARM_PYTHON", "")
-    if main_of is None or not folder or "SLURM_JOB_ID" in os.environ:
+    if main_of is None or not folder:
         start_real(real_python, argv)
     connection = connect(folder)
     if connection is None:
