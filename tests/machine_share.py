@@ -3,10 +3,11 @@
 Each test holds the cores it keeps busy: `@pytest.mark.cores(n)`, else 1. A test asking for more
 cores than the machine has holds all of them. So on 2 cores a test that keeps both
 busy (a 4-rank test, a compile matrix) runs with the machine to itself, and one-core tests run two
-at a time. A test's cores are what it measures, CPU seconds over wall seconds alone on an idle
-machine (TEST_CPU_LOG below), 2 from 1.45 up: most 2-rank launches of the tiny model spend much of
-their time in one process (the launcher's checks, a rank's start, checkpoint files) and keep 0.7 to
-1.4 cores busy; tests whose timing against a deadline is what they check hold the machine too.
+at a time. A test's cores are what it measures: the machine's busy CPU seconds over wall seconds,
+with the test alone on an idle machine and the warm Python on (TEST_CPU_LOG below), 2 from 1.45
+up. Most 2-rank launches of the tiny model spend much of their time in one process (the launcher's
+checks, a rank's start, checkpoint files) and keep 0.7 to 1.4 cores busy; tests whose timing
+against a deadline is what they check hold the machine too.
 Overcommitting the cores would make ranks' collectives and tests' deadlines wait on each other:
 slower, and flaky where a test times a signal, a restart or a stall.
 
@@ -14,6 +15,14 @@ The cores are lock files, one per core, in a folder of this test run (its xdist 
 takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
 overtaken by one-core tests; locks held by a process die with it. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
+
+The order in which the workers get the files (xdist's loadfile hands out whole files, in the order
+of the collection, which this plugin sets): first the files whose tests mostly hold the whole
+machine, so that they wait only for each other and not for a one-core test on the other worker;
+then the others, integration tests before the protocol's and the unit tests, each folder's files
+with the most tests first. The long one-core files (a power study, the GPU suite's smoke run) then
+start early, and the many short unit tests fill the end, where the workers would otherwise wait
+for one long test.
 """
 
 from __future__ import annotations
@@ -83,6 +92,32 @@ def pytest_configure(config):
     if workerinput is not None:
         folder = Path(tempfile.gettempdir()) / f"pytest-cores-{workerinput['testrunuid']}"
         config.stash[LOCKS] = CoreLocks(folder, machine_cores())
+    elif getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # xdist's controller keeps the order set below
+
+
+FOLDER_ORDER = ("slurm", "integration", "protocol", "unit")
+
+
+@pytest.hookimpl(trylast=True)  # after the fast tier has chosen its tests (tests/conftest.py)
+def pytest_collection_modifyitems(items):
+    items[:] = in_file_order(items, machine_cores(), Path(__file__).parent)
+
+
+def in_file_order(items: list, whole_machine: int, suite: Path) -> list:
+    """The files in the order the module docstring gives; the tests of a file keep theirs."""
+    files: dict[Path, list] = {}
+    for item in items:
+        files.setdefault(Path(item.path), []).append(item)
+
+    def order(path_and_tests: tuple[Path, list]) -> tuple:
+        path, tests = path_and_tests
+        holding = sum(cores_of(test) >= whole_machine for test in tests)
+        folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
+        rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
+        return (2 * holding < len(tests), rank, -len(tests))
+
+    return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 
 
 @pytest.hookimpl(hookwrapper=True)

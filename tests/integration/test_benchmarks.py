@@ -41,7 +41,6 @@ def test_fsdp_divides_model_state_by_its_degree(tmp_path, measured):
     measured(f"memory_scaling (tiny): model state per rank {one['total']} bytes at FSDP 1, {two['total']} at FSDP 2")
 
 
-@pytest.mark.cores(2)
 def test_strategies_train_identically_and_ddp_holds_everything(tmp_path, measured):
     run_script("strategies.py", "--flavor", "tiny", "--nproc", "2", "--steps", "3", "--seq-len", "32",
                "--only", "DDP,FSDP (reshard)", "--ac", "none", "--json", str(tmp_path / "s.json"))

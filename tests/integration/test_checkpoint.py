@@ -53,7 +53,6 @@ def seed(tmp_path_factory):
     return dump / "checkpoint" / "step-0"
 
 
-@pytest.mark.cores(2)
 def test_seed_checkpoint_refuses_several_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
@@ -90,7 +89,6 @@ def test_seed_loads_bitwise_into_any_layout(seed, tmp_path):
     assert abs(losses[1] - losses[2]) <= 1e-6
 
 
-@pytest.mark.cores(2)
 def test_load_only_never_writes_next_to_the_seed(seed, tmp_path):
     result = launch(2, [*TINY_JOB, "--training.steps", "2", "--training.local_batch_size", "4",
                         "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.interval", "1",
@@ -528,7 +526,6 @@ def test_a_step_folder_loads_from_its_hugging_face_export(tmp_path):
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
-@pytest.mark.cores(2)
 def test_exclude_from_loading(tmp_path, killed_at_10, uninterrupted):
     shutil.copytree(killed_at_10 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
     result = launch(2, [*RESUMABLE, "--training.steps", "11", "--checkpoint.exclude_from_loading", "dataloader",
@@ -540,7 +537,6 @@ def test_exclude_from_loading(tmp_path, killed_at_10, uninterrupted):
     assert losses[11] != uninterrupted[11]  # ...the data position did not: step 11 trained on batch 1
 
 
-@pytest.mark.cores(2)
 def test_hugging_face_export_of_a_pipeline_run_has_every_stage(seed, tmp_path):
     """Each PP rank holds some layers; the export is read from the checkpoint, which has them all."""
     from safetensors.torch import load_file

@@ -252,7 +252,6 @@ def corpus_ending_mid_batch(tokenizer, global_batch: int, dp: int, row_length: i
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.cores(2)
 def test_finite_dataset_stops_every_rank_at_the_same_step(tmp_path, text_corpus, nproc):
     folder, tokenizer = text_corpus
     global_batch = 4 * nproc

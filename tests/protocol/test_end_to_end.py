@@ -19,8 +19,8 @@ from protocol.plan.model import slugify
 from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
-# Real plans: runs of 1 to 16 processes.
-pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]
+# Real plans, with real training runs.
+pytestmark = pytest.mark.slow
 
 
 def protocol(*args: str, cwd: Path) -> subprocess.CompletedProcess:

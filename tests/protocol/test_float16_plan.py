@@ -12,7 +12,7 @@ import pytest
 from tests.protocol.test_end_to_end import explain, protocol
 
 # A real plan of 2-process runs.
-pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]
+pytestmark = pytest.mark.slow
 
 PLAN = """
 [plan]

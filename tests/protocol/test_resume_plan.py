@@ -112,7 +112,6 @@ def tree_hash(folder: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.cores(2)
 @pytest.mark.real_processes  # Ctrl-C reaches the protocol and its launcher through their process group
 def test_an_interrupted_plan_resumes_onto_the_same_curves(tmp_path):
     straight = tmp_path / "straight"

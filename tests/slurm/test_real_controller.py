@@ -20,10 +20,6 @@ import pytest
 from protocol.plan.model import slugify
 from tests.protocol import smoke
 
-# Jobs of up to 16 processes, and a job timed against its time limit: the machine to itself
-# (tests/machine_share.py).
-pytestmark = pytest.mark.cores(2)
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,6 +48,7 @@ def job_state(conf: Path, job_id: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in text.split() if "=" in field)
 
 
+@pytest.mark.cores(2)  # jobs of up to 16 processes keep both cores busy (tests/machine_share.py)
 def test_cpu_smoke_passes_through_a_real_controller(slurm_cluster, tmp_path, measured):
     started = time.monotonic()
     result = protocol(slurm_cluster, tmp_path, "run", str(smoke.PLAN), "--launcher", "slurm", "--poll", "2",
@@ -186,6 +183,7 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
     assert expected in (tmp_path / "runs" / "report.md").read_text()
 
 
+@pytest.mark.cores(2)  # two runs, and a job timed against its time limit: the machine to itself
 @pytest.mark.real_processes  # SLURM signals the job's processes at its time limit
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
     """One process for about 27 s of training under a 1-minute limit: SLURM signals it 30 s before

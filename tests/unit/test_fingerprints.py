@@ -157,7 +157,6 @@ def test_a_recomputing_block_counts_once(tmp_path, mode, option):
 @pytest.mark.parametrize("mode, option, backend", [
     ("none", "1", "aot_eager"), ("full", "1", "aot_eager"), ("selective", "op", "aot_eager"),
     ("memory_budget", "1", "aot_eager_decomp_partition")])
-@pytest.mark.cores(2)
 def test_compiled_blocks_record_the_same_figures_without_a_graph_break(tmp_path, mode, option, backend):
     """A compiled block hands its branches on as graph outputs at a recorded step (a second graph,
     no break); an unrecorded step between two recorded ones runs the first graph. Under every

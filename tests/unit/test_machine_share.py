@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from tests.machine_share import CoreLocks, cores_of
+from pathlib import Path
+
+from tests.machine_share import CoreLocks, cores_of, in_file_order
 
 
 def hold_in_thread(locks: CoreLocks, cores: int, log: list, name: str, release: threading.Event):
@@ -57,7 +59,7 @@ def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_the
 
 class FakeItem:
     def __init__(self, path: str, mark=None):
-        self.fspath = path
+        self.path = Path(path)
         self._mark = mark
 
     def get_closest_marker(self, name):
@@ -73,3 +75,33 @@ class FakeItem:
 ])
 def test_the_cores_a_test_holds(path, mark, cores):
     assert cores_of(FakeItem(path, mark)) == cores
+
+
+def test_files_that_hold_the_machine_come_first_then_integration_protocol_unit_by_size():
+    whole = pytest.mark.cores(2).mark
+    files = {  # path -> the cores marks of its tests, in collection order
+        "/repo/tests/unit/test_many.py": [None] * 5,
+        "/repo/tests/unit/test_few.py": [None] * 2,
+        "/repo/tests/protocol/test_plan.py": [None] * 3,
+        "/repo/tests/integration/test_mostly_one_core.py": [whole, None, None],
+        "/repo/tests/integration/test_long.py": [None],
+        "/repo/tests/protocol/test_real_plans.py": [whole, whole, None],
+        "/repo/tests/slurm/test_cluster.py": [whole, None],
+        "/elsewhere/test_outside.py": [None] * 9,
+    }
+    items = [FakeItem(path, mark) for path, marks in files.items() for mark in marks]
+    for index, item in enumerate(items):
+        item.index = index
+    ordered = in_file_order(items, whole_machine=2, suite=Path("/repo/tests"))
+    paths = list(dict.fromkeys(str(item.path) for item in ordered))
+    assert paths == ["/repo/tests/slurm/test_cluster.py", "/repo/tests/protocol/test_real_plans.py",
+                     "/repo/tests/integration/test_mostly_one_core.py", "/repo/tests/integration/test_long.py",
+                     "/repo/tests/protocol/test_plan.py", "/repo/tests/unit/test_many.py",
+                     "/repo/tests/unit/test_few.py", "/elsewhere/test_outside.py"]
+    for path in paths:  # a file's tests stay together and in their order
+        indexes = [item.index for item in ordered if str(item.path) == path]
+        assert indexes == sorted(indexes) and indexes == list(range(indexes[0], indexes[0] + len(indexes)))
+    # On a machine of 4 cores a cores(2) test holds half of it: no file holds the machine.
+    assert list(dict.fromkeys(str(item.path) for item in in_file_order(items, 4, Path("/repo/tests"))))[:3] == [
+        "/repo/tests/slurm/test_cluster.py", "/repo/tests/integration/test_mostly_one_core.py",
+        "/repo/tests/integration/test_long.py"]

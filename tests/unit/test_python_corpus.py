@@ -131,7 +131,6 @@ def test_its_tokenizer_has_256_ids_and_round_trips_all_but_unknown_bytes(cache):
     assert tokenizer.decode(tokenizer.encode(f"x = 1{chr(absent)}\n")) == "x = 1<unk>\n"
 
 
-@pytest.mark.cores(2)
 def test_the_validation_split_holds_the_held_out_documents_and_training_the_others(cache):
     """Each split is exactly its documents' [BOS] text [EOS], in corpus order: disjoint, and the
     held-out ones chosen by the hash of their text, as for every prepared corpus."""
