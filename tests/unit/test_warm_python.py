@@ -6,6 +6,7 @@ as a real interpreter."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.warm_python import REAL_PYTHON, start_servers, write_client
+from tests.warm_python.server import VECTOR_ISA_FOLDER
 
 # Imported by the servers only: a process that has it in sys.modules at its start is a fork.
 PRELOADED = "xml.dom.minidom"
@@ -184,3 +186,43 @@ def wait_for(condition, timeout: float = 30) -> None:
     while not condition():
         assert time.time() < deadline
         time.sleep(0.02)
+
+
+ISA_PROBE = """
+import json
+from torch._inductor import cpu_vec_isa
+made = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+print(json.dumps([made, [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]]))
+"""
+
+
+def test_a_fork_finds_the_vector_instruction_check_made_as_a_fresh_interpreter_makes_it(tmp_path):
+    """The servers make inductor's check of the CPU's vector instructions once (a g++ build per
+    instruction set, 7 s of CPU): a fork that compiles finds it made, with the result a fresh
+    interpreter finds. This session's servers, or one started here when the warm Python is off."""
+    folder = Path(os.environ.get("TEST_WARM_PYTHON") or "")
+    if not folder.is_dir():
+        folder = tmp_path / "warm"
+        folder.mkdir()
+        servers = start_servers(folder, ["torch"], 1, dict(os.environ), folder / "servers.log")
+        write_client(folder)
+    else:
+        servers = []
+    try:
+        (tmp_path / "isa_probe.py").write_text(ISA_PROBE)
+        env = {**os.environ, "TEST_WARM_PYTHON": str(folder), "TEST_WARM_PYTHON_SLOTS": "1",
+               "PYTHONPATH": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(folder / VECTOR_ISA_FOLDER)}
+        deadline = time.time() + 120
+        while not (folder / "slot-0.sock").exists():
+            assert time.time() < deadline and all(s.poll() is None for s in servers)
+            time.sleep(0.05)
+        forked = subprocess.run([str(folder / "python"), "-m", "isa_probe"], env=env, capture_output=True, text=True,
+                                timeout=120)
+        fresh = subprocess.run([REAL_PYTHON, "-m", "isa_probe"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for process in servers:
+            process.terminate()
+    made_in_fork, isa_in_fork = json.loads(forked.stdout)
+    made_fresh, isa_fresh = json.loads(fresh.stdout)
+    assert (made_in_fork, made_fresh) == (1, 0)
+    assert isa_in_fork == isa_fresh

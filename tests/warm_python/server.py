@@ -39,7 +39,7 @@ import types
 
 # Read when the interpreter or a module starts (torch, its compilers, OpenMP, the locale,
 # sys.path): a request whose value differs is refused, as the fork would keep this server's.
-READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "NCCL", "GLOO",
+READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "ATEN_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "NCCL", "GLOO",
                  "TRITON", "LD_", "LC_", "LANG", "TZ", "HF_", "TRANSFORMERS", "TOKENIZERS", "WANDB")
 # ... except these, read when they are used: the elastic agent's settings for its ranks, the
 # compile cache folder (read at each compile; the trainer sets it per rank itself), the CUDA
@@ -50,6 +50,7 @@ READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DIS
                   "CUDA_VISIBLE_DEVICES")  # read when CUDA starts, which the server refuses to have done
 NOT_READ = ("PYTHON",)
 PR_SET_PDEATHSIG = 1
+VECTOR_ISA_FOLDER = "vector_isa"  # beside the sockets: see check_vector_instructions
 # The signal dispositions of a fresh interpreter: this one's before it imports anything (SIGINT
 # raises KeyboardInterrupt; SIGPIPE and SIGXFSZ are ignored, so a write past RLIMIT_FSIZE is an
 # OSError). Each fork starts with them.
@@ -67,6 +68,8 @@ def main() -> None:
             TOP_LEVEL[name] = os.path.realpath(spec.origin)
             if installed_origin(name) == TOP_LEVEL[name]:
                 FOUND_BY_INSTALLATION.add(name)
+    if "torch" in sys.modules:  # after TOP_LEVEL: see check_vector_instructions
+        check_vector_instructions(os.path.join(os.path.dirname(path), VECTOR_ISA_FOLDER))
     if threading.active_count() != 1:  # a fork would lose them: serve nothing, clients start real interpreters
         sys.exit(f"warm python: importing {modules} started threads; not serving")
     if cuda_started():  # it read CUDA_VISIBLE_DEVICES and holds a context that a fork cannot use
@@ -86,6 +89,31 @@ def main() -> None:
             die_with_parent(signal.SIGKILL)
             relay(connection, start_env)  # never returns
         connection.close()
+
+
+def check_vector_instructions(folder: str) -> None:
+    """inductor's check of the vector instructions that this CPU and compiler take, which it makes
+    once per process at its first compile on the CPU: a g++ build and a load of a test program per
+    instruction set, 7 s of CPU. It is the machine's, the same in every process: made here, a fork
+    that compiles does not make it again. The check builds into `folder`, shared by the servers of
+    a test run: the first builds, the others load what it built.
+
+    The build imports what inductor's C++ builder imports (setuptools, which puts its vendored
+    packages on sys.path, packaging, filelock): what a fresh interpreter imports at its first
+    compile on the CPU, from the same installation. They are not among the modules a request's
+    sys.path is checked against (TOP_LEVEL, recorded before), which would refuse every request
+    for the vendored ones; a fork's sys.path is the request's, without the vendored folder."""
+    from torch._inductor import cpu_vec_isa
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        cpu_vec_isa.valid_vec_isa_list()  # its result, and each instruction set's, cached in the process
+    finally:
+        if before is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def cuda_started() -> bool:
