@@ -68,19 +68,21 @@ def main() -> None:
             TOP_LEVEL[name] = os.path.realpath(spec.origin)
             if installed_origin(name) == TOP_LEVEL[name]:
                 FOUND_BY_INSTALLATION.add(name)
-    if "torch" in sys.modules:  # after TOP_LEVEL: see check_vector_instructions
-        check_vector_instructions(os.path.join(os.path.dirname(path), VECTOR_ISA_FOLDER))
     if threading.active_count() != 1:  # a fork would lose them: serve nothing, clients start real interpreters
         sys.exit(f"warm python: importing {modules} started threads; not serving")
     if cuda_started():  # it read CUDA_VISIBLE_DEVICES and holds a context that a fork cannot use
         sys.exit(f"warm python: importing {modules} started CUDA; not serving")
     start_env = dict(os.environ)
     die_with_parent()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the relays are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".starting")
     listener.listen(64)
-    os.rename(path + ".starting", path)
+    os.rename(path + ".starting", path)  # from here on a client waits for its accept (seconds at most)
+    if "torch" in sys.modules:  # after TOP_LEVEL (see check_vector_instructions), before SIGCHLD is ignored
+        check_vector_instructions(os.path.join(os.path.dirname(path), VECTOR_ISA_FOLDER))
+        if threading.active_count() != 1:
+            sys.exit("warm python: the vector instruction check started threads; not serving")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the relays are reaped by the kernel
     while True:
         connection, _ = listener.accept()
         if os.fork() == 0:
