@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from tests.collectives import CountCollectives
 from tests.launch import TINY_JOB, run_many
+from tests.ranks import start_ranks
 from trainer.config.saved_config import HEADER
 from trainer.launch.process_exit import exit_without_teardown
 
@@ -103,7 +104,7 @@ def step(tmp_path_factory) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
         init_file = tmp_path_factory.mktemp("bfloat16") / "init"
-        mp.spawn(run_rank, args=(str(init_file), results), nprocs=WORLD, join=True)
+        start_ranks(run_rank, (str(init_file), results), WORLD)
         return results[0]
 
 

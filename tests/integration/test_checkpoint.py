@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
+from tests.ranks import start_ranks
 from tests.warm_python import REAL_PROCESSES
 from trainer.launch.stop_request import catches
 
@@ -620,7 +621,7 @@ def test_async_save_is_published_when_complete_and_pinned_mode_reuses_its_buffer
     into fresh memory each time; both round-trip exactly."""
     with mp.Manager() as shared:
         results = shared.dict()
-        mp.spawn(_two_async_saves, args=(mode, str(tmp_path), results), nprocs=1, join=True)
+        start_ranks(_two_async_saves, (mode, str(tmp_path), results), 1)
         results = dict(results)
     assert results["staged"] == 2 and results["same_storage"] is reuses
     assert results["published"] == [True, True]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.collectives import CountCollectives
+from tests.ranks import start_ranks
 from trainer.launch.process_exit import exit_without_teardown
 
 WORLD = 2
@@ -84,7 +85,7 @@ def steps(tmp_path_factory):
     with mp.Manager() as manager:
         results = manager.dict()
         init_file = tmp_path_factory.mktemp("reduction-dtypes") / "init"
-        mp.spawn(run_rank, args=(str(init_file), results), nprocs=WORLD, join=True)
+        start_ranks(run_rank, (str(init_file), results), WORLD)
         return dict(results)
 
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import fully_shard
 
+from tests.ranks import start_ranks
 from trainer.checkpoint.checksums import CHECKSUMS_FILE, ChecksumWriter
 from trainer.checkpoint.step_folder import save_seed_checkpoint
 from trainer.checkpoint.items import ModelState
@@ -59,7 +59,7 @@ def _save_on_two_ranks(rank: int, folder: str) -> None:
 def saved(tmp_path_factory) -> dict[str, Path]:
     """kind -> a checkpoint folder: "seed" (one process), "sync" and "async" (two ranks)."""
     root = tmp_path_factory.mktemp("saved")
-    mp.spawn(_save_on_two_ranks, args=(str(root),), nprocs=2, join=True)
+    start_ranks(_save_on_two_ranks, (str(root),), 2)
     seed = save_seed_checkpoint(small_model(), root / "seeds", overwrite=False)
     return {"seed": seed, "sync": root / "sync", "async": root / "async"}
 

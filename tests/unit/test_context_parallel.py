@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ranks import start_ranks
 from trainer.models.llama3.model import CausalAttention
 from trainer.parallel.context_parallel import ContextParallelAttention, shard_sequence
 from trainer.launch.process_exit import exit_without_teardown
@@ -52,7 +53,7 @@ def run_rank(rank: int, init_file: str, results, with_documents: bool) -> None:
 def test_cp_attention_matches_full_sequence_attention(tmp_path, with_documents):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(run_rank, args=(str(tmp_path / "init"), results, with_documents), nprocs=CP, join=True)
+        start_ranks(run_rank, (str(tmp_path / "init"), results, with_documents), CP)
         results = dict(results)
 
     q, k, v, upstream = (t.requires_grad_() if i < 3 else t for i, t in enumerate(reference_inputs()))

@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from tests.ranks import start_ranks
 from trainer.records import run_meta
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.metrics.fingerprints import FingerprintRecorder, is_recorded, parameter_names
@@ -237,9 +238,7 @@ def _count_on_two_ranks(rank: int, folder: str) -> None:
 def test_each_element_of_a_branch_counts_once_however_the_ranks_hold_it(tmp_path):
     """A sequence part, a DTensor sharded, replicated, or of partial sums (added up first: the
     squares of the parts are not the square of their sum): the same global sum of squares."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_count_on_two_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    start_ranks(_count_on_two_ranks, (str(tmp_path),), 2)
     found = json.loads((tmp_path / "sums.json").read_text())
     for kind, (squares, count) in found["held"].items():
         assert count == 2 * 8 * 6, kind

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ranks import start_ranks
 from trainer.models.llama3.model import CausalAttention, document_causal_mask, grouped_query_attention
 from trainer.parallel import ring_attention
 from trainer.parallel.context_parallel import ContextParallelAttention, load_balanced_positions, shard_sequence
@@ -160,7 +161,7 @@ FAULTS = {
 def ranks(tmp_path_factory):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(run_rank, args=(str(tmp_path_factory.mktemp("ring") / "init"), results), nprocs=WORLD, join=True)
+        start_ranks(run_rank, (str(tmp_path_factory.mktemp("ring") / "init"), results), WORLD)
         return dict(results)
 
 
