@@ -1,6 +1,6 @@
-"""The suite's settings: one thread per process, the cores its xdist workers share
-(tests/machine_share.py), measured figures printed at the end of the run (pytest captures test
-output), and the fast tier (`--fast`, make test-fast)."""
+"""The suite's settings: one thread per process (torch.compile too builds its kernels in the
+process), the cores its xdist workers share (tests/machine_share.py), measured figures printed at
+the end of the run (pytest captures test output), and the fast tier (`--fast`, make test-fast)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ pytest_plugins = ["tests.machine_share", "tests.warm_python"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file: the variable came too late for it
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# And torch.compile builds its kernels in the compiling process, not in a pool of compile
+# processes per process (what inductor starts by default, one worker per core): on 2 cores the
+# ranks that compile already keep both busy, and a pool costs its start (tests/integration/
+# test_compile_parity.py measured it). Set before the warm Python's servers start, which then
+# serve the compiling processes too (inductor reads the variable when it is imported).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # tests/cuda trains on one accelerator (tests/cuda/conftest.py): collected only when
 # TRAINER_TEST_DEVICE names the device (cuda, or cpu to check the tests' logic), so the default
