@@ -226,3 +226,30 @@ def test_a_fork_finds_the_vector_instruction_check_made_as_a_fresh_interpreter_m
     made_fresh, isa_fresh = json.loads(fresh.stdout)
     assert (made_in_fork, made_fresh) == (1, 0)
     assert isa_in_fork == isa_fresh
+
+
+@pytest.mark.parametrize("starts", ["slowly", "and fails"])
+def test_a_client_waits_for_a_server_that_is_importing_and_not_for_one_that_failed(tmp_path, starts):
+    """A request that comes while its server still imports is served once the server is ready
+    (the suite's first launches come within its import); a server that ended before it was ready
+    sends the client to the real interpreter at once."""
+    folder, code = tmp_path / "warm", tmp_path / "code"
+    folder.mkdir()
+    code.mkdir()
+    (code / "probe.py").write_text(PROBE)
+    (code / "importing.py").write_text("import time\ntime.sleep(3)\n" if starts == "slowly" else
+                                       "raise SystemExit('this server does not start')\n")
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    servers = start_servers(folder, [PRELOADED, "importing"], 1, env, folder / "servers.log")
+    try:
+        client = write_client(folder)
+        if starts == "and fails":
+            servers[0].wait(30)
+        started = time.monotonic()
+        result = subprocess.run([str(client), "-m", "probe"], env={**env, "TEST_WARM_PYTHON": str(folder)},
+                                capture_output=True, text=True, timeout=60)
+        waited = time.monotonic() - started
+    finally:
+        servers[0].terminate()
+    assert said(result)[0] == ("forked" if starts == "slowly" else "real"), result
+    assert waited < 10, waited

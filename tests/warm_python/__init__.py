@@ -73,13 +73,19 @@ def pytest_configure(config):
 
 def start_servers(folder: Path, preload: list[str], slots: int, env: dict[str, str],
                   log: Path | str) -> list[subprocess.Popen]:
-    """`slots` servers listening in `folder` (slot-K.sock, once they have imported `preload`)."""
+    """`slots` servers listening in `folder` (slot-K.sock, once they have imported `preload`; until
+    then slot-K.pid names the server a client waits for)."""
     env = {key: value for key, value in env.items() if key != SWITCH}
+    servers = []
     with open(log, "a") as log_file:
-        # Started as a script: the `tests` package is not among what a fork has imported.
-        return [subprocess.Popen([REAL_PYTHON, str(Path(__file__).parent / "server.py"), str(folder / f"slot-{slot}.sock"),
-                                  *preload], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                 stderr=log_file) for slot in range(slots)]
+        for slot in range(slots):
+            # Started as a script: the `tests` package is not among what a fork has imported.
+            servers.append(subprocess.Popen(
+                [REAL_PYTHON, str(Path(__file__).parent / "server.py"), str(folder / f"slot-{slot}.sock"), *preload],
+                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file))
+            (folder / f"slot-{slot}.pid.new").write_text(str(servers[-1].pid))
+            (folder / f"slot-{slot}.pid.new").rename(folder / f"slot-{slot}.pid")
+    return servers
 
 
 def write_client(folder: Path) -> Path:

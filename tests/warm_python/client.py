@@ -6,9 +6,9 @@ script that names the real interpreter, and either
   with its descriptors, directory and environment, passes the signals it gets on to that process
   and ends as it ends (the same exit code, or killed by the same signal); or
 - when the request is another form of the command line, the warm Python is off (TEST_WARM_PYTHON
-  empty), no server listens yet or the server refuses (its fork would differ from a fresh
-  interpreter), replaces itself with the real interpreter: exactly what runs without the warm
-  Python.
+  empty), no server runs or the server refuses (its fork would differ from a fresh interpreter),
+  replaces itself with the real interpreter: exactly what runs without the warm Python. A server
+  that is still importing is waited for (seconds): its fork costs less than a fresh interpreter.
 
 The slot is the process's LOCAL_RANK (else RANK, else 0) modulo the servers: each server has its own
 hash seed, so the ranks of a run up to that size iterate sets of strings in different orders, as
@@ -22,10 +22,12 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 FORWARDED = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGWINCH]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STARTING_WAIT_S = 120  # at most, for a server that is still importing (seconds, normally)
 LIMITS = ["RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
           "RLIMIT_STACK"]
 
@@ -80,13 +82,32 @@ def connect(folder: str):
     slots = int(os.environ.get("TEST_WARM_PYTHON_SLOTS", "1"))
     rank = os.environ.get("LOCAL_RANK") or os.environ.get("RANK") or "0"
     slot = int(rank) % slots if rank.isdigit() else 0
+    path = os.path.join(folder, f"slot-{slot}.sock")
+    deadline = time.monotonic() + STARTING_WAIT_S
+    while not os.path.exists(path) and server_starting(os.path.join(folder, f"slot-{slot}.pid")):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(os.path.join(folder, f"slot-{slot}.sock"))
+        connection.connect(path)
     except OSError:
         connection.close()
         return None
     return connection
+
+
+def server_starting(pid_file: str) -> bool:
+    """Whether the server that `pid_file` names (written when it was started) still runs: it
+    is importing, and its socket comes once it is ready. A process that ended is a zombie until
+    its parent reaps it."""
+    try:
+        with open(pid_file) as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def die_with_the_launcher() -> None:
