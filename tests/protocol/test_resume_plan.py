@@ -24,6 +24,7 @@ from protocol.plan.model import slugify
 from protocol.plan.select import LaunchError
 from protocol.run.local import run_local
 from tests.protocol.conftest import calls
+from tests.warm_python import REAL_PROCESSES
 
 ROOT = Path(__file__).resolve().parents[2]
 # The set is interrupted once it logged step 4 (after its step-3 save), well before step 12.
@@ -64,12 +65,14 @@ overrides = {{ "activation_checkpoint.mode" = "full" }}
 """
 
 
-def start(folder: Path, *args: str) -> subprocess.Popen:
+def start(folder: Path, *args: str, real_processes: bool = False) -> subprocess.Popen:
     """`protocol run plan.toml ARGS` in `folder`, in a process group of its own (as a terminal's
-    foreground job: Ctrl-C reaches the protocol, the launcher and the ranks)."""
+    foreground job: Ctrl-C reaches the protocol, the launcher and the ranks, which must then be
+    real interpreters, not forks of the warm Python in sessions of their own: tests/warm_python)."""
     folder.mkdir(exist_ok=True)
     (folder / "plan.toml").write_text(PLAN)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
+           **(REAL_PROCESSES if real_processes else {})}
     return subprocess.Popen([sys.executable, "-m", "protocol", "run", "plan.toml", *args], cwd=folder, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=default_interrupt)
@@ -112,14 +115,13 @@ def tree_hash(folder: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.real_processes  # Ctrl-C reaches the protocol and its launcher through their process group
 def test_an_interrupted_plan_resumes_onto_the_same_curves(tmp_path):
     straight = tmp_path / "straight"
     finish(start(straight, "--compare"))
 
     resumed = tmp_path / "resumed"
     out, run = resumed / "out", resumed / "out" / slugify(SET)
-    proc = start(resumed)
+    proc = start(resumed, real_processes=True)  # Ctrl-C reaches it through its process group
     while last_step(run) < INTERRUPT_AT and proc.poll() is None:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
