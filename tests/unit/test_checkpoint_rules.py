@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,31 @@ def test_a_removed_checkpoint_is_never_seen_as_a_step_folder_in_part(tmp_path, m
     (folder / ".step-2.removing").mkdir()  # interrupted
     manager(tmp_path)._remove_stale_partials()
     assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+
+
+def test_a_checkpoint_removed_between_the_listing_and_the_look_inside_is_not_a_folder_in_part(tmp_path,
+                                                                                          monkeypatch):
+    """Another job's checks list the folder while the live job's retention removes a step: the
+    step-N listed is gone when its .metadata is looked for. It is not taken for a checkpoint copied
+    in part (which named the wrong cause instead of the job holding the folder); a step-N that is
+    there without .metadata still is."""
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4):
+        make_checkpoint(folder, step, FULL)
+    listed, retained = Path.iterdir, []
+
+    def listing_then_retention(path):
+        names = list(listed(path))
+        if path == folder and not retained:
+            retained.append(True)
+            manager(tmp_path, keep=1)._apply_retention()  # step-2 goes after the listing
+        return iter(names)
+
+    monkeypatch.setattr(Path, "iterdir", listing_then_retention)
+    assert incomplete_step_folders(folder) == []
+    monkeypatch.undo()
+    (folder / "step-6").mkdir()  # copied in part
+    assert incomplete_step_folders(folder) == [folder / "step-6"]
 
 
 def test_a_link_at_a_removals_name_is_unlinked_and_what_it_points_to_kept(tmp_path):

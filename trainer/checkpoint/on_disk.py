@@ -7,6 +7,7 @@ before any process starts. (trainer/checkpoint/manager.py does the loading and s
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 from pathlib import Path
@@ -87,11 +88,13 @@ def finished_partials(folder: Path) -> dict[int, Path]:
 def incomplete_step_folders(folder: Path) -> list[Path]:
     """step-N folders without DCP metadata: not written by a complete save (or copied in part).
     A save never publishes one, so one found here is a user's folder that must not be ignored:
-    the run would start without it and later refuse to write its step."""
+    the run would start without it and later refuse to write its step. A step folder that a live
+    job's retention moves away between the listing and the look inside is not one: it is gone
+    when looked for again (a removal renames the whole folder at once, `remove_checkpoint`)."""
     if not folder.is_dir():
         return []
     return sorted(path for path in folder.iterdir()
-                  if STEP_FOLDER.match(path.name) and not (path / ".metadata").is_file())
+                  if STEP_FOLDER.match(path.name) and not (path / ".metadata").is_file() and os.path.lexists(path))
 
 
 def check_step_folders(folder: Path) -> None:
