@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from tests.machine_share import CoreLocks, cores_of, in_file_order
 

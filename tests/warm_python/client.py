@@ -99,14 +99,21 @@ def connect(folder: str):
 
 def server_starting(pid_file: str) -> bool:
     """Whether the server that `pid_file` names (written when it was started) still runs: it
-    is importing, and its socket comes once it is ready. A process that ended is a zombie until
-    its parent reaps it."""
+    is importing, and its socket comes once it is ready."""
     try:
         with open(pid_file) as f:
-            pid = int(f.read())
+            return running(int(f.read()))
+    except (OSError, ValueError):
+        return False
+
+
+def running(pid: int) -> bool:
+    """Whether the process runs: neither gone nor a zombie (a process that ended, until its parent
+    reaps it). It may go between any two looks at /proc, so /proc is read once."""
+    try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, ValueError, IndexError):
+    except (OSError, IndexError):
         return False
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import sys
 import threading
@@ -38,6 +37,7 @@ from trainer.data.documents import DataError, ReadCounts, record_text
 from trainer.data.finite_sources import DataExhausted
 from trainer.data.shuffle import permute
 from trainer.data.tokenizer import tokenize_documents
+from trainer.forkserver import preloaded_context
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +197,13 @@ def process_alive(pid: int) -> bool:
         return True
 
 
+WORKER_MODULES = ["trainer.data.worker_server", "torchdata.nodes", "trainer.data.stream_lanes",
+                  "trainer.data.tokenizer"]
+
+
 def worker_context() -> str:
-    """forkserver where there is one: workers start from a clean process, not a copy of a trainer
-    holding communicators and device contexts."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    """The workers' start method (trainer/forkserver.py): the fork server where there is one."""
+    return preloaded_context(WORKER_MODULES).get_start_method()
 
 
 def start_worker_server() -> None:
@@ -208,15 +211,14 @@ def start_worker_server() -> None:
     lane's workers start at once. A worker runs the program's main module again (multiprocessing
     does that): when it is a module run by name (`python -m trainer.train`), the server imports
     it once, and each worker re-runs it with every import in place (a few ms, not seconds)."""
-    if worker_context() != "forkserver":
-        return
-    modules = ["trainer.data.worker_server", "torchdata.nodes", "trainer.data.stream_lanes", "trainer.data.tokenizer"]
+    modules = list(WORKER_MODULES)
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name and not spec.name.endswith("__main__"):
         modules.append(spec.name)
+    if preloaded_context(modules).get_start_method() != "forkserver":
+        return
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
     forkserver.ensure_running()  # returns at once; the server imports in the background
 
 

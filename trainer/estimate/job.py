@@ -3,8 +3,8 @@
 another rank in the same process).
 
 The processes are forked from a server process that has imported torch and the estimator once
-(multiprocessing's forkserver, which this process keeps for its lifetime): each starts in
-milliseconds instead of importing torch again, 2-3 s of CPU a rank kind. Each gets this
+(multiprocessing's fork server, which this process keeps for its lifetime: trainer/forkserver.py):
+each starts in milliseconds instead of importing torch again, 2-3 s of CPU a rank kind. Each gets this
 process's environment, working folder and sys.path as they are when it is asked for (variables
 read when torch is imported are those of the forkserver's start)."""
 
@@ -14,10 +14,10 @@ import logging
 import os
 import traceback
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 from trainer import messages
 from trainer.config.manager import ConfigError, load_config, with_default_config
+from trainer.forkserver import preloaded_context
 
 
 def estimated_config(overrides: list[str]):
@@ -43,10 +43,9 @@ PRELOADED = ["trainer.estimate.job", "trainer.estimate.rank", "trainer.preflight
 def estimate_kinds(overrides: list[str], nproc: int, kinds: list, steps: int) -> list:
     """The estimates of `kinds`, each in its own process, two at a time."""
     workers = max(1, min(len(kinds), os.cpu_count() or 1, 2))
-    context = get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)  # read when this process starts its forkserver
     environment = dict(os.environ)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, max_tasks_per_child=1) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=preloaded_context(PRELOADED),
+                             max_tasks_per_child=1) as pool:
         return list(pool.map(_estimate_one, [overrides] * len(kinds), [nproc] * len(kinds), kinds,
                              [steps] * len(kinds), [environment] * len(kinds)))
 
