@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch._dynamo
@@ -14,7 +12,7 @@ from trainer.models.llama3.model import Transformer
 from trainer.parallel import compile as compile_module
 from trainer.parallel import local_runtime
 from trainer.parallel.activation_checkpointing import RECOMPUTE_ALL
-from trainer.parallel.compile import isolate_compile_cache, set_memory_budget, wait_for_collectives
+from trainer.parallel.compile import key_compiled_graphs_by_rank, set_memory_budget, wait_for_collectives
 from trainer.preflight.checks import check_device_options
 
 
@@ -41,16 +39,15 @@ def test_an_async_collective_tensor_is_resolved_and_its_gradient_passes_through(
     assert wait_for_collectives(ordinary) is ordinary
 
 
-def test_each_rank_and_layout_compiles_into_its_own_cache_folder(monkeypatch, tmp_path):
-    monkeypatch.setattr(compile_module, "_cache_base", None)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+def test_each_rank_and_layout_keys_its_compiled_graphs_after_the_users_tag(monkeypatch):
+    monkeypatch.setattr(compile_module, "_user_tag", None)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
     degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
-    folder = isolate_compile_cache(3, degrees)
-    assert folder == str(tmp_path / "rank3-pp1xdp_replicate1xdp_shard2xcp1xtp2")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
-    # A second run in the same process nests nothing: the folder is under the user's, again.
-    again = isolate_compile_cache(0, {**degrees, "tp": 1, "dp_shard": 4})
-    assert again == str(tmp_path / "rank0-pp1xdp_replicate1xdp_shard4xcp1xtp1")
+    tag = key_compiled_graphs_by_rank(3, degrees)
+    assert tag == "mine-rank3-pp1xdp_replicate1xdp_shard2xcp1xtp2" == torch.compiler.config.cache_key_tag
+    # A second run in the same process keys by its own place after the user's tag, not the first run's.
+    again = key_compiled_graphs_by_rank(0, {**degrees, "tp": 1, "dp_shard": 4})
+    assert again == "mine-rank0-pp1xdp_replicate1xdp_shard4xcp1xtp1"
 
 
 def tiny_model(layers: int = 2) -> Transformer:

@@ -55,7 +55,7 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device."""
     from trainer.parallel.activation_checkpointing import apply_ac
-    from trainer.parallel.compile import apply_compile, isolate_compile_cache, set_memory_budget
+    from trainer.parallel.compile import apply_compile, key_compiled_graphs_by_rank, set_memory_budget
     from trainer.parallel.context_parallel import apply_cp
     from trainer.parallel.fsdp import DTYPES, apply_fsdp, resolve_param_dtype
     from trainer.parallel.pipeline import RankModel, split_into_stages
@@ -72,7 +72,7 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     # Every gradient reduction runs in this dtype: FSDP's, TP's norm weights, CP's keys/values.
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     if config.compile.enable:
-        isolate_compile_cache(mesh.world.get_rank(), dims.degrees())
+        key_compiled_graphs_by_rank(mesh.world.get_rank(), dims.degrees())
         set_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     for index, stage in stages.items():
         tp = None

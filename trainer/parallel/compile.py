@@ -14,11 +14,14 @@ inductor reorders the wait; without FSDP: `'Tensor' object has no attribute '_lo
 backward). `wait_for_collectives` resolves the wrapper in eager code first, without a copy;
 docs/torch_workarounds.md gives a minimal reproduction of the torch bug.
 
-Each rank compiles into a cache folder of its own (`isolate_compile_cache`). torch's compiled-code
-cache is keyed by the traced program, not by the rank's place in the device mesh, while DTensor
-bakes that place into what it lowers beneath the trace (loss parallelism's vocabulary offset):
-ranks of one machine sharing the default folder load each other's loss on a warm start, and
-the loss is wrong without any error (docs/torch_workarounds.md has the reproduction).
+The ranks of a machine share torch's compile cache folder (TORCHINDUCTOR_CACHE_DIR), but each
+rank's compiled graphs are keyed by its place in the layout (`key_compiled_graphs_by_rank`).
+torch keys a cached graph by the traced program, not by the rank's place in the device mesh,
+while DTensor bakes that place into what it lowers beneath the trace (loss parallelism's
+vocabulary offset): ranks sharing the folder without the key load each other's loss on a warm
+start, and the loss is wrong without any error (docs/torch_workarounds.md has the reproduction).
+The generated kernels stay shared: a kernel is cached by its own source, so the ranks and
+layouts that generate the same kernel build it once (a file lock makes the others wait for it).
 
 Full recomputation (activation_checkpoint.mode full, and the recomputed blocks of a selective
 layer mode) stays outside the compiled graph: the block's `compute` is compiled and the eager
@@ -30,7 +33,6 @@ The op-level selective policy must see each op, so those blocks are compiled who
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -58,22 +60,21 @@ def wait_for_collectives(value):
     return _WaitForCollective.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
 
 
-_cache_base: str | None = None
+_user_tag: str | None = None
 
 
-def isolate_compile_cache(rank: int, degrees: dict[str, int]) -> str:
-    """Point torch's compile cache (TORCHINDUCTOR_CACHE_DIR, the default folder when unset) at
-    a subfolder of this rank in this layout: the same rank under the same degrees holds the same
-    mesh coordinates, so what it finds there is what it would compile. Call before compiling."""
-    global _cache_base
-    if _cache_base is None:  # the user's folder (or torch's default), before this process changed it
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        _cache_base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+def key_compiled_graphs_by_rank(rank: int, degrees: dict[str, int]) -> str:
+    """Add this rank's place in the layout to the key of every compiled graph torch caches
+    (torch.compiler.config.cache_key_tag, after the user's own tag): the same rank under the same
+    degrees holds the same mesh coordinates, so what it finds under that key is what it would
+    compile. Call before compiling; returns the tag."""
+    global _user_tag
+    if _user_tag is None:  # the user's tag (TORCH_COMPILE_CACHE_KEY_TAG), before this process changed it
+        _user_tag = torch.compiler.config.cache_key_tag
     layout = "x".join(f"{name}{degree}" for name, degree in degrees.items())
-    folder = os.path.join(_cache_base, f"rank{rank}-{layout}")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    return folder
+    tag = "-".join(part for part in (_user_tag, f"rank{rank}", layout) if part)
+    torch.compiler.config.cache_key_tag = tag
+    return tag
 
 
 def set_memory_budget(budget: float) -> None:
