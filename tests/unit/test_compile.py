@@ -41,13 +41,16 @@ def test_an_async_collective_tensor_is_resolved_and_its_gradient_passes_through(
 
 def test_each_rank_and_layout_keys_its_compiled_graphs_after_the_users_tag(monkeypatch):
     monkeypatch.setattr(compile_module, "_user_tag", None)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
-    tag = key_compiled_graphs_by_rank(3, degrees)
-    assert tag == "mine-rank3-pp1xdp_replicate1xdp_shard2xcp1xtp2" == torch.compiler.config.cache_key_tag
-    # A second run in the same process keys by its own place after the user's tag, not the first run's.
-    again = key_compiled_graphs_by_rank(0, {**degrees, "tp": 1, "dp_shard": 4})
-    assert again == "mine-rank0-pp1xdp_replicate1xdp_shard4xcp1xtp1"
+    before = torch.compiler.config.cache_key_tag
+    # torch's config module, not monkeypatch: monkeypatch's undo would delete the setting.
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+        tag = key_compiled_graphs_by_rank(3, degrees)
+        assert tag == "mine-rank3-pp1xdp_replicate1xdp_shard2xcp1xtp2" == torch.compiler.config.cache_key_tag
+        # A second run in the same process keys by its own place after the user's tag, not the first run's.
+        again = key_compiled_graphs_by_rank(0, {**degrees, "tp": 1, "dp_shard": 4})
+        assert again == "mine-rank0-pp1xdp_replicate1xdp_shard4xcp1xtp1"
+    assert torch.compiler.config.cache_key_tag == before
 
 
 def tiny_model(layers: int = 2) -> Transformer:
