@@ -1,11 +1,14 @@
 """The suite's settings: one thread per process (torch.compile too builds its kernels in the
-process), the cores its xdist workers share (tests/machine_share.py), measured figures printed at
-the end of the run (pytest captures test output), and the fast tier (`--fast`, make test-fast)."""
+process), a compile cache of the run's own, the cores its xdist workers share (tests/machine_share.py),
+measured figures printed at the end of the run (pytest captures test output), and the fast tier
+(`--fast`, make test-fast)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,10 +26,20 @@ if "torch" in sys.modules:  # imported before this file: the variable came too l
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # And torch.compile builds its kernels in the compiling process, not in a pool of compile
 # processes per process (what inductor starts by default, one worker per core): on 2 cores the
-# ranks that compile already keep both busy, and a pool costs its start (tests/integration/
-# test_compile_parity.py measured it). Set before the warm Python's servers start, which then
-# serve the compiling processes too (inductor reads the variable when it is imported).
+# ranks that compile mostly keep both busy, and a pool costs its start. (The compile matrix's 2
+# ranks, which wait for each other's kernel builds, set 2: tests/integration/test_compile_parity.py.)
+# Set before the warm Python's servers start, which then serve the compiling processes too
+# (inductor reads the variable when it is imported).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# torch.compile's cache: a folder of this run, which its tests share (a kernel one test built,
+# another loads) and which goes with the run, unless TORCHINDUCTOR_CACHE_DIR names one. Not the
+# machine's /tmp/torchinductor_<user>: what an earlier run left there would make a run warmer and
+# faster than on a fresh machine, and pass on what only a warm cache does. Set here, in the process
+# that starts the run (xdist's workers and the warm Python's servers inherit it).
+_run_compile_cache = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _run_compile_cache = tempfile.mkdtemp(prefix="pytest-compile-cache-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _run_compile_cache
 
 # tests/cuda trains on one accelerator (tests/cuda/conftest.py): collected only when
 # TRAINER_TEST_DEVICE names the device (cuda, or cpu to check the tests' logic), so the default
@@ -46,6 +59,11 @@ def measured(request):
 def pytest_runtest_logreport(report):
     if report.when == "teardown":  # the last report of a test carries all its lines
         _MEASURED.extend(value for name, value in report.user_properties if name == "measured")
+
+
+def pytest_unconfigure(config):
+    if _run_compile_cache is not None:  # the process that made it, once the run is over
+        shutil.rmtree(_run_compile_cache, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):
