@@ -23,14 +23,14 @@ from tests.protocol import smoke
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def environment(conf: Path, cwd: Path, **extra: str) -> dict[str, str]:
-    """What `protocol` and the jobs it submits see (sbatch passes the environment on)."""
-    return {**os.environ, "SLURM_CONF": str(conf), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
-            "TORCHINDUCTOR_CACHE_DIR": str(cwd / "compile_cache"), **extra}
+def environment(conf: Path, **extra: str) -> dict[str, str]:
+    """What `protocol` and the jobs it submits see (sbatch passes the environment on: the compiled
+    set compiles into the test run's cache, tests/conftest.py)."""
+    return {**os.environ, "SLURM_CONF": str(conf), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), **extra}
 
 
 def protocol(conf: Path, cwd: Path, *args: str, timeout: int = 900, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "protocol", *args], cwd=cwd, env=environment(conf, cwd, **extra),
+    return subprocess.run([sys.executable, "-m", "protocol", *args], cwd=cwd, env=environment(conf, **extra),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -137,7 +137,7 @@ def test_cancelling_the_seed_cancels_every_job_waiting_on_it(slurm_cluster, tmp_
     scripts = tmp_path / "scripts"
     planned = protocol(slurm_cluster, tmp_path, "plan", str(plan), "--format", "slurm", "--out", str(scripts))
     assert planned.returncode == 0, explain(planned)
-    submitted = subprocess.run(["bash", str(scripts / "submit_all.sh")], env=environment(slurm_cluster, tmp_path),
+    submitted = subprocess.run(["bash", str(scripts / "submit_all.sh")], env=environment(slurm_cluster),
                                capture_output=True, text=True, check=True, timeout=60).stdout
     jobs = dict(line.split(": job ") for line in submitted.splitlines())
     slurm(slurm_cluster, "scancel", jobs["seed"])
@@ -147,7 +147,7 @@ def test_cancelling_the_seed_cancels_every_job_waiting_on_it(slurm_cluster, tmp_
         assert (state["JobState"], state["Reason"]) == ("CANCELLED", "DependencyNeverSatisfied"), state
 
     runner = subprocess.Popen([sys.executable, "-m", "protocol", "run", str(plan), "--launcher", "slurm", "--poll",
-                               "1", "--compare"], cwd=tmp_path, env=environment(slurm_cluster, tmp_path),
+                               "1", "--compare"], cwd=tmp_path, env=environment(slurm_cluster),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seed_log = tmp_path / "runs" / "slurm"
     seed_job = wait_for(lambda: next(iter(sorted(seed_log.glob("seed-*.log"))), None), "the seed job to start")
@@ -200,7 +200,7 @@ def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same
     small_plan(reference, "", name="time_limit", steps=steps, dp=1, interval=100000, seed=False)
     # One thread each: the two runs share the machine's two cores, and compute the same sums.
     local = subprocess.Popen([sys.executable, "-m", "protocol", "run", "plan.toml", "--only", "control"],
-                             cwd=reference, env=environment(slurm_cluster, reference, OMP_NUM_THREADS="1"),
+                             cwd=reference, env=environment(slurm_cluster, OMP_NUM_THREADS="1"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     result = protocol(slurm_cluster, tmp_path, "run", str(limited), "--launcher", "slurm", "--only", "control",
                       "--poll", "1", timeout=600, OMP_NUM_THREADS="1")

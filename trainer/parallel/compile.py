@@ -20,8 +20,9 @@ torch keys a cached graph by the traced program, not by the rank's place in the 
 while DTensor bakes that place into what it lowers beneath the trace (loss parallelism's
 vocabulary offset): ranks sharing the folder without the key load each other's loss on a warm
 start, and the loss is wrong without any error (docs/torch_workarounds.md has the reproduction).
-The generated kernels stay shared: a kernel is cached by its own source, so the ranks and
-layouts that generate the same kernel build it once (a file lock makes the others wait for it).
+The generated kernels stay shared: a kernel is cached by its own source, so a rank loads the
+kernels other ranks and layouts built (on CPU a file lock makes a rank wait for a kernel another
+is building rather than build it again).
 
 Full recomputation (activation_checkpoint.mode full, and the recomputed blocks of a selective
 layer mode) stays outside the compiled graph: the block's `compute` is compiled and the eager
