@@ -22,7 +22,10 @@ TEST_STAMP := $(VENV)/.installed-test
 # pytest-xdist's workers (one per core by default); they share the cores by what each test keeps
 # busy (tests/machine_share.py). TEST_WORKERS=0 runs the tests in this process, one after the other.
 TEST_WORKERS ?= auto
-PYTEST := $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+# The suite writes Python's bytecode caches (__pycache__, ignored by git) even where the environment
+# says not to (PYTHONDONTWRITEBYTECODE): without them every worker compiles and assertion-rewrites
+# each test file again, and every fresh interpreter a test starts compiles the trainer again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 setup: $(TRAIN_STAMP)
 
 $(VENV)/bin/python:

@@ -13,7 +13,11 @@ slower, and flaky where a test times a signal, a restart or a stall.
 
 The cores are lock files, one per core, in a folder of this test run (its xdist run id). A test
 takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
-overtaken by one-core tests; locks held by a process die with it. Without xdist nothing is locked.
+overtaken by one-core tests; locks held by a process die with it. A worker holding the whole
+machine keeps it for its next test when that one needs the whole machine too: a file of short
+multi-process tests (or of checks of one module-scoped run) waits for the other worker once, not
+before each test, while a one-core test always gives its core back, so that a test waiting for the
+whole machine gets it next. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
 The order in which the workers get the files (xdist's loadfile hands out whole files, in the order
@@ -32,7 +36,7 @@ import json
 import os
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,24 +51,34 @@ class CoreLocks:
         folder.mkdir(parents=True, exist_ok=True)
         self.turnstile = folder / "turnstile"
         self.cores = [folder / f"core-{index}" for index in range(cores)]
+        self.held: dict[Path, object] = {}
 
-    @contextmanager
-    def hold(self, wanted: int):
+    def take(self, wanted: int) -> None:
+        """Hold `wanted` cores (at most the machine's), waiting at the turnstile for them; a
+        worker that already holds that many keeps them."""
         wanted = max(1, min(wanted, len(self.cores)))
-        held: dict[Path, object] = {}
-        try:
-            with open(self.turnstile, "a") as turnstile:
-                fcntl.flock(turnstile, fcntl.LOCK_EX)
-                while len(held) < wanted:
-                    for path in self.cores:
-                        if len(held) < wanted and path not in held and (handle := self._try_lock(path)):
-                            held[path] = handle
-                    if len(held) < wanted:
-                        time.sleep(0.05)
-            yield
-        finally:
-            for handle in held.values():
-                handle.close()  # closing the file releases its lock
+        if len(self.held) == wanted:
+            return
+        self.release()
+        with open(self.turnstile, "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            while len(self.held) < wanted:
+                for path in self.cores:
+                    if len(self.held) < wanted and path not in self.held and (handle := self._try_lock(path)):
+                        self.held[path] = handle
+                if len(self.held) < wanted:
+                    time.sleep(0.05)
+
+    def release(self) -> None:
+        for handle in self.held.values():
+            handle.close()  # closing the file releases its lock
+        self.held.clear()
+
+    def keep_for(self, wanted: int) -> bool:
+        """Whether the next test may keep what this worker holds: only the whole machine, for a
+        test that needs the whole machine too. A one-core test gives its core back at its end, so
+        that a test waiting at the turnstile for the whole machine gets it next."""
+        return len(self.held) == len(self.cores) and min(wanted, len(self.cores)) == len(self.cores)
 
     @staticmethod
     def _try_lock(path: Path):
@@ -123,8 +137,17 @@ def in_file_order(items: list, whole_machine: int, suite: Path) -> list:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     locks = item.config.stash.get(LOCKS, None)
-    with locks.hold(cores_of(item)) if locks else nullcontext(), busy_cores_logged(item):
-        yield
+    if locks is None:
+        with busy_cores_logged(item):
+            yield
+        return
+    locks.take(cores_of(item))
+    try:
+        with busy_cores_logged(item):
+            yield
+    finally:
+        if nextitem is None or not locks.keep_for(cores_of(nextitem)):
+            locks.release()
 
 
 @contextmanager
@@ -133,12 +156,12 @@ def busy_cores_logged(item: pytest.Item):
     and of the processes it started and waited for, and the whole machine's busy CPU seconds (what a
     `cores` mark is chosen from, measured with the test alone: TEST_WORKERS=0). The machine's count
     includes what the process's own count cannot see: forks of the warm Python (tests/warm_python),
-    a SLURM job's processes."""
+    a SLURM job's processes. Its start (Unix time) and xdist worker place it on the run's timeline."""
     path = os.environ.get("TEST_CPU_LOG")
     if not path:
         yield
         return
-    wall, before, machine = time.monotonic(), os.times(), machine_busy_seconds()
+    start, wall, before, machine = time.time(), time.monotonic(), os.times(), machine_busy_seconds()
     try:
         yield
     finally:
@@ -147,7 +170,8 @@ def busy_cores_logged(item: pytest.Item):
         with open(path, "a") as log:
             log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
                                   "cpu": round(cpu, 2), "machine_cpu": round(machine_busy_seconds() - machine, 2),
-                                  "cores": cores_of(item)}) + "\n")
+                                  "cores": cores_of(item), "start": round(start, 2),
+                                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 def machine_busy_seconds() -> float:

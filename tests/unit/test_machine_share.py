@@ -1,5 +1,6 @@
 """The cores that pytest-xdist's workers share (tests/machine_share.py): one-process tests run side
-by side, a test that wants the machine waits for them and then runs alone, and is not overtaken."""
+by side, a test that wants the machine waits for them and then runs alone, and is not overtaken; a
+worker keeps the whole machine for its next test only when that one wants the whole machine too."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import pytest
 from tests.machine_share import CoreLocks, cores_of, in_file_order
 
 
-def hold_in_thread(locks: CoreLocks, cores: int, log: list, name: str, release: threading.Event):
+def hold_in_thread(folder: Path, cores: int, log: list, name: str, release: threading.Event):
+    """A worker of its own (its own locks on the shared folder) running one test that holds `cores`."""
     def body():
-        with locks.hold(cores):
-            log.append(f"{name} in")
-            release.wait(10)
-            log.append(f"{name} out")
+        locks = CoreLocks(folder, cores=2)
+        locks.take(cores)
+        log.append(f"{name} in")
+        release.wait(10)
+        log.append(f"{name} out")
+        locks.release()
     thread = threading.Thread(target=body)
     thread.start()
     return thread
@@ -31,14 +35,13 @@ def wait_until(condition, timeout: float = 5):
 
 
 def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_them(tmp_path):
-    locks = CoreLocks(tmp_path, cores=2)
     log: list[str] = []
     first, second, whole, late = (threading.Event() for _ in range(4))
-    threads = [hold_in_thread(locks, 1, log, "a", first), hold_in_thread(locks, 1, log, "b", second)]
+    threads = [hold_in_thread(tmp_path, 1, log, "a", first), hold_in_thread(tmp_path, 1, log, "b", second)]
     wait_until(lambda: {"a in", "b in"} <= set(log))  # two one-core tests at once
-    threads.append(hold_in_thread(locks, 4, log, "whole", whole))  # more than the machine: all of it
+    threads.append(hold_in_thread(tmp_path, 4, log, "whole", whole))  # more than the machine: all of it
     time.sleep(0.3)
-    threads.append(hold_in_thread(locks, 1, log, "late", late))  # comes after the waiting whole-machine test
+    threads.append(hold_in_thread(tmp_path, 1, log, "late", late))  # comes after the waiting whole-machine test
     time.sleep(0.3)
     assert "whole in" not in log and "late in" not in log
     first.set()
@@ -54,6 +57,28 @@ def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_the
     for thread in threads:
         thread.join(10)
     assert log.index("whole out") < log.index("late in")
+
+
+def test_the_whole_machine_is_kept_for_a_next_test_that_wants_it_and_a_core_never_is(tmp_path):
+    worker = CoreLocks(tmp_path, cores=2)
+    worker.take(2)
+    assert worker.keep_for(2) and worker.keep_for(8) and not worker.keep_for(1)
+    log: list[str] = []
+    other = threading.Event()
+    waiting = hold_in_thread(tmp_path, 1, log, "other", other)  # the other worker's one-core test
+    time.sleep(0.3)
+    # The next whole-machine test keeps the machine: no wait at the turnstile, where the other waits.
+    kept = threading.Thread(target=worker.take, args=(2,))
+    kept.start()
+    kept.join(2)
+    assert not kept.is_alive() and len(worker.held) == 2 and "other in" not in log
+    worker.take(1)  # a one-core test gives the machine back first, then takes its core
+    wait_until(lambda: "other in" in log)
+    assert len(worker.held) == 1 and not worker.keep_for(1) and not worker.keep_for(2)
+    worker.release()
+    other.set()
+    waiting.join(10)
+    assert log == ["other in", "other out"]
 
 
 class FakeItem:
