@@ -14,10 +14,12 @@ slower, and flaky where a test times a signal, a restart or a stall.
 The cores are lock files, one per core, in a folder of this test run (its xdist run id). A test
 takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
 overtaken by one-core tests; locks held by a process die with it. A worker holding the whole
-machine keeps it for its next test when that one needs the whole machine too: a file of short
-multi-process tests (or of checks of one module-scoped run) waits for the other worker once, not
-before each test, while a one-core test always gives its core back, so that a test waiting for the
-whole machine gets it next. Without xdist nothing is locked.
+machine keeps it for its next test when that one needs the whole machine too and the test it just
+ran was short (under SHORT_TEST_S), for at most STREAK_S: a file of short multi-process tests (or
+of checks of one module-scoped run) then waits for the other worker once, not before each test,
+and the other worker waits no longer than a streak. Long whole-machine tests take turns with the
+other worker's tests as one-core tests do: a one-core test always gives its core back, so that a
+test waiting for the whole machine gets it next. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
 The order in which the workers get the files (xdist's loadfile hands out whole files, in the order
@@ -46,12 +48,17 @@ def machine_cores() -> int:
     return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
 
 
+SHORT_TEST_S = 5.0  # a whole-machine test this short lets the next one keep the machine
+STREAK_S = 30.0  # for at most this long from when the machine was taken
+
+
 class CoreLocks:
     def __init__(self, folder: Path, cores: int):
         folder.mkdir(parents=True, exist_ok=True)
         self.turnstile = folder / "turnstile"
         self.cores = [folder / f"core-{index}" for index in range(cores)]
         self.held: dict[Path, object] = {}
+        self.taken_at = 0.0  # when the cores held now were taken (time.monotonic)
 
     def take(self, wanted: int) -> None:
         """Hold `wanted` cores (at most the machine's), waiting at the turnstile for them; a
@@ -68,17 +75,19 @@ class CoreLocks:
                         self.held[path] = handle
                 if len(self.held) < wanted:
                     time.sleep(0.05)
+        self.taken_at = time.monotonic()
 
     def release(self) -> None:
         for handle in self.held.values():
             handle.close()  # closing the file releases its lock
         self.held.clear()
 
-    def keep_for(self, wanted: int) -> bool:
-        """Whether the next test may keep what this worker holds: only the whole machine, for a
-        test that needs the whole machine too. A one-core test gives its core back at its end, so
-        that a test waiting at the turnstile for the whole machine gets it next."""
-        return len(self.held) == len(self.cores) and min(wanted, len(self.cores)) == len(self.cores)
+    def keep_for(self, wanted: int, last_test_s: float) -> bool:
+        """Whether the next test, which wants `wanted` cores, keeps what this worker holds (the
+        module docstring says when)."""
+        whole = len(self.cores)
+        return (len(self.held) == whole and min(wanted, whole) == whole and last_test_s < SHORT_TEST_S
+                and time.monotonic() - self.taken_at < STREAK_S)
 
     @staticmethod
     def _try_lock(path: Path):
@@ -142,11 +151,12 @@ def pytest_runtest_protocol(item, nextitem):
             yield
         return
     locks.take(cores_of(item))
+    started = time.monotonic()
     try:
         with busy_cores_logged(item):
             yield
     finally:
-        if nextitem is None or not locks.keep_for(cores_of(nextitem)):
+        if nextitem is None or not locks.keep_for(cores_of(nextitem), time.monotonic() - started):
             locks.release()
 
 

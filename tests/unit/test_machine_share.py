@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.machine_share import CoreLocks, cores_of, in_file_order
+from tests.machine_share import STREAK_S, SHORT_TEST_S, CoreLocks, cores_of, in_file_order
 
 
 def hold_in_thread(folder: Path, cores: int, log: list, name: str, release: threading.Event):
@@ -59,10 +59,16 @@ def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_the
     assert log.index("whole out") < log.index("late in")
 
 
-def test_the_whole_machine_is_kept_for_a_next_test_that_wants_it_and_a_core_never_is(tmp_path):
+def test_the_whole_machine_is_kept_after_a_short_test_for_a_next_that_wants_it_and_a_core_never_is(tmp_path,
+                                                                                                   monkeypatch):
     worker = CoreLocks(tmp_path, cores=2)
     worker.take(2)
-    assert worker.keep_for(2) and worker.keep_for(8) and not worker.keep_for(1)
+    assert worker.keep_for(2, 0.1) and worker.keep_for(8, 0.1) and not worker.keep_for(1, 0.1)
+    assert not worker.keep_for(2, SHORT_TEST_S)  # after a long test, the other worker's turn
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + STREAK_S)
+    assert not worker.keep_for(2, 0.1)  # a streak of short tests ends
+    monkeypatch.undo()
     log: list[str] = []
     other = threading.Event()
     waiting = hold_in_thread(tmp_path, 1, log, "other", other)  # the other worker's one-core test
@@ -74,7 +80,7 @@ def test_the_whole_machine_is_kept_for_a_next_test_that_wants_it_and_a_core_neve
     assert not kept.is_alive() and len(worker.held) == 2 and "other in" not in log
     worker.take(1)  # a one-core test gives the machine back first, then takes its core
     wait_until(lambda: "other in" in log)
-    assert len(worker.held) == 1 and not worker.keep_for(1) and not worker.keep_for(2)
+    assert len(worker.held) == 1 and not worker.keep_for(1, 0.1) and not worker.keep_for(2, 0.1)
     worker.release()
     other.set()
     waiting.join(10)
