@@ -145,9 +145,10 @@ def test_a_torchtitan_config_loads_and_prints(name, workdir, monkeypatch):
     assert settings(to_toml(again)) == settings(toml)
 
 
-@pytest.mark.cores(2)
 def test_the_torchtitan_debug_config_trains_with_only_a_data_path(workdir):
-    result = launch(2, ["--job.config_file", str(workdir / "debug_model.toml"), "--training.dataset_path",
+    # One process: what the config computes per rank (8 x 2048 tokens a step) is the same on any
+    # number of them; the keys, assets and first loss checked here are those of every rank.
+    result = launch(1, ["--job.config_file", str(workdir / "debug_model.toml"), "--training.dataset_path",
                         "tests/assets/c4_test", "--training.steps", "2"], cwd=workdir, timeout=600)
     assert result.returncode == 0, describe(result)
     assert "activation checkpointing selective (2)" in result.stdout
