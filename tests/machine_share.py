@@ -146,18 +146,17 @@ def in_file_order(items: list, whole_machine: int, suite: Path) -> list:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     locks = item.config.stash.get(LOCKS, None)
-    if locks is None:
-        with busy_cores_logged(item):
-            yield
-        return
-    locks.take(cores_of(item))
+    if locks is not None:
+        locks.take(cores_of(item))
     started = time.monotonic()
     try:
         with busy_cores_logged(item):
             yield
     finally:
-        if nextitem is None or not locks.keep_for(cores_of(nextitem), time.monotonic() - started):
-            locks.release()
+        if locks is not None:
+            seconds = time.monotonic() - started
+            if nextitem is None or not locks.keep_for(cores_of(nextitem), seconds):
+                locks.release()
 
 
 @contextmanager

@@ -187,11 +187,11 @@ def results(assets, tmp_path_factory) -> dict:
             # The two process groups side by side: the 8 ranks' short aot_eager runs fill the core
             # time the 2 compiling ranks leave while one waits for a kernel the other builds.
             with ThreadPoolExecutor(len(groups)) as pool:
-                found = dict(zip(groups, pool.map(lambda nproc: run_matrix(nproc, groups[nproc], folders[nproc]),
-                                                  groups)))
+                started = {nproc: pool.submit(run_matrix, nproc, runs, folders[nproc])
+                           for nproc, runs in groups.items()}
             for nproc, runs in groups.items():
-                done.update({run: (found[nproc][run], found[nproc].get(reference))
-                             for run, (reference, _) in runs.items()})
+                found = started[nproc].result()
+                done.update({run: (found[run], found.get(reference)) for run, (reference, _) in runs.items()})
         return done[name]
 
     return get
