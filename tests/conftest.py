@@ -80,6 +80,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # runs tests
+        from tests.ranks import name_every_user
+
+        name_every_user()  # the process's one fork server serves all its users warm (tests/ranks.py)
     config.addinivalue_line("markers", "smoke: in the fast tier (`--fast`, make test-fast): a short test of a "
                                        "subsystem that the unit tests do not reach")
     config.addinivalue_line("markers", "slow: under tests/protocol, left out of the fast tier (it trains for real)")

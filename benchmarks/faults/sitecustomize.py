@@ -1,3 +1,6 @@
+# warm python: acts the same after the preloaded imports
+# (The test suite may run it after the trainer's modules are imported, tests/warm_python: every fault
+# patches a class, or a module global that is looked up when it is called.)
 """Injected faults for the protocol's power study, never part of the trainer.
 
 Python imports `sitecustomize` at start-up from the first folder of sys.path that has one. The

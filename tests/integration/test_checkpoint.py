@@ -235,7 +235,7 @@ def test_resume_after_a_crash_keeps_each_step_once(tmp_path, killed_at_10):
 # the save of step KILL_AT_SAVE, once the previous (asynchronous) save has written its .metadata,
 # which DCP writes last. They wait up to 5 s more for that save to be published, which takes
 # milliseconds when saves are published on completion, so the kill always falls between two saves.
-KILL_HOOK = """
+KILL_HOOK = """# warm python: acts the same after the preloaded imports
 import os
 
 if "RANK" in os.environ and "KILL_AT_SAVE" in os.environ:

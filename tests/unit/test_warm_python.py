@@ -18,7 +18,7 @@ import pytest
 
 from tests.warm_python import REAL_PYTHON, start_servers, write_client
 from tests.warm_python.client import running
-from tests.warm_python.server import VECTOR_ISA_FOLDER
+from tests.warm_python.server import ORDER_INDEPENDENT, VECTOR_ISA_FOLDER
 
 # Imported by the servers only: a process that has it in sys.modules at its start is a fork.
 PRELOADED = "xml.dom.minidom"
@@ -103,7 +103,8 @@ def test_exit_codes_exceptions_and_deaths_by_signal_are_the_processs(warm):
     assert warm.run("-m", "probe", "exit", "3").returncode == 3
     raised = warm.run("-m", "probe", "raise")
     assert raised.returncode == 1 and raised.stderr.strip().endswith("ValueError: a mistake"), raised.stderr
-    assert warm.run("-m", "probe", "signal", str(int(signal.SIGTERM))).returncode == -signal.SIGTERM
+    for number in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL: a signal that has no handler to reset
+        assert warm.run("-m", "probe", "signal", str(int(number))).returncode == -number
 
 
 def test_stdin_and_resource_limits_reach_the_process(warm):
@@ -165,6 +166,29 @@ def test_a_pythonpath_that_changes_an_import_runs_in_a_real_interpreter(warm, tm
     result = warm.run("-m", "probe", env=warm.env(PYTHONPATH=f"{tmp_path / 'hook'}:{warm.code}"))
     assert said(result)[0] == "real", result
     assert reason in warm.log.read_text()
+
+
+# A sitecustomize that sets what the probe prints, and one that fails part-way.
+HOOK = f"{ORDER_INDEPENDENT}\nimport os\nos.environ['PROBE_VALUE'] = 'set by the hook'\n"
+FAILING_HOOK = f"{ORDER_INDEPENDENT}\nraise ValueError('a broken hook')\n"
+
+
+@pytest.mark.parametrize("hook", [HOOK, FAILING_HOOK])
+def test_a_sitecustomize_declared_order_independent_runs_in_the_fork_as_at_an_interpreters_start(warm, tmp_path,
+                                                                                                  hook):
+    """Imported before the module, from PYTHONPATH and not from the working directory, a failure
+    reported and the start going on: what the real interpreter does with the same file."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(hook)
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "sitecustomize.py").write_text("raise SystemExit('not searched at the start')")
+    env = warm.env(PYTHONPATH=f"{tmp_path / 'hook'}:{warm.code}")
+    forked = warm.run("-m", "probe", cwd=tmp_path / "cwd", env=env)
+    real = warm.run("-m", "probe", cwd=tmp_path / "cwd", env={**env, "TEST_WARM_PYTHON": ""})
+    assert said(forked)[0] == "forked" and said(real)[0] == "real", (forked, real)
+    assert said(forked)[2] == said(real)[2] == ("set by the hook" if hook == HOOK else None)
+    assert forked.returncode == real.returncode == 0 and forked.stderr == real.stderr, (forked.stderr, real.stderr)
+    assert ("Error in sitecustomize" in forked.stderr) == (hook == FAILING_HOOK)
 
 
 def test_switched_off_the_interpreter_is_real(warm):

@@ -49,6 +49,9 @@ READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DIS
                   "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONUNBUFFERED", "PYTHONPATH",
                   "CUDA_VISIBLE_DEVICES")  # read when CUDA starts, which the server refuses to have done
 NOT_READ = ("PYTHON",)
+# The first line of a sitecustomize that a fork may run after this server's imports
+# (declared_order_independent); any other sitecustomize on PYTHONPATH starts a real interpreter.
+ORDER_INDEPENDENT = "# warm python: acts the same after the preloaded imports"
 PR_SET_PDEATHSIG = 1
 VECTOR_ISA_FOLDER = "vector_isa"  # beside the sockets: see check_vector_instructions
 # The signal dispositions of a fresh interpreter: this one's before it imports anything (SIGINT
@@ -229,7 +232,9 @@ def imports_differ(entries: list[str], cwd: str) -> str:
     listings = {entry: set(os.listdir(entry)) if os.path.isdir(entry) else set() for entry in entries}
     for entry in entries[1:]:  # PYTHONPATH's: the interpreter's start imports a sitecustomize from there
         if listings[entry] & {"sitecustomize.py", "usercustomize.py"}:
-            return f"{entry} holds a sitecustomize"
+            if not declared_order_independent(os.path.join(entry, "sitecustomize.py")):
+                return f"{entry} holds a sitecustomize"
+            break  # the first one found is the one the start imports
     for name, origin in TOP_LEVEL.items():
         found = next((found for entry in entries if (found := module_file(entry, listings[entry], name))), None)
         if found is None and name not in FOUND_BY_INSTALLATION:
@@ -237,6 +242,38 @@ def imports_differ(entries: list[str], cwd: str) -> str:
         if found is not None and os.path.realpath(found) != origin:
             return f"{name} would be {found}, not {origin}"
     return ""
+
+
+def declared_order_independent(path: str) -> bool:
+    """Whether the sitecustomize at `path` (and no usercustomize beside it) says in its first line
+    that it acts the same run after this server's imports as before them: it patches classes, or
+    module globals that are looked up when called, never a name another module has already bound.
+    A fork imports it before it runs the module (run_sitecustomize); a fresh interpreter would have
+    imported it first of all. This server must not have imported one itself."""
+    if "sitecustomize" in sys.modules or os.path.exists(os.path.join(os.path.dirname(path), "usercustomize.py")):
+        return False
+    try:
+        with open(path) as f:
+            return f.readline().rstrip("\n") == ORDER_INDEPENDENT
+    except OSError:
+        return False
+
+
+def run_sitecustomize() -> None:
+    """Import a PYTHONPATH folder's sitecustomize as the interpreter's start does (sys.path[0]
+    is not searched yet; an error other than its absence is printed, and the start goes on)."""
+    first, sys.path[:] = sys.path[0], sys.path[1:]
+    try:
+        try:
+            import sitecustomize  # noqa: F401
+        except ImportError as missing:
+            if missing.name != "sitecustomize":
+                raise
+    except Exception as error:  # noqa: BLE001 (as site.execsitecustomize: reported, not fatal)
+        print(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(error).__name__}: {error}",
+              file=sys.stderr)
+    finally:
+        sys.path.insert(0, first)
 
 
 def module_file(entry: str, names: set[str], name: str) -> str | None:
@@ -315,6 +352,7 @@ def run_main(kind: str, target: str) -> int:
         module = sys.modules.get(target)
         sys.modules.pop(f"{target}.__main__" if hasattr(module, "__path__") else target, None)
     try:
+        run_sitecustomize()  # what the interpreter's start imports (refusal: only a declared one)
         if kind == "module":
             runpy._run_module_as_main(target)  # what `python -m` runs
         else:
