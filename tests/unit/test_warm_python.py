@@ -62,7 +62,9 @@ def warm(tmp_path_factory):
     (code / "probe.py").write_text(PROBE)
     (code / "counted.py").write_text(COUNTED)
     env = {**os.environ, "PYTHONPATH": str(code), "COUNT_FILE": str(folder / "count")}
-    servers = start_servers(folder, [PRELOADED, "counted"], 2, env, folder / "servers.log")
+    # multiprocessing imported before they fork, as the suite's servers have (torch imports it).
+    servers = start_servers(folder, [PRELOADED, "counted", "multiprocessing.forkserver"], 2, env,
+                            folder / "servers.log")
     deadline = time.time() + 60
     while not all((folder / f"slot-{slot}.sock").exists() for slot in range(2)):
         assert time.time() < deadline and all(s.poll() is None for s in servers), (folder / "servers.log").read_text()
@@ -193,6 +195,38 @@ def test_a_sitecustomize_declared_order_independent_runs_in_the_fork_as_at_an_in
 
 def test_switched_off_the_interpreter_is_real(warm):
     assert warm.run("-m", "probe", env=warm.env(TEST_WARM_PYTHON="")).stdout.startswith("('real',")
+
+
+# Code run with -c as multiprocessing's fork server is: what it was started as, with what arguments,
+# and what it reads from the descriptor its first argument names.
+CODE = ("from multiprocessing.forkserver import main; import os, sys; print('xml.dom.minidom' in sys.modules, "
+        "sys.argv, sys.path[0] == '', os.read(int(sys.argv[1]), 5))")
+# A multiprocessing fork server started by a fork: itself a fork (multiprocessing starts it with
+# `sys.executable -c ...` and the descriptors it passes).
+FORK_SERVER = """
+import multiprocessing, sys
+def preloaded():
+    return "xml.dom.minidom" in sys.modules
+if __name__ == "__main__":
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool:
+        print("fork server's child preloaded:", pool.apply(preloaded))
+"""
+
+
+def test_multiprocessings_servers_run_forked_with_their_inherited_descriptors(warm, tmp_path):
+    read, write = os.pipe()
+    os.write(write, b"hello")
+    os.close(write)
+    try:
+        result = subprocess.run([warm.client, "-c", CODE, str(read)], env=warm.env(), capture_output=True, text=True,
+                                timeout=60, pass_fds=[read])
+    finally:
+        os.close(read)
+    assert result.stdout == f"True ['-c', '{read}'] True b'hello'\n", result
+    (tmp_path / "server_started.py").write_text(FORK_SERVER)
+    started = warm.run(str(tmp_path / "server_started.py"))
+    assert started.stdout == "fork server's child preloaded: True\n", started
 
 
 def test_other_command_lines_and_a_shadowing_folder_run_in_a_real_interpreter(warm, tmp_path):

@@ -27,15 +27,20 @@ import time
 FORWARDED = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGWINCH]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# How multiprocessing's fork server and resource tracker begin their `-c` code.
+MULTIPROCESSING_SERVERS = ("from multiprocessing.forkserver import main",
+                           "from multiprocessing.resource_tracker import main")
+MAX_INHERITED = 61  # descriptors past 0, 1 and 2 (the server takes 64 with a request)
 STARTING_WAIT_S = 120  # at most, for a server that is still importing (seconds, normally)
 LIMITS = ["RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_NOFILE",
           "RLIMIT_STACK"]
 
 
 def main(real_python: str, argv: list[str]) -> None:
+    inherited = inherited_descriptors()  # before this client opens any
     main_of = parse(argv)
     folder = os.environ.get("TEST_WARM_PYTHON", "")
-    if main_of is None or not folder:
+    if main_of is None or not folder or len(inherited) > MAX_INHERITED:
         start_real(real_python, argv)
     connection = connect(folder)
     if connection is None:
@@ -43,14 +48,14 @@ def main(real_python: str, argv: list[str]) -> None:
     die_with_the_launcher()
     unbuffered, kind, target, args = main_of
     request = {"main": [kind, target], "args": args, "unbuffered": unbuffered, "cwd": os.getcwd(),
-               "env": dict(os.environ), "umask": current_umask(), "executable": sys.argv[0],
+               "env": dict(os.environ), "umask": current_umask(), "executable": sys.argv[0], "descriptors": inherited,
                "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS}}
     # Signals that come before the process exists wait for it.
     pending, forked = [], []
     for number in FORWARDED:
         signal.signal(number, lambda number, _: pass_on(connection, number) if forked else pending.append(number))
     body = json.dumps(request).encode()
-    socket.send_fds(connection, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+    socket.send_fds(connection, [struct.pack("!I", len(body)) + body], [0, 1, 2, *inherited])
     reader = connection.makefile("rb")
     if not reader.readline().startswith(b"ok "):
         connection.close()
@@ -67,15 +72,35 @@ def main(real_python: str, argv: list[str]) -> None:
 
 
 def parse(argv: list[str]):
-    """(unbuffered, "module" | "script", MODULE | SCRIPT, ARGS) for `[-u] -m MODULE ARGS` or
-    `[-u] SCRIPT ARGS`; None for any other command line."""
+    """(unbuffered, "module" | "code" | "script", MODULE | CODE | SCRIPT, ARGS) for `[-u] -m MODULE
+    ARGS`, `[-u] -c CODE ARGS` where CODE is how multiprocessing starts its fork server or resource
+    tracker, or `[-u] SCRIPT ARGS`; None for any other command line. (Other code run with -c stays
+    a real interpreter: the tests use it for what only a fresh one shows, such as what a module
+    imports or the memory a reader takes.)"""
     unbuffered = bool(argv) and argv[0] == "-u"
     rest = argv[1:] if unbuffered else argv
     if len(rest) >= 2 and rest[0] == "-m":
         return unbuffered, "module", rest[1], rest[2:]
+    if len(rest) >= 2 and rest[0] == "-c" and rest[1].startswith(MULTIPROCESSING_SERVERS):
+        return unbuffered, "code", rest[1], rest[2:]
     if rest and rest[0].endswith(".py") and not rest[0].startswith("-"):
         return unbuffered, "script", rest[0], rest[1:]
     return None
+
+
+def inherited_descriptors() -> list[int]:
+    """The descriptors past 0, 1 and 2 that this process was started with (multiprocessing passes
+    its fork server a listening socket and a pipe): the fork gets them at the same numbers."""
+    return sorted(fd for fd in map(int, os.listdir("/proc/self/fd")) if fd > 2 and is_open(fd))
+
+
+def is_open(fd: int) -> bool:
+    """False for the descriptor that listed /proc/self/fd, closed since."""
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def connect(folder: str):

@@ -1,6 +1,6 @@
 """The server of the suite's warm Python (tests/warm_python/__init__.py): an interpreter that has
-imported torch and the trainer once and forks a ready process for each `python [-u] -m MODULE ...`
-or `python [-u] SCRIPT.py ...` that a client asks for.
+imported torch and the trainer once and forks a ready process for each `python [-u] -m MODULE ...`,
+`python [-u] -c CODE ...` or `python [-u] SCRIPT.py ...` that a client asks for.
 
     python tests/warm_python/server.py SOCKET MODULE...
 
@@ -19,7 +19,9 @@ makes: non-daemon threads joined, atexit handlers run, streams flushed, the exit
 from __future__ import annotations
 
 import atexit
+import builtins
 import ctypes
+import fcntl
 import importlib
 import importlib.machinery
 import io
@@ -53,6 +55,7 @@ NOT_READ = ("PYTHON",)
 # (declared_order_independent); any other sitecustomize on PYTHONPATH starts a real interpreter.
 ORDER_INDEPENDENT = "# warm python: acts the same after the preloaded imports"
 PR_SET_PDEATHSIG = 1
+MAX_DESCRIPTORS = 64  # a request's: 0, 1, 2 and those its client inherited
 VECTOR_ISA_FOLDER = "vector_isa"  # beside the sockets: see check_vector_instructions
 # The signal dispositions of a fresh interpreter: this one's before it imports anything (SIGINT
 # raises KeyboardInterrupt; SIGPIPE and SIGXFSZ are ignored, so a write past RLIMIT_FSIZE is an
@@ -137,7 +140,7 @@ def die_with_parent(how: int = signal.SIGTERM) -> None:
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
-    head, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    head, fds, _, _ = socket.recv_fds(connection, 1 << 16, MAX_DESCRIPTORS)
     size = struct.unpack("!I", head[:4])[0]
     body = head[4:]
     while len(body) < size:
@@ -152,7 +155,7 @@ def relay(connection: socket.socket, start_env: dict[str, str]) -> None:
     code = 0
     try:
         request, fds = receive(connection)
-        why = refusal(request, start_env)
+        why = refusal(request, start_env) or lost_descriptors(request, fds)
         if why:  # in the servers' log: what runs as a real interpreter, and why
             print(f"refused {' '.join(request['main'])}: {why}", file=sys.stderr, flush=True)
             connection.sendall(f"no {why}\n".encode())
@@ -212,16 +215,25 @@ def refusal(request: dict, start_env: dict[str, str]) -> str:
     return ""
 
 
+def lost_descriptors(request: dict, fds: list[int]) -> str:
+    """'' when every descriptor the client sent arrived (0, 1, 2 and those it inherited)."""
+    sent = 3 + len(request["descriptors"])
+    return "" if len(fds) == sent else f"{sent - len(fds)} of its {sent} descriptors did not arrive"
+
+
 def python_path(env: dict[str, str]) -> list[str]:
     """PYTHONPATH's entries, each once (torchrun_launch.sh puts the repository first again)."""
     return list(dict.fromkeys(entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry))
 
 
 def first_entry(request: dict) -> str:
-    """sys.path[0] of a fresh interpreter: the working directory for -m, else the script's folder."""
+    """sys.path[0] of a fresh interpreter: the working directory for -m, '' (the working directory
+    as it will be) for -c, else the script's folder."""
     kind, target = request["main"]
     if kind == "module":
         return request["cwd"]
+    if kind == "code":
+        return ""
     return os.path.dirname(os.path.realpath(os.path.join(request["cwd"], target)))
 
 
@@ -312,9 +324,7 @@ def become(request: dict, fds: list[int], connection: socket.socket) -> None:
     connection.close()
     die_with_parent(signal.SIGKILL)
     os.setsid()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
+    place_descriptors(fds, [0, 1, 2, *request["descriptors"]])
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     for name, limits in request["limits"].items():
@@ -328,11 +338,25 @@ def become(request: dict, fds: list[int], connection: socket.socket) -> None:
                                          standard_stream(2, unbuffered))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.executable = request["executable"]  # the processes it starts ask this server too
+    if "multiprocessing.spawn" in sys.modules:  # and multiprocessing's servers, as it reads sys.executable at import
+        sys.modules["multiprocessing.spawn"].set_executable(sys.executable)
     sys.path[:] = [first_entry(request), *python_path(os.environ), *INSTALLATION_PATH]
     tempfile.tempdir = None  # found again from TMPDIR
     kind, target = request["main"]
-    sys.argv = [("-m" if kind == "module" else target), *request["args"]]
+    sys.argv = [{"module": "-m", "code": "-c"}.get(kind, target), *request["args"]]
     finish(run_main(kind, target))
+
+
+def place_descriptors(fds: list[int], numbers: list[int]) -> None:
+    """Each descriptor received at the number it had in the client (inheritable, as it was there).
+    They are first moved past every number involved, so that placing one never closes another."""
+    past = max([*fds, *numbers]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, past) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, number in zip(moved, numbers):
+        os.dup2(fd, number)
+        os.close(fd)
 
 
 def standard_stream(fd: int, unbuffered: bool) -> io.TextIOWrapper:
@@ -355,6 +379,10 @@ def run_main(kind: str, target: str) -> int:
         run_sitecustomize()  # what the interpreter's start imports (refusal: only a declared one)
         if kind == "module":
             runpy._run_module_as_main(target)  # what `python -m` runs
+        elif kind == "code":  # what `python -c` runs: the code in __main__, named <string>
+            main = sys.modules["__main__"]
+            main.__dict__.update(__builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter)
+            exec(compile(target, "<string>", "exec"), main.__dict__)
         else:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
