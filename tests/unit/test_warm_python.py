@@ -6,6 +6,7 @@ as a real interpreter."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import signal
@@ -255,19 +256,30 @@ print(json.dumps([made, [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]])
 """
 
 
-def test_a_fork_finds_the_vector_instruction_check_made_as_a_fresh_interpreter_makes_it(tmp_path):
-    """The servers make inductor's check of the CPU's vector instructions once (a g++ build per
-    instruction set, 7 s of CPU): a fork that compiles finds it made, with the result a fresh
-    interpreter finds. This session's servers, or one started here when the warm Python is off."""
+@contextlib.contextmanager
+def servers_with_torch(tmp_path: Path):
+    """This session's servers (they have imported torch), or one started here when the warm Python
+    is off: their folder."""
     folder = Path(os.environ.get("TEST_WARM_PYTHON") or "")
+    servers = []
     if not folder.is_dir():
         folder = tmp_path / "warm"
         folder.mkdir()
-        servers = start_servers(folder, ["torch"], 1, dict(os.environ), folder / "servers.log")
+        servers = start_servers(folder, ["torch", "torch._inductor.config"], 1, dict(os.environ),
+                                folder / "servers.log")
         write_client(folder)
-    else:
-        servers = []
     try:
+        yield folder
+    finally:
+        for process in servers:
+            process.terminate()
+
+
+def test_a_fork_finds_the_vector_instruction_check_made_as_a_fresh_interpreter_makes_it(tmp_path):
+    """The servers make inductor's check of the CPU's vector instructions once (a g++ build per
+    instruction set, 7 s of CPU): a fork that compiles finds it made, with the result a fresh
+    interpreter finds."""
+    with servers_with_torch(tmp_path) as folder:
         (tmp_path / "isa_probe.py").write_text(ISA_PROBE)
         env = {**os.environ, "TEST_WARM_PYTHON": str(folder), "TEST_WARM_PYTHON_SLOTS": "1",
                "PYTHONPATH": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(folder / VECTOR_ISA_FOLDER)}
@@ -275,13 +287,34 @@ def test_a_fork_finds_the_vector_instruction_check_made_as_a_fresh_interpreter_m
         forked = subprocess.run([str(folder / "python"), "-m", "isa_probe"], env=env, capture_output=True, text=True,
                                 timeout=120)
         fresh = subprocess.run([REAL_PYTHON, "-m", "isa_probe"], env=env, capture_output=True, text=True, timeout=120)
-    finally:
-        for process in servers:
-            process.terminate()
     made_in_fork, isa_in_fork = json.loads(forked.stdout)
     made_fresh, isa_fresh = json.loads(fresh.stdout)
     assert (made_in_fork, made_fresh) == (1, 0)
     assert isa_in_fork == isa_fresh
+
+
+THREADS_PROBE = """
+import torch._inductor.config as config
+print(config.compile_threads)
+"""
+
+
+def test_inductors_compile_threads_follow_the_forks_environment(tmp_path):
+    """TORCHINDUCTOR_COMPILE_THREADS is read when inductor's config is imported, in the server
+    before the fork: the fork sets it again from its own, as a fresh interpreter's import does."""
+    threads = "3"  # the servers have 1 (tests/conftest.py)
+    with servers_with_torch(tmp_path) as folder:
+        (tmp_path / "threads_probe.py").write_text(THREADS_PROBE)
+        env = {**os.environ, "TEST_WARM_PYTHON": str(folder), "TEST_WARM_PYTHON_SLOTS": "1",
+               "PYTHONPATH": str(tmp_path), "TORCHINDUCTOR_COMPILE_THREADS": threads}
+        forked = subprocess.run([str(folder / "python"), "-m", "threads_probe"], env=env, capture_output=True,
+                                text=True, timeout=120)
+        fresh = subprocess.run([REAL_PYTHON, "-m", "threads_probe"], env=env, capture_output=True, text=True,
+                               timeout=120)
+        log = Path(os.environ.get("TEST_WARM_PYTHON_LOG") or folder / "servers.log")
+        refused = log.exists() and "refused module threads_probe" in log.read_text()
+    assert forked.stdout == fresh.stdout == f"{threads}\n", (forked, fresh)
+    assert not refused  # the fork ran it
 
 
 @pytest.mark.parametrize("starts", ["slowly", "and fails"])

@@ -51,6 +51,9 @@ READ_WHEN_USED = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DIS
                   "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONUNBUFFERED", "PYTHONPATH",
                   "CUDA_VISIBLE_DEVICES")  # read when CUDA starts, which the server refuses to have done
 NOT_READ = ("PYTHON",)
+# ... and these, read at import into one setting that the fork sets again from its own value (the
+# compile matrix's ranks build kernels on 2 threads: tests/integration/test_compile_parity.py).
+SET_AGAIN = ("TORCHINDUCTOR_COMPILE_THREADS",)
 # The first line of a sitecustomize that a fork may run after this server's imports
 # (declared_order_independent); any other sitecustomize on PYTHONPATH starts a real interpreter.
 ORDER_INDEPENDENT = "# warm python: acts the same after the preloaded imports"
@@ -202,7 +205,8 @@ def refusal(request: dict, start_env: dict[str, str]) -> str:
     """Why a fork of this server would not be the interpreter the request starts ('' when it would)."""
     env = request["env"]
     for name in sorted(set(env) | set(start_env)):
-        if name.startswith(READ_AT_START) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ:
+        if (name.startswith(READ_AT_START) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ
+                and name not in SET_AGAIN):
             if env.get(name) != start_env.get(name):
                 return f"{name} differs"
     why = imports_differ([first_entry(request), *python_path(env)], request["cwd"])
@@ -331,6 +335,7 @@ def become(request: dict, fds: list[int], connection: socket.socket) -> None:
         resource.setrlimit(getattr(resource, name), tuple(limits))
     os.environ.clear()
     os.environ.update(request["env"])
+    set_again_from_environment()
     for number, handler in FRESH_SIGNALS.items():
         signal.signal(number, handler)
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
@@ -345,6 +350,14 @@ def become(request: dict, fds: list[int], connection: socket.socket) -> None:
     kind, target = request["main"]
     sys.argv = [{"module": "-m", "code": "-c"}.get(kind, target), *request["args"]]
     finish(run_main(kind, target))
+
+
+def set_again_from_environment() -> None:
+    """What SET_AGAIN's variables set when their module was imported here, set as that import
+    would from the fork's environment: inductor's compile threads."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = config.decide_compile_threads()
 
 
 def place_descriptors(fds: list[int], numbers: list[int]) -> None:
