@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics, run_many
 from tests.ranks import start_ranks
 from tests.warm_python import REAL_PROCESSES
+from tests.warm_python.server import ORDER_INDEPENDENT
 from trainer.launch.stop_request import catches
 
 
@@ -235,7 +236,7 @@ def test_resume_after_a_crash_keeps_each_step_once(tmp_path, killed_at_10):
 # the save of step KILL_AT_SAVE, once the previous (asynchronous) save has written its .metadata,
 # which DCP writes last. They wait up to 5 s more for that save to be published, which takes
 # milliseconds when saves are published on completion, so the kill always falls between two saves.
-KILL_HOOK = """# warm python: acts the same after the preloaded imports
+KILL_HOOK = ORDER_INDEPENDENT + """
 import os
 
 if "RANK" in os.environ and "KILL_AT_SAVE" in os.environ:

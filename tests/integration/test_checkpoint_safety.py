@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO, TINY_JOB, describe, launch, read_metrics, run_many
+from tests.warm_python.server import ORDER_INDEPENDENT
 
-FAULTS = '''# warm python: acts the same after the preloaded imports
+FAULTS = ORDER_INDEPENDENT + '''
 import os
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 if os.environ.get("RANK") is not None and os.environ.get("FAULT") and (first_attempt or not os.environ.get("FAULT_ONCE")):
@@ -216,7 +217,7 @@ def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_older_checkpo
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-6"]  # keep_latest_k 1, after the save worked
 
 
-POISON = """# warm python: acts the same after the preloaded imports
+POISON = ORDER_INDEPENDENT + """
 import os
 if os.environ.get("RANK") == os.environ.get("POISON_RANK") and os.environ.get("POISON_AT_STEP"):
     import torch

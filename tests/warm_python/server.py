@@ -271,7 +271,7 @@ def declared_order_independent(path: str) -> bool:
     try:
         with open(path) as f:
             return f.readline().rstrip("\n") == ORDER_INDEPENDENT
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # unreadable, or not text: not declared
         return False
 
 
