@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from trainer import float8
 from trainer.models.llama3 import Transformer
 from trainer.models.llama3.initialization import copy_global_into, parameter_seed
 from trainer.models.llama3.hf_config import configured_model_args
@@ -34,7 +35,10 @@ def build_on_meta(config, dims, mesh, device: torch.device, model_args) -> Paral
     ever exists. Its parameters are of training.dtype (FSDP keeps what it is given)."""
     with torch.device("meta"), parameters_in(DTYPES[config.training.dtype]):
         model = Transformer(model_args)
+    # model.converters: before the parallelisms, which then shard the float8 layers.
+    conversion = float8.convert(model, config, dims.dp_shard_cp, device) if float8.enabled(config) else None
     parallel = parallelize(model, dims, mesh, config, device)
+    parallel.float8 = conversion
     if parallel.stage_plan is not None:
         logger.info("pipeline: %s", parallel.stage_plan.describe())
     return parallel

@@ -198,8 +198,21 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
 # these sections (the moments and step counts come from the checkpoint).
 RESUMED_SETTINGS = ("optimizer", "lr_scheduler", "training.max_norm")
 # Also named when changed on resume: the dtype the checkpoint's weights and optimizer state are
-# cast to when loaded (float32 -> bfloat16 rounds them).
-NAMED_ON_RESUME = (*RESUMED_SETTINGS, "training.dtype")
+# cast to when loaded (float32 -> bfloat16 rounds them), and float8 layers turned on or off or
+# scaled otherwise (the weights load either way: they are kept in high precision).
+NAMED_ON_RESUME = (*RESUMED_SETTINGS, "training.dtype", "model.converters", "quantize")
+
+
+def dotted(table: dict, prefix: str = "") -> dict:
+    """A section's keys with the keys of its tables dotted ({"linear": {"float8": {"emulate": x}}}
+    -> {"linear.float8.emulate": x})."""
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def settings_changed(saved_config: dict, config) -> list[str]:
@@ -210,9 +223,9 @@ def settings_changed(saved_config: dict, config) -> list[str]:
     changed = []
     for name in NAMED_ON_RESUME:
         section, _, key = name.partition(".")
-        defaults = dataclasses.asdict(type(getattr(config, section))())
-        saved = {**defaults, **saved_config.get(section, {})}
-        current = {**defaults, **now.get(section, {})}
+        defaults = dotted(dataclasses.asdict(type(getattr(config, section))()))
+        saved = {**defaults, **dotted(saved_config.get(section, {}))}
+        current = {**defaults, **dotted(now.get(section, {}))}
         for k in ([key] if key else sorted(current)):
             if saved.get(k) != current.get(k):
                 changed.append(f"{section}.{k} {saved.get(k)!r} -> {current.get(k)!r}")

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # a rank: listen before torch's import, which takes 
 import torch
 import torch.distributed as dist
 
-from trainer import process_setup, messages
+from trainer import float8, messages, process_setup
 
 from trainer.launch import run_lock
 
@@ -107,6 +107,7 @@ class Trainer:
         model_args = training_model_args(config)
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name
+        self.float8, self.stages = parallel.float8, list(parallel.stages.values())
         self.runner = StepRunner(parallel, plan, self.mesh, config, self.device)
         self.optimizer = build_optimizer(self.model.named_parameters(), config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, config.training.steps)
@@ -216,6 +217,7 @@ class Trainer:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "num_params": count_params_on_meta(model_args),
+            "float8": self.float8.record() if self.float8 else None,
             "data": self.source.describe(),
             "validation_data": self.val_loader.source.describe() if self.val_loader else None,
         }
@@ -238,6 +240,7 @@ class Trainer:
         if scaler is None:
             grad_norm, skipped = self._clip(), False
             self.optimizer.step()
+            float8.precompute_scales(self.stages, self.float8)
         else:
             grad_norm, skipped = self._scaled_update(scaler)
         with warnings.catch_warnings():  # torch warns when the first optimizer step was skipped

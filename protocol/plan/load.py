@@ -307,7 +307,7 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
 
     `shared` is true for [plan].overrides: only there may the model and the data be chosen.
     """
-    from trainer.config.manager import ConfigError, convert, field_types, sections
+    from trainer.config.manager import ConfigError, convert, leaf_types, sections
 
     known = sections()
     valid = {}
@@ -319,7 +319,7 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
             problems.append(f"{at}: not a trainer option; write it as \"section.key\" with section one of "
                             f"{', '.join(known)}{closest(section, list(known))}")
             continue
-        types_ = field_types(known[section])
+        types_ = leaf_types(known[section])
         if name not in types_:
             problems.append(f"{at}: unknown option {written}{closest(name, list(types_))}")
             continue

@@ -18,6 +18,8 @@ from trainer.config.manager import (
     TRAIN_CONFIGS_DIR,
     ConfigError,
     field_docs,
+    leaf_owner,
+    leaf_types,
     help_text,
     load_config,
     parse_cli,
@@ -222,6 +224,8 @@ def test_torchtitan_sections_warn_once(tmp_path, caplog):
         enable_profiling = true
         [quantize.linear.float8]
         enable_fsdp_float8_all_gather = true
+        [quantize.linear.mx]
+        recipe_name = "mxfp8_cublas"
         [fault_tolerance]
         enable = false
         [parallelism]
@@ -233,11 +237,12 @@ def test_torchtitan_sections_warn_once(tmp_path, caplog):
         config = load_config(["--job.config_file", path])
     assert config.training.steps == 3
     assert config.profiling.enable_profiling  # implemented: read, not ignored
+    assert config.quantize.linear.float8.enable_fsdp_float8_all_gather  # implemented, in its nested table
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    for name in ("[quantize]", "[fault_tolerance]", "parallelism.expert_parallel_degree"):
+    for name in ("quantize.linear.mx", "[fault_tolerance]", "parallelism.expert_parallel_degree"):
         assert name in warnings[0]
-    assert "profiling" not in warnings[0]
+    assert "profiling" not in warnings[0] and "float8" not in warnings[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,10 +289,11 @@ def test_a_mixture_is_an_array_of_tables_that_round_trips(tmp_path):
 def test_every_field_has_a_docstring_and_appears_in_help():
     text = help_text()
     for section, cls in sections().items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
-            assert f"--{section}.{f.name}  (" in text
+        for key in leaf_types(cls):  # dotted below a table field: quantize.linear.float8.emulate
+            owner, name = leaf_owner(cls, key)
+            assert field_docs(owner).get(name), f"{section}.{key} has no docstring"
+            assert f"--{section}.{key}  (" in text
+    assert "--quantize.linear.float8.recipe_name  (" in text
 
 
 def test_help_shows_type_default_and_config_value():

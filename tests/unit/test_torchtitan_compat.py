@@ -28,7 +28,7 @@ def warnings_of(caplog) -> list[str]:
 
 
 def test_ignored_options_on_the_command_line_are_accepted_and_named_once(caplog):
-    argv = ["--quantize.linear.float8.enable_fsdp_float8_all_gather", "--model.converters", "float8",
+    argv = ["--quantize.linear.mx.filter_fqns", "output", "--quantize.grouped_mm.float8.fqns", "experts",
             "--activation_checkpoint.early_stop", "--training.steps", "3", "--activation_checkpoint.no_early_stop",
             "--training.dataloader.num_workers=4", "--parallelism.expert_parallel_degree", "1",
             "--float8.emulate", "true", "--validation.dataloader.pin_memory"]
@@ -40,7 +40,7 @@ def test_ignored_options_on_the_command_line_are_accepted_and_named_once(caplog)
     assert warning.startswith("ignoring options this trainer does not implement (torchtitan's; docs/configuration.md "
                               "lists them): command line: ")
     names = warning.split("command line: ")[1].split(", ")
-    assert names == ["--quantize.linear.float8.enable_fsdp_float8_all_gather", "--model.converters",
+    assert names == ["--quantize.linear.mx.filter_fqns", "--quantize.grouped_mm.float8.fqns",
                      "--activation_checkpoint.early_stop", "--training.dataloader.num_workers",
                      "--parallelism.expert_parallel_degree", "--float8.emulate", "--validation.dataloader.pin_memory"]
 
@@ -48,7 +48,7 @@ def test_ignored_options_on_the_command_line_are_accepted_and_named_once(caplog)
 def test_a_toml_file_and_the_command_line_share_one_warning(tmp_path, caplog):
     path = tmp_path / "job.toml"
     path.write_text(textwrap.dedent("""
-        [quantize.linear.float8]
+        [quantize.linear.mx]
         filter_fqns = ["output"]
         [activation_checkpoint]
         visualize_memory_budget_pareto = true
@@ -56,10 +56,11 @@ def test_a_toml_file_and_the_command_line_share_one_warning(tmp_path, caplog):
         steps = 4
     """))
     with caplog.at_level(logging.WARNING):
-        config = load_config(["--job.config_file", str(path), "--model.converters=float8"])
+        config = load_config(["--job.config_file", str(path), "--training.dataloader.num_workers=2"])
     assert config.training.steps == 4
     [warning] = warnings_of(caplog)
-    assert f"{path}: [quantize], activation_checkpoint.visualize_memory_budget_pareto; command line: --model.converters" in warning
+    assert (f"{path}: quantize.linear.mx, activation_checkpoint.visualize_memory_budget_pareto; command line: "
+            "--training.dataloader.num_workers") in warning
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -108,10 +109,10 @@ def test_the_table_lists_every_torchtitan_key_this_trainer_knows_of():
     # Every ignored key of a torchtitan v0.2.2 section is one of its keys or of an earlier version's.
     earlier = {"job.print_args", "job.use_for_integration_test", "parallelism.enable_compiled_autograd",
                "parallelism.pipeline_parallel_split_points"}
-    tables = {f"{section}.{key.split('.')[0]}" for section, keys in TORCHTITAN_KEYS.items() for key in keys}
     for section, keys in IGNORED_KEYS.items():
-        for key in keys:
-            assert f"{section}.{key}" in tables | earlier, f"{section}.{key}"
+        for key in keys:  # a key, or a table of keys (training.dataloader, quantize.linear.mx)
+            assert (f"{section}.{key}" in earlier or any(name == key or name.startswith(f"{key}.")
+                                                         for name in TORCHTITAN_KEYS[section])), f"{section}.{key}"
     assert IGNORED_SECTIONS - set(TORCHTITAN_KEYS) == {"float8", "mx"}  # torchtitan v0.1's
     # No key is both implemented and ignored (implementing one means taking it out of ignored.py).
     ignored = {f"{section}.{key}" for section, keys in IGNORED_KEYS.items() for key in keys}
@@ -126,7 +127,10 @@ def test_statuses_of_the_keys_this_work_touches():
     assert status("job.save_config_file")[0] == "different"
     assert status("activation_checkpoint.visualize_memory_budget_pareto") == (IGNORED, "")
     assert status("activation_checkpoint.memory_budget") == (SAME, "")
-    assert status("quantize.linear.float8.emulate") == (IGNORED, "")
+    assert status("quantize.linear.float8.recipe_name") == (SAME, "")
+    assert status("quantize.linear.float8.filter_fqns")[0] == "different"  # the output layer stays high precision
+    assert status("model.converters")[0] == "different"  # float8 only, under either of its names
+    assert status("quantize.linear.mx.recipe_name") == status("quantize.grouped_mm.float8.fqns") == (IGNORED, "")
     assert status("compile.enable") == (SAME, "")
     assert status("comm.mode")[0] == REFUSED_STATUS
     with pytest.raises(KeyError, match="has no status"):
@@ -212,5 +216,7 @@ def test_a_torchtitan_style_config_loads_with_its_flags(tmp_path, caplog):
     assert (config.validation.steps, config.job.save_config_file) == (-1, "job_config.toml")
     assert warnings_of(caplog) == [
         "ignoring options this trainer does not implement (torchtitan's; docs/configuration.md lists them): "
-        f"{path}: model.converters, training.dataloader, [quantize]; command line: "
-        "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
+        f"{path}: training.dataloader"]
+    float8 = config.quantize.linear.float8  # read, though model.converters = [] leaves float8 off
+    assert (float8.filter_fqns, float8.precompute_float8_dynamic_scale_for_fsdp) == (["output"], True)
+    assert config.model.converters == []

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from trainer.loss_scale import DynamicLossScaler
 
@@ -37,6 +38,22 @@ def aliased_names(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def unwrapped(value):
+    """`value` without a torchao weight wrapper: float8 all-gather (trainer/float8.py) holds each
+    weight (a DTensor's local shard) in a tensor subclass whose `_tensor` is the high-precision
+    weight. A checkpoint saves that plain tensor (sharing its memory, so loading fills the
+    weight): the same file with float8 on or off, readable without torchao's classes."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not (type(local).__module__.startswith("torchao.") and isinstance(getattr(local, "_tensor", None), torch.Tensor)):
+        return value
+    if isinstance(value, DTensor):
+        return DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return local._tensor
+
+
 class ModelState(Stateful):
     """The model's (sharded) state dict under its original parameter names, optionally cast.
     A tied weight is saved once, under its parameter name (tok_embeddings.weight): the same key
@@ -47,7 +64,7 @@ class ModelState(Stateful):
         self.aliases = aliased_names(model)
 
     def state_dict(self) -> dict:
-        state = {k: v for k, v in get_model_state_dict(self.model).items() if k not in self.aliases}
+        state = {k: unwrapped(v) for k, v in get_model_state_dict(self.model).items() if k not in self.aliases}
         return {k: v.to(self.dtype) for k, v in state.items()} if self.dtype else state
 
     def load_state_dict(self, state: dict) -> None:

@@ -10,6 +10,7 @@ from pathlib import PurePath
 
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
+from trainer.config.quantize import FLOAT8_CONVERTERS
 from trainer.config.ranges import FLOAT32_LARGEST, range_problems, shown
 
 
@@ -79,6 +80,7 @@ def validate(config: JobConfig) -> None:
          f"parallelism.context_parallel_rotate_method: {shown(p.context_parallel_rotate_method)} is not available; "
          "context parallelism here passes keys and values around a ring; leave the default 'allgather'")
     problems += option_problems(c)
+    problems += float8_problems(c)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -185,3 +187,27 @@ def save_config_file_problems(c: JobConfig) -> list[str]:
     if path.parts[0] in own:
         return [f"{key} is where the run writes {path.parts[0]} itself; choose another name, such as 'config.toml'"]
     return []
+
+
+def float8_problems(c: JobConfig) -> list[str]:
+    """[quantize.linear.float8]'s keys against each other (checked with float8 off too, as
+    torchtitan's presets carry the table with the converter off), and what float8 layers are not
+    combined with."""
+    o, key = c.quantize.linear.float8, "quantize.linear.float8"
+    problems = []
+    if o.recipe_name is not None and o.enable_fsdp_float8_all_gather:
+        problems.append(f"{key}.enable_fsdp_float8_all_gather: float8 all-gather is tensorwise scaling's, and "
+                        f"recipe_name {o.recipe_name!r} all-gathers in high precision; turn it off, or unset recipe_name")
+    if not any(name in FLOAT8_CONVERTERS for name in c.model.converters):
+        return problems
+    if o.emulate and c.compile.enable:
+        problems.append(f"{key}.emulate: torchao's emulated float8 matmuls do not compile; turn compile.enable off, or "
+                        "emulate off on a GPU with float8 kernels (compute capability 8.9 or later) or a CPU")
+    if c.parallelism.tensor_parallel_sync != "full":
+        problems.append(f"parallelism.tensor_parallel_sync: {c.parallelism.tensor_parallel_sync!r} computes with each "
+                        "rank's local weight shards, which float8 layers (model.converters) do not; use 'full' or "
+                        "take float8 off")
+    if c.training.enable_cpu_offload:
+        problems.append("training.enable_cpu_offload: not combined with float8 layers (model.converters) here: the "
+                        "combination has not been tested on a GPU yet; turn one of them off")
+    return problems

@@ -13,7 +13,7 @@ import typing
 
 from trainer.config.torchtitan_keys import IGNORED_KEYS, IGNORED_SECTIONS
 from trainer.config.job_config import JobConfig
-from trainer.config.manager import field_docs, field_types, sections, type_name
+from trainer.config.manager import field_docs, field_types, get_key, leaf_owner, leaf_types, sections, type_name
 from trainer.config.ranges import declared
 from trainer.config.torchtitan_keys import OWN_KEYS, TORCHTITAN_KEYS, TORCHTITAN_VERSION, table
 
@@ -54,10 +54,9 @@ def render() -> str:
     out = [INTRO]
     for section, cls in sections().items():
         out += [f"## [{section}]", "", inspect.cleandoc(cls.__doc__ or ""), "", *TABLE_HEAD]
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, section), f.name)
-            out.append(row(cls, f.name, default, docs))
+        for key in leaf_types(cls):
+            owner, name = leaf_owner(cls, key)
+            out.append(row(owner, name, get_key(getattr(defaults, section), key), field_docs(owner), shown_as=key))
         out.append("")
         for f in dataclasses.fields(cls):
             entry = table_entry_type(field_types(cls)[f.name])
@@ -79,11 +78,12 @@ def render_entry(name: str, cls: type) -> list[str]:
     return out + [""]
 
 
-def row(cls: type, name: str, default, docs: dict[str, str]) -> str:
-    """One key's table row; `valid` is what a numeric key accepts (trainer.config.ranges)."""
+def row(cls: type, name: str, default, docs: dict[str, str], shown_as: str = "") -> str:
+    """One key's table row (named `shown_as`, dotted below a table, else `name`); `valid` is what
+    a numeric key accepts (trainer.config.ranges)."""
     rule = declared(cls, name)
     accepted = escape(rule.text(short=True)) if rule is not None else ""
-    return (f"| `{name}` | {escape(type_name(field_types(cls)[name]))} | {accepted} | `{default!r}` | "
+    return (f"| `{shown_as or name}` | {escape(type_name(field_types(cls)[name]))} | {accepted} | `{default!r}` | "
             f"{escape(docs.get(name, ''))} |")
 
 
@@ -97,10 +97,12 @@ def render_torchtitan(out: list[str]) -> str:
             "torchtitan's `--quantize.linear.float8.filter_fqns`.", "",
             "| torchtitan key | here | how, or why |", "| --- | --- | --- |"]
     out += [f"| `{key}` | {state} | {escape(note)} |" for key, state, note in table()]
-    listed = {f"{section}.{key.split('.')[0]}" for section, keys in TORCHTITAN_KEYS.items() for key in keys}
+    def listed(section: str, ignored: str) -> bool:  # a key of v0.2.2's, or a table of them
+        return any(key == ignored or key.startswith(f"{ignored}.") for key in TORCHTITAN_KEYS.get(section, ()))
+
     earlier = [f"`[{s}]`" for s in sorted(IGNORED_SECTIONS) if s not in TORCHTITAN_KEYS]
     earlier += [f"`{section}.{key}`" for section, keys in IGNORED_KEYS.items() for key in sorted(keys)
-                if f"{section}.{key}" not in listed]
+                if not listed(section, key)]
     out += ["", "Also ignored with a warning, from earlier torchtitan versions: " + ", ".join(earlier) + ".", "",
             "Keys of this trainer that torchtitan does not have: " + ", ".join(f"`{key}`" for key in OWN_KEYS) + "."]
     return "\n".join(out) + "\n"

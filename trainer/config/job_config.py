@@ -18,6 +18,7 @@ from typing import Literal, Optional
 from trainer.config.checkpointing import Checkpoint
 from trainer.config.compute import ActivationCheckpoint, Compile
 from trainer.config.observability import Metrics, Profiling
+from trainer.config.quantize import Quantize
 from trainer.config.ranges import SEED_MAX, DType, valid
 from trainer.config.validation import Validation
 
@@ -70,6 +71,14 @@ class Model:
     """A local folder of Hugging Face assets (as a model hub download holds them): its tokenizer
     (tokenizer.json, else tokenizer.model) is used when model.tokenizer_path is empty, and its
     config.json gives the shapes when model.flavor is "hf". Nothing is downloaded."""
+
+    converters: list[Literal["quantize.linear.float8", "float8"]] = field(default_factory=list)
+    """Conversions of the built model: "quantize.linear.float8" (or torchtitan's earlier name
+    "float8") trains the blocks' linear layers in float8, as [quantize.linear.float8] says
+    (needs torchao: pip install -e '.[float8]'). Empty: none."""
+
+    print_after_conversion: bool = False
+    """Log the model's modules after model.converters converted them (rank 0)."""
 
 
 @dataclass
@@ -416,6 +425,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)

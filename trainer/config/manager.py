@@ -65,6 +65,52 @@ def field_types(section_cls: type) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def leaf_types(section_cls: type) -> dict[str, Any]:
+    """Every key of a section with its type. A field that is itself a table (a dataclass, as
+    quantize's linear.float8) gives its keys dotted: "linear.float8.recipe_name"."""
+    leaves = {}
+    for name, tp in field_types(section_cls).items():
+        if dataclasses.is_dataclass(tp):
+            leaves.update({f"{name}.{key}": inner for key, inner in leaf_types(tp).items()})
+        else:
+            leaves[name] = tp
+    return leaves
+
+
+def leaf_owner(section_cls: type, key: str) -> tuple[type, str]:
+    """(the dataclass that declares dotted `key`, the field's own name)."""
+    *tables, name = key.split(".")
+    for table in tables:
+        section_cls = field_types(section_cls)[table]
+    return section_cls, name
+
+
+def get_key(section, key: str) -> Any:
+    """The value of dotted `key` in a section object."""
+    for name in key.split("."):
+        section = getattr(section, name)
+    return section
+
+
+def set_key(section, key: str, value: Any) -> None:
+    *tables, name = key.split(".")
+    for table in tables:
+        section = getattr(section, table)
+    setattr(section, name, value)
+
+
+def flat_items(table: dict, section_cls: type, prefix: str = ""):
+    """(dotted key, value) of a section's TOML table: the tables of its table fields are
+    flattened, anything else (an unknown or ignored table included) is one item."""
+    types_ = field_types(section_cls)
+    for key, value in table.items():
+        if isinstance(value, dict) and dataclasses.is_dataclass(types_.get(key)):
+            yield from flat_items(value, types_[key], f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@functools.lru_cache(maxsize=None)
 def field_docs(section_cls: type) -> dict[str, str]:
     """The docstring below each field: the string literal that follows its annotated assignment."""
     tree = ast.parse(inspect.getsource(section_cls))
@@ -262,12 +308,12 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
             raise ConfigError(f"argument {shown(arg)}: unknown section {shown(section)}"
                               f"{suggestion(section, [*known, *IGNORED_SECTIONS])}")
         cls = known[section]
-        types_ = field_types(cls)
-        negated = key.startswith("no_") and key[3:] in types_ and types_[key[3:]] is bool
-        if negated:
+        types_ = leaf_types(cls)
+        positive = without_no(key)
+        if positive in types_ and types_[positive] is bool:
             if has_value:
                 raise ConfigError(f"argument {shown(arg)}: takes no value")
-            overrides.append((section, key[3:], False))
+            overrides.append((section, positive, False))
             i += 1
             continue
         if key not in types_:
@@ -293,13 +339,21 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
     return overrides
 
 
+def without_no(key: str) -> str | None:
+    """The flag a negated key names ("linear.float8.no_emulate" -> "linear.float8.emulate"), or
+    None when `key` is not negated."""
+    tables, dot, name = key.rpartition(".")
+    return f"{tables}{dot}{name[3:]}" if name.startswith("no_") else None
+
+
 def ignored_option(section: str, key: str) -> str | None:
     """The key of a command-line option this trainer ignores (`no_` dropped from a negated
     flag), or None when the option is not one of trainer.config.torchtitan_keys's."""
     if is_ignored(section, key):
         return key
-    if key.startswith("no_") and is_ignored(section, key[3:]):
-        return key[3:]
+    positive = without_no(key)
+    if positive is not None and is_ignored(section, positive):
+        return positive
     return None
 
 
@@ -316,15 +370,15 @@ def apply_toml(config: JobConfig, data: dict, path: Path) -> list[str]:
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {section} must be a table ([{section}]), got {shown(table)}")
         cls = known[section]
-        types_ = field_types(cls)
+        types_ = leaf_types(cls)
         target = getattr(config, section)
-        for key, value in table.items():
+        for key, value in flat_items(table, cls):
             if is_ignored(section, key):
                 ignored.append(f"{section}.{key}")
                 continue
             if key not in types_:
                 raise ConfigError(f"{path}: {unknown_key(section, key, list(types_))}")
-            setattr(target, key, convert(value, types_[key], f"{path}: {section}.{key}"))
+            set_key(target, key, convert(value, types_[key], f"{path}: {section}.{key}"))
     return ignored
 
 
@@ -361,9 +415,8 @@ def load_config(argv: list[str]) -> JobConfig:
                                                   if names), extra=SHOWN if os.environ.get(IGNORED_SHOWN) else None)
     known = sections()
     for section, key, value in overrides:
-        cls = known[section]
-        setattr(getattr(config, section), key, convert(value, field_types(cls)[key], f"argument --{section}.{key}",
-                                                        from_text=isinstance(value, str)))
+        set_key(getattr(config, section), key, convert(value, leaf_types(known[section])[key],
+                                                        f"argument --{section}.{key}", from_text=isinstance(value, str)))
     config.job.config_file = str(path) if path is not None else ""
     inherit_unset(config)
     validate(config)
@@ -384,10 +437,11 @@ def inherit_unset(config: JobConfig) -> None:
 
 def to_dict(config: JobConfig) -> dict:
     """Nested dict without unset (None) values: TOML has no null, and None is always the default."""
-    return {
-        section: {k: v for k, v in dataclasses.asdict(getattr(config, section)).items() if v is not None}
-        for section in sections()
-    }
+
+    def without_none(table: dict) -> dict:
+        return {k: without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
+
+    return {section: without_none(dataclasses.asdict(getattr(config, section))) for section in sections()}
 
 
 def to_toml(config: JobConfig) -> str:
@@ -407,15 +461,15 @@ def help_text(config: JobConfig | None = None) -> str:
     ]
     for section, cls in sections().items():
         lines += ["", f"[{section}]  {inspect.cleandoc(cls.__doc__ or '')}"]
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, section), f.name)
-            head = f"  --{section}.{f.name}  ({type_name(field_types(cls)[f.name])}, default {default!r})"
-            if config is not None and getattr(getattr(config, section), f.name) != default:
-                head += f"  [config: {getattr(getattr(config, section), f.name)!r}]"
+        for key, tp in leaf_types(cls).items():
+            owner, name = leaf_owner(cls, key)
+            default = get_key(getattr(defaults, section), key)
+            head = f"  --{section}.{key}  ({type_name(tp)}, default {default!r})"
+            if config is not None and get_key(getattr(config, section), key) != default:
+                head += f"  [config: {get_key(getattr(config, section), key)!r}]"
             lines.append(head)
-            rule = declared(cls, f.name)
+            rule = declared(owner, name)
             if rule is not None:
                 lines.append(f"      valid: {rule.text(short=True)}")
-            lines += [f"      {line}" for line in docs.get(f.name, "").splitlines()]
+            lines += [f"      {line}" for line in field_docs(owner).get(name, "").splitlines()]
     return "\n".join(lines)

@@ -141,6 +141,8 @@ def section_problems(prefix: str, section) -> list[str]:
                 problems.append(problem)
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):  # a table inside the section (quantize.linear)
+            problems += section_problems(f"{prefix}.{f.name}", value)
         if isinstance(value, list):
             for index, entry in enumerate(value):
                 if dataclasses.is_dataclass(entry):

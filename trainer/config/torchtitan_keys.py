@@ -23,11 +23,11 @@ TORCHTITAN_VERSION = "v0.2.2"
 # ignored. A key here that names a table (training.dataloader) covers every key inside it, and
 # an ignored section any key inside it.
 IGNORED_SECTIONS = frozenset(
-    {"fault_tolerance", "quantize", "float8", "mx", "memory_estimation", "experimental"}
+    {"fault_tolerance", "float8", "mx", "memory_estimation", "experimental"}
 )
 IGNORED_KEYS = {
     "job": {"custom_config_module", "use_for_integration_test", "print_args"},
-    "model": {"converters", "print_after_conversion"},
+    "quantize": {"linear.mx", "grouped_mm"},  # MX formats and MoE's grouped matmuls
     "optimizer": {"early_step_in_backward"},
     "training": {"gc_debug", "dataloader"},
     "parallelism": {
@@ -56,7 +56,8 @@ IGNORED_KEYS = {
 def is_ignored(section: str, key: str = "") -> bool:
     """Whether `section.key` is an ignored option; `key` is dotted below a table
     ("dataloader.num_workers"), empty for the section itself."""
-    return section in IGNORED_SECTIONS or key.split(".")[0] in IGNORED_KEYS.get(section, ())
+    return section in IGNORED_SECTIONS or any(key == ignored or key.startswith(f"{ignored}.")
+                                              for ignored in IGNORED_KEYS.get(section, ()))
 
 # torchtitan v0.2.2's sections in its JobConfig order, each with its keys in declaration order.
 TORCHTITAN_KEYS: dict[str, tuple[str, ...]] = {
@@ -123,6 +124,11 @@ DIFFERENT: dict[str, str] = {
                             "checkpoint.initial_load_path",
     "model.tokenizer_path": "not deprecated: a tokenizer.json, tiktoken or SentencePiece file; empty: the one of "
                             "model.hf_assets_path",
+    "model.converters": "only the float8 converter, named quantize.linear.float8 or float8 (torchtitan's earlier "
+                        "name, which its v0.2.2 405B preset still uses); MX is refused",
+    "quantize.linear.float8.filter_fqns": "the output projection always stays in high precision, whether named "
+                                          "or not",
+    "quantize.linear.float8.emulate": "also allowed where float8 kernels exist (a CPU has them)",
     "optimizer.implementation": "default foreach (torchtitan: fused)",
     "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
                                  "reached)",
@@ -202,10 +208,16 @@ SAME, DIFFERENT_STATUS, IGNORED, REFUSED_STATUS = "same", "different", "ignored 
 
 
 def schema_keys() -> set[str]:
-    """section.key of every key of this trainer's schema."""
-    hints = typing.get_type_hints(JobConfig)
-    return {f"{section.name}.{field.name}" for section in dataclasses.fields(JobConfig)
-            for field in dataclasses.fields(hints[section.name])}
+    """section.key of every key of this trainer's schema (dotted below a table field:
+    quantize.linear.float8.recipe_name)."""
+
+    def keys(cls: type, prefix: str) -> set[str]:
+        hints = typing.get_type_hints(cls)
+        return {key for f in dataclasses.fields(cls) for key in (
+            keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name])
+            else {f"{prefix}{f.name}"})}
+
+    return keys(JobConfig, "")
 
 
 def status(key: str, known: set[str] | None = None) -> tuple[str, str]:

@@ -35,6 +35,7 @@ from trainer.parallel.stages import StagePlan
 if TYPE_CHECKING:
     import torch
 
+    from trainer.float8 import Float8Conversion
     from trainer.models.llama3.runtime import ModelRuntime
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ParallelModel:
     model: "torch.nn.Module"  # every parameter this rank holds, under its original name
     stages: dict[int, "torch.nn.Module"]  # what runs: {0: model} without PP, else this rank's stages
     stage_plan: StagePlan | None
+    float8: "Float8Conversion | None" = None  # model.converters' float8 layers (trainer/float8.py)
 
 
 def data_parallel_mesh(dims: ParallelDims, mesh):
@@ -54,6 +56,7 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 
 def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelModel:
     """Apply the configured parallelisms to a model built on the meta device."""
+    from trainer.float8 import enabled as float8_enabled
     from trainer.parallel.activation_checkpointing import apply_ac
     from trainer.parallel.compile import apply_compile, key_compiled_graphs_by_rank, set_memory_budget
     from trainer.parallel.context_parallel import apply_cp
@@ -66,9 +69,11 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
     stages = split_into_stages(model, plan, mesh["pp"].get_local_rank()) if plan else {0: model}
     reshard = p.fsdp_reshard_after_forward
     param_dtype = resolve_param_dtype(config.training.mixed_precision_param, device)
-    data_parallel = needs_fsdp(dims, config.training.enable_cpu_offload)
-    # Without FSDP, the model casts its weights to the compute dtype itself (when it differs).
-    compute_cast = param_dtype if not data_parallel and param_dtype != DTYPES[config.training.dtype] else None
+    lower_compute = param_dtype != DTYPES[config.training.dtype]
+    # Without FSDP, the model casts its weights to the compute dtype itself (when it differs), but
+    # a float8 layer computes with the weight it holds: FSDP over the one rank casts it.
+    data_parallel = needs_fsdp(dims, config.training.enable_cpu_offload) or (lower_compute and float8_enabled(config))
+    compute_cast = param_dtype if not data_parallel and lower_compute else None
     # Every gradient reduction runs in this dtype: FSDP's, TP's norm weights, CP's keys/values.
     reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
     if config.compile.enable:

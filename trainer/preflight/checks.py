@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import messages
+from trainer import float8, messages
 
 from trainer.records import run_meta
 from trainer.checkpoint.on_disk import check_load_options, checkpoint_folder, complete_checkpoints, initial_load_folder
@@ -69,9 +69,18 @@ def check_wandb_installed(config: JobConfig) -> None:
                           "metrics.enable_wandb off")
 
 
+def check_torchao_installed(config: JobConfig) -> None:
+    """model.converters' float8 needs the optional torchao package: say so before any process starts."""
+    if float8.enabled(config) and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"model.converters: float8 layers need the torchao package, which is not installed in "
+                          f"{sys.executable}; install it from the repository root with {sys.executable} -m pip install "
+                          "-e '.[float8]', or take float8 out of model.converters")
+
+
 def plan_run(config: JobConfig, world_size: int) -> RunPlan:
     """Resolve parallel degrees and the batch split; raise ConfigError naming the key to fix."""
     check_wandb_installed(config)
+    check_torchao_installed(config)
     check_saved_config_file(config)
     check_data(config)
     try:
