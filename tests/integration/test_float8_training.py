@@ -22,6 +22,8 @@ weight's scale), with activation checkpointing, compiled with aot_eager, and DDP
 run also differs from high precision by more than fp32 rounding (1e-5 or more), so a layout that
 silently trained without float8 fails.
 
+Every pipeline schedule runs the microbatches of Interleaved1F1B: the same losses, bitwise.
+
 A checkpoint of a run with float8 all-gather (whose weights torchao wraps) resumes onto the same
 curve bitwise, holds plain float32 tensors (no torchao class in its files), and is resumed with
 float8 off, which the run names as a changed setting.
@@ -29,11 +31,15 @@ float8 off, which the run names as a changed setting.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
 from tests.launch import run_many
+from trainer.models.llama3.args import get_flavor
+from trainer.models.llama3.hf_config import hf_config
 
 pytestmark = pytest.mark.cores(2)
 
@@ -93,6 +99,8 @@ LAYOUTS = {
 # (relative), as the compile matrix holds its low-precision runs. The float32 layouts hold the
 # parity to what float8 itself moves.
 ROUNDOFF = {"bfloat16 compute": 2 ** -8, "float16 compute": 2 ** -11, "full bfloat16": 2 ** -8}
+# Every other pipeline schedule, on the microbatches Interleaved1F1B runs.
+SCHEDULES = ("GPipe", "1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Four processes: HSDP, 2 replicas of 2 shards, 2 sequences each.
 LAYOUTS_4 = {"HSDP": ([*FLOAT8, "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
@@ -101,21 +109,37 @@ LAYOUTS_4 = {"HSDP": ([*FLOAT8, "--parallelism.data_parallel_replicate_degree", 
 SAME_AS_FSDP = ("FSDP, float8 all-gather", "FSDP, AC full", "FSDP, compiled", "DDP")
 
 
+TIED = "FSDP, tied embeddings"
+
+
+def tied_runs(folder) -> tuple[dict, dict]:
+    """The tiny model with its output layer tied to the embedding (a config.json in `folder`):
+    (one-process references, the FSDP layout)."""
+    (folder / "config.json").write_text(json.dumps(hf_config(replace(get_flavor("tiny"), tie_embeddings=True))))
+    tied = ["--model.flavor", "hf", "--model.hf_assets_path", str(folder)]
+    references = {"one float8 tied, batch 8": [*tied, *FLOAT8, *GLOBAL_8], "one high precision tied, batch 8": [*tied, *GLOBAL_8]}
+    return references, {TIED: ([*tied, *FLOAT8], *references)}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     one, two, four = (tmp_path_factory.mktemp(f"float8-{n}") for n in ("one", "two", "four"))
+    tied_references, tied_layout = tied_runs(tmp_path_factory.mktemp("float8-tied"))
     saved = two / "saved"
     checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(saved)]
-    runs = {name: overrides for name, (overrides, _, _) in LAYOUTS.items()}
+    runs = {name: overrides for name, (overrides, _, _) in {**LAYOUTS, **tied_layout}.items()}
+    pipeline = LAYOUTS["PP Interleaved1F1B"][0]
+    runs.update({f"PP {schedule}": [*pipeline, "--parallelism.pipeline_parallel_schedule", schedule]
+                 for schedule in SCHEDULES})
     # A run with float8 all-gather saved at step 2, resumed to step 4, then resumed with float8 off.
     runs["saved at step 2"] = [*FLOAT8, *ALL_GATHER, *checkpoint, "--training.steps", "2"]
     runs["resumed"] = [*FLOAT8, *ALL_GATHER, *checkpoint]
     runs["resumed without float8"] = [*checkpoint, "--training.steps", "6"]
     with ThreadPoolExecutor(3) as pool:  # the three process groups side by side
-        groups = [pool.submit(run_many, 1, BASE, REFERENCES, one), pool.submit(run_many, 2, BASE, runs, two),
+        groups = [pool.submit(run_many, 1, BASE, {**REFERENCES, **tied_references}, one), pool.submit(run_many, 2, BASE, runs, two),
                   pool.submit(run_many, 4, BASE, {name: overrides for name, (overrides, _, _) in LAYOUTS_4.items()}, four)]
         found = {name: run for group in groups for name, run in group.result()[0].items()}
-    return {**found, "saved": saved}
+    return {**found, "saved": saved, "layouts": {**LAYOUTS, **tied_layout, **LAYOUTS_4}}
 
 
 def curve(run: dict) -> list[tuple[float, float]]:
@@ -128,9 +152,9 @@ def gaps(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> tuple[fl
     return (max(abs(x[0] - y[0]) for x, y in zip(a, b)), max(abs(x[1] - y[1]) / y[1] for x, y in zip(a, b)))
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, *LAYOUTS_4])
+@pytest.mark.parametrize("layout", [*LAYOUTS, TIED, *LAYOUTS_4])
 def test_a_float8_layout_trains_like_one_process_to_float8s_rounding(layout, results, measured):
-    _, reference, high_precision = {**LAYOUTS, **LAYOUTS_4}[layout]
+    _, reference, high_precision = results["layouts"][layout]
     run = curve(results[layout])
     float8_effect = gaps(curve(results[reference]), curve(results[high_precision]))
     layout_gap = gaps(run, curve(results[reference]))
@@ -155,6 +179,15 @@ def test_layouts_that_split_no_operand_are_bitwise_equal(layout, results):
     fsdp, run = curve(results["FSDP"]), curve(results[layout])
     assert [loss for loss, _ in run] == [loss for loss, _ in fsdp]
     assert gaps(run, fsdp)[1] <= 1e-12  # DDP sums its norm from replicated gradients: the last bits may differ
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_pipeline_schedule_trains_as_interleaved_1f1b(schedule, results):
+    """The same microbatches: the same losses; the gradients summed over them in another order
+    (float32 rounding)."""
+    interleaved, run = curve(results["PP Interleaved1F1B"]), curve(results[f"PP {schedule}"])
+    assert [loss for loss, _ in run] == [loss for loss, _ in interleaved]
+    assert gaps(run, interleaved)[1] <= 1.2e-7
 
 
 def test_a_float8_checkpoint_resumes_bitwise_holds_plain_weights_and_loads_without_float8(results):
