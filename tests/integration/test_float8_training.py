@@ -75,6 +75,11 @@ LAYOUTS = {
     "FSDP, float8 all-gather": ([*FLOAT8, *ALL_GATHER], "one float8, batch 8", "one high precision, batch 8"),
     "FSDP, AC full": ([*FLOAT8, "--activation_checkpoint.mode", "full"], "one float8, batch 8",
                       "one high precision, batch 8"),
+    "FSDP, AC selective op": ([*FLOAT8, "--activation_checkpoint.mode", "selective",
+                               "--activation_checkpoint.selective_ac_option", "op"], "one float8, batch 8",
+                              "one high precision, batch 8"),
+    "FSDP, AC selective layer": ([*FLOAT8, "--activation_checkpoint.mode", "selective"], "one float8, batch 8",
+                                 "one high precision, batch 8"),
     "FSDP, compiled": ([*FLOAT8, "--compile.enable", "--compile.backend", "aot_eager"], "one float8, batch 8",
                        "one high precision, batch 8"),
     "DDP": ([*FLOAT8, "--parallelism.data_parallel_replicate_degree", "2",
@@ -106,7 +111,8 @@ LAYOUTS_4 = {"HSDP": ([*FLOAT8, "--parallelism.data_parallel_replicate_degree", 
                        "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
                       "one float8, batch 8", "one high precision, batch 8")}
 # Bitwise equal to FSDP's float8 run: they split no matmul operand differently.
-SAME_AS_FSDP = ("FSDP, float8 all-gather", "FSDP, AC full", "FSDP, compiled", "DDP")
+SAME_AS_FSDP = ("FSDP, float8 all-gather", "FSDP, AC full", "FSDP, AC selective op", "FSDP, AC selective layer",
+                "FSDP, compiled", "DDP")
 
 
 TIED = "FSDP, tied embeddings"
