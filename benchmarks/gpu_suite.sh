@@ -25,6 +25,11 @@
 #                        phase, the kernels with the most device time, a Chrome trace
 #   offload_1b           optional: benchmarks/strategies.py, 1B on one GPU: FSDP with and without
 #                        CPU offload (time per step, peak memory)
+#   float8_8b            optional: benchmarks/side_by_side.py on the 8B flavor cut to 8 layers, compiled,
+#                        bf16 against float8 tensorwise and rowwise linear layers, this trainer and
+#                        torchtitan (float8's speed-up, and this trainer's float8 against torchtitan's)
+#   protocol_float8      optional: protocol/plans/float8_gpu.toml in statistical mode (float8
+#                        tensorwise and rowwise must pass against bf16, a 5% higher lr must fail)
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
 # that fails or times out is recorded and the suite goes on. The whole suite keeps within
@@ -314,7 +319,8 @@ for name in ("bench_1b", "bench_1b_eager"):
 if len(bench) == 2 and bench["bench_1b_eager"]["tokens_per_s"]:
     lines += [f"torch.compile speed-up (bench_1b / bench_1b_eager, steady-state tokens/s): "
               f"{bench['bench_1b']['tokens_per_s'] / bench['bench_1b_eager']['tokens_per_s']:.2f}x", ""]
-for name, title in (("side_by_side_1b", "1B"), ("side_by_side_8b", "8B cut to 8 layers")):
+for name, title in (("side_by_side_1b", "1B"), ("side_by_side_8b", "8B cut to 8 layers"),
+                    ("float8_8b", "8B cut to 8 layers, bf16 and float8 linear layers")):
     table = work / name / "side_by_side.md"
     if table.exists():
         lines += [f"## Side by side, {title} (benchmarks/side_by_side.py: this trainer, torchtitan, a plain loop)", "",
@@ -332,10 +338,11 @@ offload = work / "offload_1b.log"
 if offload.exists():
     rows = [line for line in offload.read_text().splitlines() if line.startswith(("|", "1 processes"))]
     lines += ["## FSDP with and without CPU offload, one GPU (benchmarks/strategies.py)", "", *rows, ""]
-protocol = work / "protocol_techniques.log"
-if protocol.exists():
-    lines += ["## Technique plan, statistical (protocol/plans/gpu_techniques.toml)", "", "```",
-              *protocol.read_text().strip().splitlines()[-40:], "```", ""]
+for log, plan in (("protocol_techniques.log", "Technique plan, statistical (protocol/plans/gpu_techniques.toml)"),
+                  ("protocol_float8.log", "float8 plan, statistical (protocol/plans/float8_gpu.toml)")):
+    protocol = work / log
+    if protocol.exists():
+        lines += [f"## {plan}", "", "```", *protocol.read_text().strip().splitlines()[-40:], "```", ""]
 docmask = out / "document_masking.log"
 if docmask.exists():
     text = docmask.read_text().splitlines()
@@ -394,12 +401,14 @@ declare -A LIMIT=(
   [bench_1b_eager]=${GPU_SUITE_1B_EAGER_S:-50}
   [profile_1b]=${GPU_SUITE_PROFILE_S:-120}
   [offload_1b]=${GPU_SUITE_OFFLOAD_S:-150}
+  [float8_8b]=${GPU_SUITE_FLOAT8_S:-420}
+  [protocol_float8]=${GPU_SUITE_PROTOCOL_FLOAT8_S:-360}
 )
-OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b "
+OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8 "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
 PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b ring_kernels document_masking protocol_techniques estimate_1b
-       bench_1b bench_1b_eager profile_1b offload_1b})
+       bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
 done
@@ -422,6 +431,9 @@ SIDE_BY_SIDE_1B=(--shape 1B --seq-len 2048 --local-batch 4 --modes compile --ac 
 # The technique plan in statistical mode (compile and AC full must pass, a 5% higher lr must fail).
 PROTOCOL=(run --compare)
 SIDE_BY_SIDE_8B=(--shape 8B-L8 --seq-len 2048 --local-batch 2 --modes compile --ac selective --run-timeout 150)
+# float8 against bf16 on the same 8B cut (trainer and torchtitan; the plain loop has no float8).
+FLOAT8_8B=(--shape 8B-L8 --seq-len 2048 --local-batch 2 --modes compile --ac selective --systems trainer torchtitan
+           --float8 none tensorwise rowwise --run-timeout 120)
 if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   say "CPU smoke run (GPU_SUITE_CPU_SMOKE=1): no GPU is used"
   export CUDA_VISIBLE_DEVICES=""
@@ -439,6 +451,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   for part in "${!LIMIT[@]}"; do LIMIT[$part]=$(( LIMIT[$part] * 3 )); done
   [ -z "${GPU_SUITE_BUDGET_S:-}" ] && BUDGET=$(( BUDGET * 3 ))
   SIDE_BY_SIDE_8B=(--dry-run --ac full)
+  FLOAT8_8B=(--dry-run --systems trainer --float8 tensorwise)
   PROTOCOL=(plan)  # expands and checks the plan; runs nothing
   # torchtitan is not among the project's dependencies: side_by_side.py leaves it out where it is absent.
 fi
@@ -506,6 +519,19 @@ part_protocol_techniques() {
   run_part protocol_techniques "${LIMIT[protocol_techniques]}" "$(after protocol_techniques)" \
     "$WORK/protocol_techniques.log" "$PYTHON" -m protocol.cli "${PROTOCOL[0]}" "$WORK/gpu_techniques.toml" "${PROTOCOL[@]:1}"
   tail -n 20 "$WORK/protocol_techniques.log"
+}
+
+# --- float8 linear layers: speed against bf16 and torchtitan, and the statistical plan ---------------
+part_float8_8b() {
+  run_part float8_8b "${LIMIT[float8_8b]}" "$(after float8_8b)" "$WORK/float8_8b.log" \
+    "$PYTHON" benchmarks/side_by_side.py "${FLOAT8_8B[@]}" --out "$WORK/float8_8b"
+  grep -E '^\|' "$WORK/float8_8b.log" | tail -n 8
+}
+part_protocol_float8() {
+  sed "s|^output = .*|output = \"$WORK/protocol_float8_out\"|" protocol/plans/float8_gpu.toml >"$WORK/float8_gpu.toml"
+  run_part protocol_float8 "${LIMIT[protocol_float8]}" "$(after protocol_float8)" \
+    "$WORK/protocol_float8.log" "$PYTHON" -m protocol.cli "${PROTOCOL[0]}" "$WORK/float8_gpu.toml" "${PROTOCOL[@]:1}"
+  tail -n 20 "$WORK/protocol_float8.log"
 }
 
 # --- the memory estimator against the allocator's peak of a real 1B run ----------------------------

@@ -2,7 +2,7 @@
 
     python benchmarks/side_by_side.py --shape 1B --seq-len 2048 --local-batch 4 --modes compile eager \
         --ac none selective full [--systems trainer torchtitan plain] [--steps 30] [--warmup 10] [--out DIR]
-        [--trainer-args "--section.key value ..."]
+        [--trainer-args "--section.key value ..."] [--float8 none tensorwise rowwise]
     python benchmarks/side_by_side.py --dry-run        (CPU, a tiny shape: checks the script, measures nothing)
 
 For each case (sequence length x eager/compile x activation checkpointing) it trains the same
@@ -118,10 +118,29 @@ class Case:
     seq_len: int
     compile: bool
     ac: str
+    float8: str = "none"  # none, or the float8 recipe of the block linears (tensorwise, rowwise)
 
     @property
     def label(self) -> str:
-        return f"seq {self.seq_len}, {'compile' if self.compile else 'eager'}, AC {self.ac}"
+        return (f"seq {self.seq_len}, {'compile' if self.compile else 'eager'}, AC {self.ac}"
+                + (f", float8 {self.float8}" if self.float8 != "none" else ""))
+
+
+def trainer_float8_args(case: Case) -> list[str]:
+    """The trainer's float8 options (docs/training.md, float8 linear layers)."""
+    if case.float8 == "none":
+        return []
+    recipe = ["--quantize.linear.float8.recipe_name", case.float8] if case.float8 != "tensorwise" else []
+    return ["--model.converters", "quantize.linear.float8", *recipe]
+
+
+def torchtitan_float8_tables(case: Case) -> list[str]:
+    """torchtitan's float8 options, the same layers converted (its filter_fqns keeps the output
+    projection, which this trainer always keeps)."""
+    if case.float8 == "none":
+        return []
+    recipe = f'recipe_name = "{case.float8}"\n' if case.float8 != "tensorwise" else ""
+    return [f'[quantize.linear.float8]\n{recipe}filter_fqns = ["output"]']
 
 
 def trainer_command(case: Case, opts, inputs, folder: Path) -> list[str]:
@@ -132,7 +151,8 @@ def trainer_command(case: Case, opts, inputs, folder: Path) -> list[str]:
                "--optimizer.lr", "1e-4", "--lr_scheduler.warmup_steps", "2", "--activation_checkpoint.mode", case.ac,
                "--activation_checkpoint.selective_ac_option", "2", "--metrics.log_freq", str(opts.log_freq),
                "--metrics.no_enable_tensorboard", "--job.dump_folder", str(folder)]
-    return command + (["--compile.enable"] if case.compile else []) + shlex.split(opts.trainer_args)
+    return (command + (["--compile.enable"] if case.compile else []) + trainer_float8_args(case)
+            + shlex.split(opts.trainer_args))
 
 
 def torchtitan_command(case: Case, opts, inputs, folder: Path) -> list[str]:
@@ -140,7 +160,9 @@ def torchtitan_command(case: Case, opts, inputs, folder: Path) -> list[str]:
     toml = folder / "torchtitan.toml"
     toml.write_text("\n".join([
         f'[job]\ndump_folder = "{folder}"',
-        f'[model]\nname = "llama3"\nflavor = "side_by_side"\nhf_assets_path = "{inputs["hf"]}"',
+        f'[model]\nname = "llama3"\nflavor = "side_by_side"\nhf_assets_path = "{inputs["hf"]}"'
+        + ('\nconverters = ["quantize.linear.float8"]' if case.float8 != "none" else ""),
+        *torchtitan_float8_tables(case),
         f'[optimizer]\nname = "AdamW"\nlr = 1e-4\nimplementation = "{opts.optimizer}"',
         '[lr_scheduler]\nwarmup_steps = 2',
         f'[training]\ndataset = "side_by_side"\nlocal_batch_size = {opts.local_batch}\nseq_len = {case.seq_len}\n'
@@ -235,17 +257,24 @@ def peak_flops(device: str) -> float | None:
 
 def table(results: list[dict], shape: str, device_line: str) -> str:
     lines = [f"Shape {shape}; {device_line}", "",
-             "| case | system | status | tokens/s | vs trainer | MFU % | max reserved GiB | max allocated GiB |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in results:
-        base = next((b for b in results if b["case"] == r["case"] and b["system"] == "trainer"
+             "| case | system | status | tokens/s | vs trainer | vs trainer without float8 | MFU % | max reserved GiB "
+             "| max allocated GiB |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def trainer_tps(case: str) -> float | None:
+        return next((b["tokens_per_s"] for b in results if b["case"] == case and b["system"] == "trainer"
                      and b.get("tokens_per_s")), None)
-        tps = r.get("tokens_per_s")
-        ratio = f"{tps / base['tokens_per_s']:.2f}x" if tps and base else "n/a"
+
+    for r in results:
+        tps, base = r.get("tokens_per_s"), trainer_tps(r["case"])
+        # MFU counts the model's FLOPs at the bf16 peak, float8 cases too: their speed-up shows as MFU above bf16's.
+        high_precision = trainer_tps(r["case"].split(", float8 ")[0])
+        ratio = f"{tps / base:.2f}x" if tps and base else "n/a"
+        float8_ratio = f"{tps / high_precision:.2f}x" if tps and high_precision and ", float8 " in r["case"] else ""
         mfu = f"{r['mfu']:.1f}" if r.get("mfu") is not None else "n/a"
         gib = lambda k: f"{r[k]:.1f}" if r.get(k) else "n/a"  # noqa: E731
         lines.append(f"| {r['case']} | {r['system']} | {r['status']} | {f'{tps:,.0f}' if tps else 'n/a'} | {ratio} "
-                     f"| {mfu} | {gib('max_reserved_gib')} | {gib('max_allocated_gib')} |")
+                     f"| {float8_ratio} | {mfu} | {gib('max_reserved_gib')} | {gib('max_allocated_gib')} |")
     return "\n".join(lines)
 
 
@@ -257,6 +286,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("eager", "compile"), default=["compile"])
     parser.add_argument("--ac", nargs="+", choices=("none", "selective", "full"), default=["selective"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--float8", nargs="+", choices=("none", "tensorwise", "rowwise"), default=["none"],
+                        help="float8 linear layers in the blocks (trainer and torchtitan; the plain loop has "
+                             "none and runs only without): none, tensorwise, rowwise (default none)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s (compilation)")
     parser.add_argument("--log-freq", type=int, default=5)
@@ -294,11 +326,11 @@ def main() -> None:
     results = []
     for seq_len in opts.seq_len:
         for mode in opts.modes:
-            for ac in opts.ac:
-                case = Case(seq_len, mode == "compile", ac)
+            for ac, float8 in [(ac, float8) for ac in opts.ac for float8 in opts.float8]:
+                case = Case(seq_len, mode == "compile", ac, float8)
                 per_token = flops_per_token(dataclasses.replace(args, max_seq_len=seq_len), seq_len)
-                for system in opts.systems:
-                    folder = out / f"{system}_{seq_len}_{mode}_{ac}"
+                for system in [s for s in opts.systems if float8 == "none" or s != "plain"]:
+                    folder = out / (f"{system}_{seq_len}_{mode}_{ac}" + ("" if float8 == "none" else f"_float8_{float8}"))
                     log = out / f"{folder.name}.log"
                     command = COMMANDS[system](case, opts, inputs, folder)
                     print(f"[side_by_side] {case.label}: {system}: {' '.join(command)}", flush=True)

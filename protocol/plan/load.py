@@ -30,7 +30,8 @@ from protocol.plan.checks import name_problems, run_names, spec_problems, traine
 from protocol.plan.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
 from protocol.plan.model import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
 from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED,
-                                  SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES, TABLES, Key,
+                                  PER_SET_MODEL_KEYS, SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES,
+                                  TABLES, Key,
                                   check_choice, check_minimum, closest, flatten, read_table)
 from protocol.plan.slurm_tables import read_slurm
 from protocol.plan.sweeps import Sweep, expand_sweeps
@@ -327,7 +328,7 @@ def check_overrides(raw: dict, where: str, shared: bool, seed_checkpoint: bool, 
         if owner:
             problems.append(f"{at}: set by the plan; use {owner} instead")
             continue
-        if not shared and (key.startswith(SHARED_PREFIXES) or key in SHARED_KEYS):
+        if not shared and ((key.startswith(SHARED_PREFIXES) and key not in PER_SET_MODEL_KEYS) or key in SHARED_KEYS):
             problems.append(f"{at}: decides the model or the data, which must be the same in every run; "
                             "set it in plan.overrides")
             continue

@@ -216,6 +216,9 @@ SEED_OWNED = {"checkpoint.initial_load_path": "plan.seed_checkpoint"}
 TECHNIQUE_ONLY = {"parallelism.tensor_parallel_sync": "full", "parallelism.tensor_parallel_sync_group": 0}
 SHARED_PREFIXES = ("model.",)
 SHARED_KEYS = ("training.seq_len", "training.dataset", "training.dataset_path")
+# model keys that change how the same weights compute, not which model: a set may change them
+# (float8 linear layers are a technique, judged against the control like any other).
+PER_SET_MODEL_KEYS = ("model.converters", "model.print_after_conversion")
 
 
 def describe_keys() -> str:

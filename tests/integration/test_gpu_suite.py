@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every part but two: document masking is benchmarks/document_masking.py, which
 # tests/integration/test_benchmarks.py runs, and bench_1b_eager is bench_1b without compile.
 PARTS = ("cuda_tests", "side_by_side_1b", "side_by_side_8b", "ring_kernels", "protocol_techniques", "estimate_1b",
-         "bench_1b")
+         "bench_1b", "float8_8b", "protocol_float8")
 
 
 def test_cpu_smoke_run_of_the_gpu_suite(tmp_path):
@@ -43,6 +43,12 @@ def test_cpu_smoke_run_of_the_gpu_suite(tmp_path):
     # The technique plan is expanded and checked (its runs need a GPU's speed): every run listed.
     plan = summary.split("## Technique plan")[1]
     for run in ("seed", "1 GPU eager-noise4", "torch.compile", "AC full", "lr x1.05"):
+        assert run in plan, plan
+    float8 = summary.split("## Side by side, 8B cut to 8 layers, bf16 and float8")[1].split("\n## ")[0]
+    assert re.search(r"^\| seq 64, eager, AC selective, float8 tensorwise \| trainer \| ok \| [\d,]+ \|", float8,
+                     re.M), float8
+    plan = summary.split("## float8 plan")[1]
+    for run in ("seed", "bfloat16-noise4", "float8 tensorwise", "float8 rowwise", "lr x1.05"):
         assert run in plan, plan
     ring = summary.split("## Ring attention kernels")[1].split("\n## ")[0]
     assert re.search(r"^\| 256 +\| 2 +\| 0 +\| +[\d.]+ \|", ring, re.M), ring

@@ -147,3 +147,26 @@ def test_the_hf_config_of_a_model_is_unchanged_by_float8():
     # Conversion changes layers, not shapes: the Hugging Face config.json written for an export.
     model, _ = converted(TINY)
     assert hf_config(model.args) == hf_config(get_flavor("tiny"))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_layer_computes_within_float8s_rounding_of_its_high_precision_twin(recipe):
+    """torch._scaled_mm on this machine: the converted layer's output and gradients are the high
+    precision ones up to float8's rounding: activations and weights in e4m3 (3 significant bits,
+    up to 2^-4 relative per element), gradients in e5m2 (2 bits, 2^-3). Measured: 3.5% to 3.7%
+    relative error in the output, 3.6% to 4.7% in the weight gradient."""
+    config = load_config([*TINY, "--quantize.linear.float8.recipe_name", recipe])
+    torch.manual_seed(0)
+    high = torch.nn.Sequential(torch.nn.Linear(64, 192, bias=False))
+    low = torch.nn.Sequential(torch.nn.Linear(64, 192, bias=False))
+    low.load_state_dict(high.state_dict())
+    float8.import_float8().convert_to_float8_training(low, config=float8.torchao_config(
+        config.quantize.linear.float8, recipe, all_gather=False))
+    assert type(low[0]).__name__ == "Float8Linear"
+    x = torch.randn(4, 32, 64)
+    outputs = [model(x.clone().requires_grad_()) for model in (high, low)]
+    for output in outputs:
+        output.square().mean().backward()
+    error = ((outputs[1] - outputs[0]).norm() / outputs[0].norm()).item()
+    grad_error = ((low[0].weight.grad - high[0].weight.grad).norm() / high[0].weight.grad.norm()).item()
+    assert 1e-4 < error < 2 ** -4 and 1e-4 < grad_error < 2 ** -3  # float8 ran (not exact), and rounded only
