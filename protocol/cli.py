@@ -262,7 +262,7 @@ def compare_plan(plan, out: Path | None, overrides: dict, loss_tag=None, grad_no
         warnings.append(f"positive control{'s' if len(left_out) > 1 else ''} {', '.join(left_out)} not compared "
                         "(--only): this verdict does not show what the plan can catch")
     comparison = compare(found.controls, found.tests, tolerance, expect=found.expect,
-                         not_compared=found.not_compared, warnings=warnings)
+                         not_compared=found.not_compared, warnings=warnings, localize_only=found.localize_only)
     sweeps, runs = None, found.runs
     if plan.criterion is not None:
         from protocol.verdict.by_criterion import judge_by_criterion

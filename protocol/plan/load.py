@@ -29,7 +29,8 @@ from typing import Any
 from protocol.plan.checks import name_problems, run_names, spec_problems, trainer_problems
 from protocol.plan.criteria import Frequencies, read_criterion, read_early_stop, resolve_criterion, resolve_rules
 from protocol.plan.model import Plan, RunSpec, SlurmJob, common_args, control_names, slugify
-from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, LAYOUT_KEYS, PLAN_KEYS, PLAN_OWNED,
+from protocol.plan.schema import (BATCH_MODES, CONTROL_KEYS, EXPECTATIONS, FINGERPRINT_ROLES, LAYOUT_KEYS,
+                                  PLAN_KEYS, PLAN_OWNED,
                                   PER_SET_MODEL_KEYS, SEED_OWNED, SET_KEYS, SET_KINDS, SHARED_KEYS, SHARED_PREFIXES,
                                   TABLES, Key,
                                   check_choice, check_minimum, closest, flatten, read_table)
@@ -258,6 +259,7 @@ def read_spec(data: Any, where: str, schema: dict[str, Key], seed_checkpoint: bo
     values = read_table(data, schema, where, problems)
     check_choice(values, "kind", SET_KINDS, where, problems)
     check_choice(values, "expect", EXPECTATIONS, where, problems)
+    check_choice(values, "fingerprints", FINGERPRINT_ROLES, where, problems)
     read_degrees(values, where, problems)
     overrides = check_overrides(values.pop("overrides", {}), f"{where}.overrides", False, seed_checkpoint, problems)
     kind = values.pop("kind", None if "kind" in schema else "control")

@@ -124,6 +124,7 @@ class RunSpec:
     pp_schedule: str | None = None
     local_batch_size: int | None = None
     expect: str = "pass"  # "fail": a positive control
+    fingerprints: str = "evidence"  # "localize": its fingerprints say where it parts, and do not fail it
     sweep: str | None = None  # the name of the [[sweeps]] table it is a point of
 
     @property

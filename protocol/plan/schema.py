@@ -19,6 +19,7 @@ from protocol.plan.text import short
 BATCH_MODES = ("local", "global")
 SET_KINDS = ("parallelism", "technique")
 EXPECTATIONS = ("pass", "fail")
+FINGERPRINT_ROLES = ("evidence", "localize")
 # A save every 250 steps: an 8B run of a few thousand steps loses at most a few hundred steps to an
 # interruption, for about a dozen saves.
 DEFAULT_CHECKPOINT_INTERVAL = 250
@@ -90,6 +91,11 @@ SET_KEYS: dict[str, Key] = {
     "expect": Key(str, "'pass' (default) or 'fail': a positive control, a set with a bug of known size (e.g. "
                        "optimizer.lr 5% off) that the plan must catch; if it passes, the plan is INCONCLUSIVE.",
                   default="pass"),
+    "fingerprints": Key(str, "'evidence' (default): fingerprints that part from the control's fail the set, even "
+                             "when its curves pass. 'localize': they only say where the set parts, and its curves "
+                             "judge it: for a technique that changes the numbers on purpose (float8 linear layers "
+                             "round every matmul operand), whose step-1 gradients differ by design.",
+                        default="evidence"),
 }
 SWEEP_KEYS: dict[str, Key] = {
     "name": Key(str, "Beginning of the sets' names: each point of the grid is a set named '<name> key=value ...' "

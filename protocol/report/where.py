@@ -37,7 +37,9 @@ def where_section(comparison: Comparison) -> list[str]:
              f"the control's from step 1: {rule}. The first such step is named, with its deviating modules "
              "(the layer index replaced by `*`), those whose deviation follows from another's counted apart.", ""]
     for name, where in found.items():
-        lines.append(f"- **{name}**: {where.summary()}")
+        role = (" (fingerprints = \"localize\": a technique that changes the numbers on purpose, judged by its curves; "
+                "this says where, and fails nothing)" if name in comparison.localize_only else "")
+        lines.append(f"- **{name}**{role}: {where.summary()}")
         if where.first_step is not None:
             lines.append(f"  ![{name}]({map_name(name)})")
     return lines + [""]

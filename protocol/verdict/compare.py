@@ -40,11 +40,12 @@ from protocol.verdict.statistical_mode import judge_statistical, noise_summaries
 # ---------------------------------------------------------------- entry point
 def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Tolerance, *, design: str | None = None,
             expect: dict[str, str] | None = None, not_compared: list[NotCompared] | None = None,
-            warnings: list[str] | None = None) -> Comparison:
+            warnings: list[str] | None = None, localize_only: set[str] | None = None) -> Comparison:
     """Judge every test curve against the control family (the control first; in exact mode only
     the control is used). `expect` maps a set name to "fail" for positive controls; `not_compared`
-    lists the plan's runs without a curve (they fail the comparison). Raises ValueError for
-    unusable input (bad tolerance, no test set, too small a family, duplicate names)."""
+    lists the plan's runs without a curve (they fail the comparison); the sets of `localize_only`
+    are judged by their curves alone, their fingerprints only saying where they part. Raises
+    ValueError for unusable input (bad tolerance, no test set, too small a family, duplicate names)."""
     problems = tolerance.problems()
     if problems:
         raise ValueError("; ".join(problems))
@@ -69,12 +70,12 @@ def compare(family: Curve | list[Curve], tests: list[Curve], tolerance: Toleranc
             settle(result)
         noise = noise_summaries(family, tolerance, judged=sum(len(r.observables) for r in results))
     localized = localize_sets(family, tests, tolerance.mode)
-    add_evidence(results, localized, tolerance.mode)
+    add_evidence(results, localized, tolerance.mode, localize_only or set())
     comparison = Comparison(control=family[0].name, mode=tolerance.mode, design=design, tolerance=tolerance,
                             results=results, status=plan_status(results, not_compared),
                             controls=[c.name for c in family], noise=noise, not_compared=not_compared,
                             warnings=[*(warnings or []), *noisier_sets(results)],
-                            fingerprints=localized)
+                            fingerprints=localized, localize_only=sorted(localize_only or ()))
     if tolerance.mode == "statistical":
         comparison.family_skips = {c.name: len(skipped_steps(c)) for c in family}
         comparison.plan_false_fail = min(tolerance.plan_false_fail,
@@ -99,15 +100,16 @@ def noisier_sets(results: list[SetResult]) -> list[str]:
             if o.noise_ratio > NOISIER]
 
 
-def add_evidence(results: list[SetResult], localized: dict, mode: str) -> None:
+def add_evidence(results: list[SetResult], localized: dict, mode: str, localize_only: set[str] = frozenset()) -> None:
     """Fail each set on every kind of evidence against it and say which: its curves (already
-    judged), its fingerprints, and in statistical mode its own noise."""
+    judged), its fingerprints (unless the set is in `localize_only`), and in statistical mode its
+    own noise."""
     for result in results:
         found = []
         if result.failed:
             found.append(("curves", result.reason))
         where = localized.get(result.name)
-        why = fingerprint_failure(where) if where is not None else None
+        why = fingerprint_failure(where) if where is not None and result.name not in localize_only else None
         if why:
             found.append(("fingerprints", why))
         # A float16 set that skipped steps for an overflow has missed updates the family made (or

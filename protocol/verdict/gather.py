@@ -55,6 +55,8 @@ class Found:
     control_names: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
     """Set name -> "fail" for positive controls."""
+    localize_only: set[str] = field(default_factory=set)
+    """Sets whose fingerprints only say where they part (fingerprints = "localize")."""
 
     def layouts(self) -> dict[str, str]:
         return {run.name: run.layout for run in self.runs}
@@ -81,7 +83,8 @@ def gather(plan: Plan, results: Sequence[Outcome], reader: Reader, only: Sequenc
     records = {launch.name: read_record(launch.output) for launch in training}
     control = records[training[0].name]
     found = Found(control_names=[launch.name for launch in training if launch.role in FAMILY_ROLES],
-                  expect={launch.name: launch.expect for launch in training if launch.role == "test"})
+                  expect={launch.name: launch.expect for launch in training if launch.role == "test"},
+                  localize_only={spec.name for spec in plan.sets if spec.fingerprints == "localize"})
     found.runs = [run_info(launch.name, launch.output, records[launch.name], control) for launch in training]
     for launch in training:
         missing = why_missing(launch, outcome.get(launch.name), records[launch.name], plan.early_stop)

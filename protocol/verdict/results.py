@@ -145,6 +145,8 @@ class Comparison:
     fingerprints: dict = field(default_factory=dict)
     """Set name -> where it parts from the control (protocol.verdict.fingerprints.Localization),
     for the sets whose runs recorded fingerprints."""
+    localize_only: list[str] = field(default_factory=list)
+    """The sets whose fingerprints only say where they part (the plan's fingerprints = "localize")."""
 
     @property
     def passed(self) -> bool:

@@ -166,6 +166,24 @@ def test_exact_mode_fails_a_set_on_its_fingerprints_and_the_report_says_where(tm
     assert record == json.loads(json.dumps(as_dict(comparison.fingerprints["buggy"])))
 
 
+def test_a_set_whose_fingerprints_only_localize_is_judged_by_its_curves(tmp_path):
+    """fingerprints = "localize" (a technique that changes the numbers on purpose, as float8 does):
+    the same deviating fingerprints that fail a set name where it parts, and the curves judge it."""
+    control = write_run(tmp_path / "control", run())
+    technique = write_run(tmp_path / "float8", run({1: {("grad_norm", "layers.2.feed_forward.w2.weight"): 1.01}}))
+    technique.grad_norm = control.grad_norm  # its curves agree with the control's
+    judged = {localize_only: compare(control, [technique], Tolerance(mode="exact"), localize_only=localize_only)
+              for localize_only in (frozenset(), frozenset({"float8"}))}
+    assert judged[frozenset()].results[0].evidence == ["fingerprints"]
+    comparison = judged[frozenset({"float8"})]
+    assert not comparison.results[0].failed and comparison.status == "PASS"
+    assert comparison.fingerprints["float8"].first_step == 1  # still said where
+    text = write_report(comparison, control, [technique], tmp_path / "report")["markdown"].read_text()
+    assert ('- **float8** (fingerprints = "localize": a technique that changes the numbers on purpose, judged by its '
+            "curves; this says where, and fails nothing): step 1: layers.*.feed_forward.w2.weight gradient norm off "
+            "by +1.00% in block 2") in text
+
+
 def with_branches(line: dict) -> dict:
     """A line as the trainer writes it now: the blocks' attention and feed-forward branches too."""
     return {**line, "attention_rms": {b: 0.5 + int(b) / 10 for b in BLOCKS}, "ffn_rms": {b: 0.7 + int(b) / 10 for b in BLOCKS}}

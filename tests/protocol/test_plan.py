@@ -246,6 +246,20 @@ def test_a_positive_control_is_a_set_that_expects_to_fail(tmp_path):
     assert "sets[0].expect: 'fial' is not one of 'pass', 'fail'; did you mean 'fail'?" in message
 
 
+def test_a_float8_set_changes_model_converters_and_its_fingerprints_only_localize(tmp_path):
+    """model.converters is a technique a set may turn on (float8 linear layers), unlike the other
+    model.* keys; its set says its fingerprints only localize (they differ by design)."""
+    float8 = ('[[sets]]\nname = "float8"\nkind = "technique"\nfingerprints = "localize"\n'
+              'overrides = { "model.converters" = ["quantize.linear.float8"] }\n')
+    plan = load(tmp_path, sets=float8)
+    assert [(spec.name, spec.fingerprints) for spec in plan.sets] == [("float8", "localize")]
+    assert arg(plan.launches()[-1], "--model.converters") == "quantize.linear.float8"
+    message = problems(tmp_path, sets=float8.replace('"localize"', '"localise"').replace("model.converters",
+                                                                                         "model.flavor"))
+    assert "sets[0].fingerprints: 'localise' is not one of 'evidence', 'localize'; did you mean 'localize'?" in message
+    assert 'sets[0].overrides."model.flavor": decides the model or the data' in message
+
+
 def test_without_seed_checkpoint_no_seed_run_and_nothing_to_load(tmp_path):
     plan = load(tmp_path, plan_extra="seed_checkpoint = false")
     launches = plan.launches()

@@ -89,10 +89,10 @@ def test_only_the_trainers_and_the_protocols_warnings_are_kept_and_at_most_a_hun
 def test_the_ranks_keep_the_launchers_warning_about_ignored_options_without_printing_it(fresh, monkeypatch):
     out = console()
     monkeypatch.setenv(IGNORED_SHOWN, "1")
-    load_config(["--model.converters", "float8"])
+    load_config(["--quantize.linear.mx.recipe_name", "mxfp8_cublas"])
     assert out.getvalue() == ""
     [kept] = messages.kept_warnings()
-    assert kept.startswith(IGNORED_WARNING) and kept.endswith("command line: --model.converters")
+    assert kept.startswith(IGNORED_WARNING) and kept.endswith("command line: --quantize.linear.mx.recipe_name")
 
 
 def test_the_run_record_holds_the_warnings(fresh, tmp_path):
@@ -111,7 +111,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
 
 
-IGNORED = ["--model.flavor", "tiny", "--model.converters", "float8"]
+IGNORED = ["--model.flavor", "tiny", "--quantize.linear.mx.recipe_name", "mxfp8_cublas"]
 
 
 @pytest.mark.parametrize("command", [
