@@ -56,13 +56,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: int = 0) -> tuple[int, int]:
+def flight_recorder(config) -> tuple[int, str]:
+    """(the NCCL flight recorder's entries, the path its dumps start with) of a job."""
+    c = config.comm
+    return c.trace_buf_size, os.path.join(config.job.dump_folder, c.save_traces_folder, c.save_traces_file_prefix)
+
+
+def flight_recorder_env(trace_entries: int, dump_prefix: str) -> dict[str, str]:
+    """The variables torch's NCCL flight recorder reads when a process group is created: how many
+    collectives it keeps, and, when it keeps any, a dump of them on a timeout to files starting
+    with `dump_prefix` (a folder and a file-name prefix; the rank is appended). Both names of each
+    variable: torch renamed them (TORCH_FR_*) and reads either."""
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_entries), "TORCH_FR_BUFFER_SIZE": str(trace_entries)}
+    if trace_entries > 0:
+        env.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_NCCL_DEBUG_INFO_TEMP_FILE=dump_prefix,
+                   TORCH_FR_DUMP_TEMP_FILE=dump_prefix)
+    return env
+
+
+def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: int = 0,
+                     trace_dump_prefix: str = "") -> tuple[int, int]:
     """Join (or, when started without torchrun, create) the process group; returns (rank, world size).
-    A process that already joined one (several runs in one process group, as tests do) keeps it."""
+    A process that already joined one (several runs in one process group, as tests do) keeps it.
+    On CUDA the NCCL flight recorder keeps `nccl_trace_entries` collectives and dumps them on a
+    timeout to `trace_dump_prefix`<rank> (flight_recorder_env)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if device.type == "cuda":  # the NCCL flight recorder reads this when the group is created
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(nccl_trace_entries))
+    if device.type == "cuda":  # the NCCL flight recorder reads these when the group is created
+        for name, value in flight_recorder_env(nccl_trace_entries, trace_dump_prefix).items():
+            os.environ.setdefault(name, value)
+        if nccl_trace_entries > 0:
+            os.makedirs(os.path.dirname(trace_dump_prefix) or ".", exist_ok=True)
     if "RANK" not in os.environ:  # a plain `python -m trainer.train` is a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))

@@ -82,7 +82,7 @@ class Trainer:
         self.device = process_setup.pick_device()
         check_device_options(config, self.device.type)
         self.rank, world_size = process_setup.init_distributed(
-            self.device, config.comm.init_timeout_seconds, config.comm.trace_buf_size)
+            self.device, config.comm.init_timeout_seconds, *process_setup.flight_recorder(config))
         try:
             self.locks = run_lock.hold(config, self.rank, world_size, self.device)  # before anything is written
         except run_lock.LockRefused as e:

@@ -108,7 +108,8 @@ def optimizer_problems(c: JobConfig, refused: set[str]) -> list[str]:
 # The keys that name a file or folder (and training.datasets[i].path).
 PATH_KEYS = ("job.dump_folder", "job.save_config_file", "model.tokenizer_path", "model.hf_assets_path",
              "training.dataset_path", "checkpoint.folder", "checkpoint.initial_load_path", "metrics.save_tb_folder",
-             "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder", "validation.dataset_path")
+             "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder", "validation.dataset_path",
+             "comm.save_traces_folder")
 NAME_MAX, PATH_MAX = 255, 4096  # bytes (Linux)
 
 

@@ -383,7 +383,17 @@ class Comm:
     asynchronous ones keep init_timeout_seconds."""
 
     trace_buf_size: int = valid(20000, ge=0, note="0 disables it")
-    """Entries of the NCCL flight recorder (CUDA only); 0 disables it."""
+    """Entries of the NCCL flight recorder (CUDA only); 0 disables it. While it records, a
+    collective that times out makes every rank dump its recent collectives to
+    save_traces_folder."""
+
+    save_traces_folder: str = "comm_traces"
+    """Folder in job.dump_folder for the flight recorder's dumps (CUDA, trace_buf_size > 0): one file
+    per rank, read with `python -m torch.distributed.flight_recorder.fr_trace FOLDER`, which names
+    the collective each rank was in when a job hung."""
+
+    save_traces_file_prefix: str = "rank_"
+    """Beginning of the flight recorder's file names (the rank follows)."""
 
 
 @dataclass

@@ -47,7 +47,6 @@ IGNORED_KEYS = {
         "early_stop",
         "visualize_memory_budget_pareto",
     },
-    "comm": {"save_traces_folder", "save_traces_file_prefix"},
     "debug": {"moe_force_load_balance"},
     "validation": {"dataloader"},
 }
@@ -129,6 +128,8 @@ DIFFERENT: dict[str, str] = {
     "quantize.linear.float8.filter_fqns": "the output projection always stays in high precision, whether named "
                                           "or not",
     "quantize.linear.float8.emulate": "also allowed where float8 kernels exist (a CPU has them)",
+    "comm.save_traces_folder": "inside job.dump_folder, as torchtitan; the dumps are NCCL's (CUDA), none on CPU "
+                               "(gloo has no flight recorder)",
     "optimizer.implementation": "default foreach (torchtitan: fused)",
     "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
                                  "reached)",
