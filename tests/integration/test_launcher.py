@@ -53,6 +53,10 @@ def test_print_config_of_8b_round_trips_without_allocating(tmp_path):
         (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
           "--training.local_batch_size", "2"], "ZBVZeroBubble with 2 PP ranks and 4 stages needs at least 4 microbatches"),
         (["--training.enable_cpu_offload"], "training.enable_cpu_offload: moves FSDP state from GPU to CPU memory"),
+        (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode: this trainer's estimator runs "
+                                                    "on fake tensors only"),
+        (["--model.converters", "float8", "--training.enable_cpu_offload"],
+         "training.enable_cpu_offload: not combined with float8 layers"),
     ],
 )
 @pytest.mark.smoke
@@ -61,6 +65,19 @@ def test_user_mistakes_give_one_message_and_exit_2(args, message):
     assert result.returncode == 2, describe(result)
     assert message in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_memory_estimation_prints_the_estimate_before_the_ranks_train(tmp_path):
+    """torchtitan's memory_estimation.enable: the estimator's report of the job at the launch's
+    world size, then training as usual."""
+    result = launch(1, ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.steps", "1",
+                        "--memory_estimation.enable", "--job.dump_folder", str(tmp_path), "--checkpoint.no_enable"])
+    assert result.returncode == 0, describe(result)
+    out = result.stdout
+    estimate = out.index("memory_estimation.enable: estimating every rank's memory at 1 ranks")
+    assert estimate < out.index("rank kind") < out.index("estimated in") < out.index("logs:")
+    assert re.search(r"^every rank +0 +0\.2M .* yes \(0%\)", out, re.M), out
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
 
 def test_runs_from_another_directory_with_a_local_config(tmp_path):

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from trainer.config.checkpointing import Checkpoint
 from trainer.config.compute import ActivationCheckpoint, Compile
-from trainer.config.observability import Metrics, Profiling
+from trainer.config.observability import MemoryEstimation, Metrics, Profiling
 from trainer.config.quantize import Quantize
 from trainer.config.ranges import SEED_MAX, DType, valid
 from trainer.config.validation import Validation
@@ -439,5 +439,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     debug: Debug = field(default_factory=Debug)
     validation: Validation = field(default_factory=Validation)

@@ -1,5 +1,6 @@
-"""The [metrics] and [profiling] sections: what a run records about itself besides its
-checkpoints (console, metrics.jsonl, TensorBoard, W&B; profiler traces, memory snapshots).
+"""The [metrics], [profiling] and [memory_estimation] sections: what a run records about itself
+besides its checkpoints (console, metrics.jsonl, TensorBoard, W&B; profiler traces, memory
+snapshots), and the memory it is estimated to need before it starts.
 
 Part of the job configuration (trainer/config/job_config.py), in its own module for size; like
 it, every field's docstring is the reference, and nothing heavy is imported.
@@ -98,3 +99,20 @@ class Profiling:
 
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Memory snapshot folder, relative to job.dump_folder."""
+
+
+@dataclass
+class MemoryEstimation:
+    """torchtitan's [memory_estimation]: the memory of every rank, estimated before training."""
+
+    enable: bool = False
+    """Before the ranks start, the launcher runs this trainer's estimator on the job at its world
+    size (`python -m trainer.estimate --nproc N` with the same options: fake tensors and a fake
+    process group, every layout) and prints what each rank holds, its step peak, whether it fits
+    the device, and what the usual remedies would need. Training then starts whatever it found
+    (`python -m trainer.estimate --strict` stops a job that does not fit)."""
+
+    disable_fake_mode: bool = False
+    """torchtitan's estimate on real tensors. Must stay false: this trainer's estimator runs on
+    fake tensors only; a run's real peak is in its metrics.jsonl (memory), and docs/performance.md
+    compares the two."""

@@ -23,7 +23,7 @@ TORCHTITAN_VERSION = "v0.2.2"
 # ignored. A key here that names a table (training.dataloader) covers every key inside it, and
 # an ignored section any key inside it.
 IGNORED_SECTIONS = frozenset(
-    {"fault_tolerance", "float8", "mx", "memory_estimation", "experimental"}
+    {"fault_tolerance", "float8", "mx", "experimental"}
 )
 IGNORED_KEYS = {
     "job": {"custom_config_module", "use_for_integration_test", "print_args"},
@@ -130,6 +130,9 @@ DIFFERENT: dict[str, str] = {
     "quantize.linear.float8.emulate": "also allowed where float8 kernels exist (a CPU has them)",
     "comm.save_traces_folder": "inside job.dump_folder, as torchtitan; the dumps are NCCL's (CUDA), none on CPU "
                                "(gloo has no flight recorder)",
+    "memory_estimation.enable": "runs this trainer's estimator (python -m trainer.estimate) in the launcher before "
+                                "the ranks start, for every layout (torchtitan's script: FSDP and HSDP only)",
+    "memory_estimation.disable_fake_mode": "must stay false: the estimator runs on fake tensors only",
     "optimizer.implementation": "default foreach (torchtitan: fused)",
     "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
                                  "reached)",

@@ -49,6 +49,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -336,6 +337,16 @@ def prepare(opts: Options, config: JobConfig):
     return training_memory_need(config, plan.dims, opts.device, opts.nproc)
 
 
+def estimate_memory(args: list[str], world: int) -> None:
+    """memory_estimation.enable: the estimator's report of the job at this world size, printed
+    before the ranks start (training starts whatever it says)."""
+    print(f"memory_estimation.enable: estimating every rank's memory at {world} ranks (python -m trainer.estimate)",
+          flush=True)
+    done = subprocess.run([sys.executable, "-m", "trainer.estimate", "--nproc", str(world), *args])
+    if done.returncode:
+        print(f"warning: the memory estimate failed (exit {done.returncode}); training anyway", flush=True)
+
+
 def take_locks(opts: Options, config: JobConfig) -> list[run_lock.RunLock]:
     """The locks of the folders the run writes (trainer/launch/run_lock.py), for a run of one machine. A
     run of several machines is locked by its rank 0 once the rendezvous has decided which
@@ -382,6 +393,8 @@ def main(argv: list[str]) -> int:
             need = prepare(opts, config)
         except RunComplete as done:
             return end_complete_run(opts, config, done)
+        if config.memory_estimation.enable and not config.checkpoint.create_seed_checkpoint:
+            estimate_memory(args, opts.nproc * opts.nnodes)
         locks = take_locks(opts, config)
     except (ConfigError, run_lock.LockRefused) as e:
         print(f"error: {e}", file=sys.stderr)
