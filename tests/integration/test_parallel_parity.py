@@ -97,6 +97,9 @@ class Run:
 
 # The other pipeline schedules: 3 steps each (see test_other_pipeline_schedules_match_the_control).
 SCHEDULES = [("GPipe", 2), ("LoopedBFS", 4), ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 4), ("DualPipeV", 4)]
+# A split of one's own (parallelism.module_fqns_per_model_part), 3 steps as the schedules: not the
+# default split (embedding and blocks 0-1, blocks 2-3 and output).
+OWN_SPLIT = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,10 @@ def runs(seed, tmp_path_factory):
                 groups[4][f"schedule {schedule}"] = ["--training.steps", "3", *PP2,
                                                      "--parallelism.pipeline_parallel_schedule", schedule, *load]
                 expect_log[f"schedule {schedule}"] = f"PP 2 ({schedule}, {stages} stages)"
+            groups[4]["own split"] = ["--training.steps", "3", *PP2, "--parallelism.pipeline_parallel_schedule", "1F1B",
+                                      "--parallelism.module_fqns_per_model_part", json.dumps(OWN_SPLIT), *load]
+            expect_log["own split"] = ("pipeline: stage 0 (pp rank 0): embedding, layer 0; stage 1 (pp rank 1): layer 1, "
+                                       "layer 2, layer 3, output")
             for nproc, group in groups.items():
                 found, output = run_many(nproc, JOB, group, tmp_path_factory.mktemp(f"parity-{nproc}"), timeout=1800)
                 # The gradient norm is one float64 all-reduce over every rank, not one per mesh dimension.
@@ -125,7 +132,7 @@ def runs(seed, tmp_path_factory):
                     assert expect_log[run] in log, (run, log[-2000:])  # the layout was really applied
                     if run in LAYOUTS:
                         assert LAYOUTS[run].expect_runtime in log, (run, log[-2000:])
-                    steps = 3 if run.startswith("schedule ") else STEPS
+                    steps = 3 if run.startswith("schedule ") or run == "own split" else STEPS
                     records = result["metrics"]
                     assert [r["step"] for r in records] == list(range(1, steps + 1)), run
                     # Rank 0 (the first pipeline stage under PP) logs the global loss.
@@ -164,10 +171,18 @@ def test_fsdp_controls_of_both_dp_degrees_agree(runs, measured):
 def test_other_pipeline_schedules_match_the_control(schedule, stages, runs, measured):
     """3 steps: with 2 warmup steps, the losses of steps 1-3 do not depend on the total step count,
     so they must equal the first 3 of the 20-step control."""
-    control, test = runs("FSDP dp2").records[:3], runs(f"schedule {schedule}").records
+    matches_the_first_3_steps(f"schedule {schedule}", runs, measured)
+
+
+def test_a_pipeline_split_of_ones_own_matches_the_control(runs, measured):
+    matches_the_first_3_steps("own split", runs, measured)
+
+
+def matches_the_first_3_steps(name: str, runs, measured) -> None:
+    control, test = runs("FSDP dp2").records[:3], runs(name).records
     diffs = [abs(c["loss"] - t["loss"]) for c, t in zip(control, test)]
     norm_diff = abs(control[0]["grad_norm"] - test[0]["grad_norm"]) / control[0]["grad_norm"]
-    measured(f"parity FSDP+PP2 {schedule:22s} 4 procs: max |dloss| over 3 steps {max(diffs):.1e}, "
+    measured(f"parity FSDP+PP2 {name.removeprefix('schedule '):22s} 4 procs: max |dloss| over 3 steps {max(diffs):.1e}, "
              f"step-1 grad-norm rel diff {norm_diff:.1e}")
     assert len(test) == 3 and max(diffs) <= 1e-5 and norm_diff <= 1e-5
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -200,3 +201,46 @@ def test_405b_pipeline_has_sixteen_stages_of_about_eight_layers():
     plan = stage_plan(config, ParallelDims.from_config(config.parallelism, 512))
     assert plan.num_stages == 16 and plan.stages_of_rank(0) == [0, 8]
     assert [len(b) for b in plan.blocks] == [7] + [8] * 14 + [7]
+
+
+def test_a_split_of_ones_own_gives_the_stages_it_names():
+    parts = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"], ["layers.3", "layers.4"],
+             ["layers.5", "norm", "output"]]
+    plan = plan_stages(6, 2, "Interleaved1F1B", None, 1, 1, parts)
+    assert plan.blocks == ((0,), (1, 2), (3, 4), (5,)) and plan.stages_of_rank(1) == [1, 3]
+    assert plan_stages(4, 2, "1F1B", None, 1, 1, [["tok_embeddings"], ["layers.0", "layers.1", "layers.2", "layers.3",
+                                                                       "norm", "output"]]).blocks == ((), (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("parts, message", [
+    ([["layers.0", "layers.1"], ["tok_embeddings", "layers.2", "layers.3", "norm", "output"]],
+     "part 0 holds none of tok_embeddings, norm and output; the first part takes tok_embeddings, the last norm and output"),
+    ([["tok_embeddings", "layers.0", "layers.2"], ["layers.1", "layers.3", "norm", "output"]],
+     "the parts must hold layers.0 to layers.3 once each and in order; they hold 0, 2, 1, 3"),
+    ([["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "norm", "output"]],
+     "the parts must hold layers.0 to layers.3 once each and in order; they hold 0, 1, 2"),
+    ([["tok_embeddings", "layers.0"], ["attention", "layers.1", "layers.2", "layers.3", "norm", "output"]],
+     "'attention' in part 1 is not a module of the model; name tok_embeddings, layers.0 to layers.3, norm and output"),
+    ([["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2", "layers.3", "norm", "output"]],
+     "3 parts, but 1F1B on 2 PP ranks runs exactly 2 stages (one per PP rank)"),
+])
+def test_a_split_of_ones_own_that_cannot_work_names_what_is_wrong(parts, message):
+    with pytest.raises(StageError, match="parallelism.module_fqns_per_model_part: " + re.escape(message)):
+        plan_stages(4, 2, "1F1B", None, 1, 1, parts)
+
+
+def test_a_split_of_ones_own_is_a_toml_list_of_lists_or_json_on_the_command_line(tmp_path):
+    parts = [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
+    path = tmp_path / "job.toml"
+    path.write_text(f"[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {parts!r}\n"
+                    .replace("'", '"'))
+    from_file = load_config(["--job.config_file", str(path), "--model.flavor", "tiny"])
+    from_argv = load_config(["--model.flavor", "tiny", "--parallelism.pipeline_parallel_degree", "2",
+                             "--parallelism.module_fqns_per_model_part", json.dumps(parts)])
+    assert from_file.parallelism.module_fqns_per_model_part == from_argv.parallelism.module_fqns_per_model_part == parts
+    assert plan_run(from_argv, 2).dims.pp == 2
+    with pytest.raises(ConfigError, match=r'a list of lists, written as JSON: \[\["a", "b"\], \["c"\]\]'):
+        load_config(["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0"])
+    with pytest.raises(ConfigError, match="module_fqns_per_model_part: splits the model into pipeline stages; set "
+                                          "parallelism.pipeline_parallel_degree >= 2"):
+        load_config(["--parallelism.module_fqns_per_model_part", json.dumps(parts)])

@@ -347,6 +347,13 @@ class Parallelism:
     """Layers per pipeline stage, the embedding and the output counted as first/last_stage_less_layers
     layers; sets the number of stages. Unset: one stage per PP rank (two for multi-stage schedules)."""
 
+    module_fqns_per_model_part: Optional[list[list[str]]] = None
+    """One's own pipeline split: the modules of each stage, in order, e.g.
+    [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]:
+    every block (layers.<i>) once and in order, tok_embeddings in the first stage, norm and output
+    in the last; the number of stages must suit the schedule. On the command line as JSON. Unset:
+    the split of pipeline_parallel_layers_per_stage / first and last_stage_less_layers."""
+
     pipeline_parallel_first_stage_less_layers: int = valid(1, ge=0)
     """Layers fewer on the first stage, to make room for the token embedding."""
 

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import logging
 import os
 import sys
@@ -164,6 +165,8 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
         return value
     if origin is list and dataclasses.is_dataclass(args[0]):
         return convert_tables(value, args[0], where, from_text)
+    if origin is list and typing.get_origin(args[0]) is list and from_text:
+        return convert(json_list(value, where), tp, where)  # a list of lists: JSON on the command line
     if origin is list:
         items = [v.strip() for v in value.split(",") if v.strip()] if from_text else value
         if not isinstance(items, list):
@@ -201,6 +204,17 @@ def convert(value: Any, tp: Any, where: str, from_text: bool = False) -> Any:
             return value
         raise ConfigError(f"{where}: expected a string, got {shown(value)}")
     raise TypeError(f"unsupported config field type {tp!r}")  # a bug in job_config.py, not a user error
+
+
+def json_list(text: str, where: str) -> list:
+    """A list of lists written on the command line: as JSON ([["a", "b"], ["c"]])."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list):
+        raise ConfigError(f'{where}: a list of lists, written as JSON: [["a", "b"], ["c"]]; got {shown(text)}')
+    return value
 
 
 def convert_tables(value: Any, cls: type, where: str, from_text: bool) -> list:

@@ -36,7 +36,6 @@ IGNORED_KEYS = {
         "expert_tensor_parallel_degree",
         "expert_parallel_comm_backend",  # MoE only: no effect on Llama
         "pipeline_parallel_expert_parallel_overlap",  # MoE only: no effect on Llama
-        "module_fqns_per_model_part",
         "pipeline_parallel_schedule_csv",
         "pipeline_parallel_split_points",
         "context_parallel_load_balancer",
@@ -133,6 +132,9 @@ DIFFERENT: dict[str, str] = {
     "memory_estimation.enable": "runs this trainer's estimator (python -m trainer.estimate) in the launcher before "
                                 "the ranks start, for every layout (torchtitan's script: FSDP and HSDP only)",
     "memory_estimation.disable_fake_mode": "must stay false: the estimator runs on fake tensors only",
+    "parallelism.module_fqns_per_model_part": "the first part must hold tok_embeddings and the last norm and output "
+                                              "(the model's ends stay on the first and last stages); JSON on the "
+                                              "command line",
     "optimizer.implementation": "default foreach (torchtitan: fused)",
     "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
                                  "reached)",

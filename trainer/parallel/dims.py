@@ -138,7 +138,7 @@ def stage_plan(config, dims: ParallelDims) -> StagePlan | None:
     p = config.parallelism
     return plan_stages(configured_model_args(config.model).n_layers, dims.pp, p.pipeline_parallel_schedule,
                        p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_first_stage_less_layers,
-                       p.pipeline_parallel_last_stage_less_layers)
+                       p.pipeline_parallel_last_stage_less_layers, p.module_fqns_per_model_part)
 
 
 def layout_problems(config, dims: ParallelDims) -> list[str]:

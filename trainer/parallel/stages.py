@@ -59,11 +59,19 @@ class StagePlan:
 
 
 def plan_stages(n_layers: int, pp: int, schedule: str, layers_per_stage: int | None,
-                first_less: int, last_less: int) -> StagePlan:
-    """Split n_layers blocks into stages for `pp` ranks and the given schedule."""
+                first_less: int, last_less: int, parts: list[list[str]] | None = None) -> StagePlan:
+    """Split n_layers blocks into stages for `pp` ranks and the given schedule (as `parts`, the
+    modules of each stage, says when given)."""
     if schedule not in SCHEDULES:
         raise StageError(f"parallelism.pipeline_parallel_schedule: unknown schedule {schedule!r}; "
                          f"choose one of {', '.join(SCHEDULES)}")
+    if parts is not None:
+        if layers_per_stage is not None:
+            raise StageError("parallelism.module_fqns_per_model_part: gives the split itself; unset "
+                             "pipeline_parallel_layers_per_stage")
+        plan = StagePlan(schedule, pp, stages_of_parts(parts, n_layers))
+        check_part_count(plan.num_stages, pp, schedule)
+        return plan
     for key, value in (("first_stage_less_layers", first_less), ("last_stage_less_layers", last_less)):
         if value < 0:
             raise StageError(f"parallelism.pipeline_parallel_{key}: must be >= 0, got {value}")
@@ -88,6 +96,47 @@ def plan_stages(n_layers: int, pp: int, schedule: str, layers_per_stage: int | N
                 "less_layers / last_stage_less_layers, or use fewer stages")
         start += size
     return StagePlan(schedule, pp, tuple(blocks))
+
+
+PARTS_KEY = "parallelism.module_fqns_per_model_part"
+
+
+def stages_of_parts(parts: list[list[str]], n_layers: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks of each stage of a split given by module names, or StageError naming what is
+    wrong: every block once and in order, the embedding first, the final norm and output last."""
+    last = len(parts) - 1
+    blocks, seen = [], []
+    for index, part in enumerate(parts):
+        expected_ends = ({"tok_embeddings"} if index == 0 else set()) | ({"norm", "output"} if index == last else set())
+        ends = {name for name in part if name in ("tok_embeddings", "norm", "output")}
+        if ends != expected_ends:
+            raise StageError(f"{PARTS_KEY}: part {index} holds {sorted(ends) or 'none'} of tok_embeddings, norm and "
+                             f"output; the first part takes tok_embeddings, the last norm and output")
+        layers = [name for name in part if name not in ends]
+        wrong = [name for name in layers if not (name.startswith("layers.") and name[7:].isdigit()
+                                                 and int(name[7:]) < n_layers)]
+        if wrong:
+            raise StageError(f"{PARTS_KEY}: {wrong[0]!r} in part {index} is not a module of the model; name "
+                             f"tok_embeddings, layers.0 to layers.{n_layers - 1}, norm and output")
+        if not layers and 0 < index < last:
+            raise StageError(f"{PARTS_KEY}: part {index} holds no layer")
+        blocks.append(tuple(int(name[7:]) for name in layers))
+        seen += blocks[-1]
+    if seen != list(range(n_layers)):
+        raise StageError(f"{PARTS_KEY}: the parts must hold layers.0 to layers.{n_layers - 1} once each and in order; "
+                         f"they hold {', '.join(map(str, seen)) or 'none'}")
+    return tuple(blocks)
+
+
+def check_part_count(num_stages: int, pp: int, schedule: str) -> None:
+    """A split's number of stages against what the schedule runs on `pp` ranks."""
+    need = (f"exactly {pp} stages (one per PP rank)" if schedule in SINGLE_STAGE_SCHEDULES else
+            f"exactly {2 * pp} stages (two per PP rank)" if schedule in V_SCHEDULES else
+            f"a multiple of {pp} stages, at least {2 * pp}")
+    fits = (num_stages == pp if schedule in SINGLE_STAGE_SCHEDULES else num_stages == 2 * pp if schedule in V_SCHEDULES
+            else num_stages % pp == 0 and num_stages >= 2 * pp)
+    if not fits:
+        raise StageError(f"{PARTS_KEY}: {num_stages} parts, but {schedule} on {pp} PP ranks runs {need}")
 
 
 def stages_per_rank_default(schedule: str) -> int:
