@@ -172,7 +172,7 @@ class Trainer:
             train_source, seq_len=config.training.seq_len, global_batch_size=self.plan.global_batch_size,
             local_batch_size=config.training.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
             accept_data_change=config.checkpoint.accept_data_change, document_eos=eos,
-            peers=ProcessGroupPeers(self.device),
+            peers=ProcessGroupPeers(self.device), workers=config.training.dataloader,
         )
         if validation_source is None:
             return train, None
@@ -180,7 +180,7 @@ class Trainer:
         validation = BatchLoader(
             validation_source, seq_len=v.seq_len, global_batch_size=v.global_batch_size,
             local_batch_size=v.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp, device=self.device,
-            name="validation", pad_uneven=True, document_eos=eos,
+            name="validation", pad_uneven=True, document_eos=eos, workers=v.dataloader,
         )
         self.validation_batches = evaluation_batches(validation, v.steps)
         return train, validation

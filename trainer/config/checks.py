@@ -81,6 +81,11 @@ def validate(config: JobConfig) -> None:
          "context parallelism here passes keys and values around a ring; leave the default 'allgather'")
     problems += option_problems(c)
     problems += float8_problems(c)
+    for table, loader in (("training", c.training.dataloader), ("validation", c.validation.dataloader)):
+        for key, value in (("prefetch_factor", loader.prefetch_factor), ("persistent_workers", loader.persistent_workers)):
+            need(value in (None, False) or loader.num_workers > 0,
+                 f"{table}.dataloader.{key}: needs {table}.dataloader.num_workers > 0 (it sets how the workers read "
+                 "ahead); set num_workers, or leave it unset")
     need(p.module_fqns_per_model_part is None or p.pipeline_parallel_degree > 1,
          "parallelism.module_fqns_per_model_part: splits the model into pipeline stages; set "
          "parallelism.pipeline_parallel_degree >= 2, or leave it unset")

@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 from trainer.config.checkpointing import Checkpoint
 from trainer.config.compute import ActivationCheckpoint, Compile
+from trainer.config.dataloader import DataLoader
 from trainer.config.observability import MemoryEstimation, Metrics, Profiling
 from trainer.config.quantize import Quantize
 from trainer.config.ranges import SEED_MAX, DType, valid
@@ -229,6 +230,9 @@ class Training:
 
     stream_prefetch: int = valid(4, ge=1)
     """Streamed datasets: chunks (~256 KB of text each) per lane held tokenized ahead of use."""
+
+    dataloader: DataLoader = field(default_factory=DataLoader)
+    """[training.dataloader]: worker processes reading the coming batches ahead."""
 
     data_seed: Optional[int] = valid(None, ge=0, le=SEED_MAX)
     """Seed of the data: the shuffled order of files and shards, and the synthetic source's chain

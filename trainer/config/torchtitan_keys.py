@@ -29,7 +29,7 @@ IGNORED_KEYS = {
     "job": {"custom_config_module", "use_for_integration_test", "print_args"},
     "quantize": {"linear.mx", "grouped_mm"},  # MX formats and MoE's grouped matmuls
     "optimizer": {"early_step_in_backward"},
-    "training": {"gc_debug", "dataloader"},
+    "training": {"gc_debug"},
     "parallelism": {
         "enable_compiled_autograd",
         "expert_parallel_degree",
@@ -47,7 +47,6 @@ IGNORED_KEYS = {
         "visualize_memory_budget_pareto",
     },
     "debug": {"moe_force_load_balance"},
-    "validation": {"dataloader"},
 }
 
 
@@ -135,6 +134,10 @@ DIFFERENT: dict[str, str] = {
     "parallelism.module_fqns_per_model_part": "the first part must hold tok_embeddings and the last norm and output "
                                               "(the model's ends stay on the first and last stages); JSON on the "
                                               "command line",
+    "training.dataloader.num_workers": "the workers compute this rank's rows of the coming global batches, in "
+                                       "order (files, shards, built-in sources); streamed datasets read in "
+                                       "training.stream_workers instead",
+    "validation.dataloader.num_workers": "as training.dataloader.num_workers",
     "optimizer.implementation": "default foreach (torchtitan: fused)",
     "lr_scheduler.warmup_steps": "not shortened to the schedule's length when longer (the peak is then never "
                                  "reached)",

@@ -6,9 +6,10 @@ it, every field's docstring is the reference, and nothing heavy is imported.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from trainer.config.dataloader import DataLoader
 from trainer.config.ranges import valid
 
 # validation.steps = WHOLE_SPLIT: every sequence of the validation split, once.
@@ -55,3 +56,6 @@ class Validation:
     'shards' or 'python_stdlib' (training.dataset's held-out split, or validation.dataset); it is refused for
     'synthetic' (endless), a streamed Hugging Face dataset (its length is unknown until read) and
     a [[training.datasets]] mixture (drawn by weight, so it has no single pass)."""
+
+    dataloader: DataLoader = field(default_factory=DataLoader)
+    """[validation.dataloader]: worker processes reading the coming validation batches ahead."""

@@ -23,6 +23,7 @@ import torch
 from trainer.config.validation import WHOLE_SPLIT
 from trainer.data.documents import DataError
 from trainer.data.finite_sources import DataExhausted, FiniteTokenSource
+from trainer.data.prefetch import RowPrefetcher
 from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class BatchLoader:
     def __init__(self, source, *, seq_len: int, global_batch_size: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, device: torch.device, name: str = "training",
                  accept_data_change: bool = False, pad_uneven: bool = False, document_eos: int | None = None,
-                 peers=LocalPeers()):
+                 peers=LocalPeers(), workers=None):
         rows_per_rank = -(-global_batch_size // dp_degree)
         if not pad_uneven and (global_batch_size % dp_degree or rows_per_rank % local_batch_size):
             raise ValueError(
@@ -112,6 +113,14 @@ class BatchLoader:
         self.end_row: int | None = None
         self._initial_source_state = None if source.random_access else source.state_dict()
         self._saved_keys: set[str] | None = None  # the keys of the checkpoint about to be loaded
+        # `workers` ([training.dataloader]): rows of the coming batches read ahead (prefetch.py).
+        self.prefetch = None
+        if workers is not None and workers.num_workers > 0 and source.random_access:
+            self.prefetch = RowPrefetcher(source, workers, stride=global_batch_size, offset=self.own_first,
+                                          count=self.own_stop - self.own_first, length=self.row_length, name=name)
+        elif workers is not None and workers.num_workers > 0:
+            logger.warning("%s.dataloader.num_workers: a streamed dataset reads ahead in its own tokenizer workers "
+                           "(training.stream_workers, stream_prefetch); these are not started", name)
 
     @property
     def accumulation_steps(self) -> int:
@@ -128,6 +137,8 @@ class BatchLoader:
             # Decided on the whole global batch, so every rank stops at the same step (a rank
             # whose own rows still exist must not train on while its peers have stopped).
             self.source.check_available(first + self.global_batch_size - 1, self.row_length)
+            if self.prefetch is not None:
+                return self.prefetch.rows(first)
             return self.source.rows(first + self.own_first, count, self.row_length)
         return self._agreed(lambda: self.source.batch_rows(first, self.global_batch_size, self.own_first,
                                                            self.own_stop, self.row_length))
@@ -155,7 +166,7 @@ class BatchLoader:
             logger.info("%s data: epoch %d begins in the global batch of sequences %d-%d", self.name, epoch,
                         self.rows_consumed - self.global_batch_size, self.rows_consumed - 1)
             self.epoch = epoch
-        tokens = torch.from_numpy(rows)
+        tokens = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
         padding = self.microbatches * self.local_batch_size - len(rows)
         if padding:
             tokens = torch.cat([tokens, torch.zeros(padding, self.row_length, dtype=tokens.dtype)])
@@ -228,6 +239,8 @@ class BatchLoader:
         return keys
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         if hasattr(self.source, "close"):
             self.source.close()
 
