@@ -92,9 +92,10 @@ def render_torchtitan(out: list[str]) -> str:
     out += ["## Coming from torchtitan", "",
             f"Every key of torchtitan {TORCHTITAN_VERSION}'s configuration, and what this trainer does with it: "
             "*same* (same meaning, default and values), *different* (how), *ignored with a warning* (accepted in "
-            "a TOML file and on the command line, named in one warning, without effect) or *refused* (an unknown "
-            "key, stopping the launch; why). A key that names a table covers every key inside it, as in "
-            "torchtitan's `--quantize.linear.float8.filter_fqns`.", "",
+            "a TOML file and on the command line, named in one warning, without effect; why) or *refused* (an "
+            "unknown key, stopping the launch; why). A key that names a table covers every key inside it, as in "
+            "torchtitan's `--quantize.linear.mx.recipe_name`. MoE, expert parallelism and MX formats stay out: "
+            "this trainer is for Llama.", "",
             "| torchtitan key | here | how, or why |", "| --- | --- | --- |"]
     out += [f"| `{key}` | {state} | {escape(note)} |" for key, state, note in table()]
     def listed(section: str, ignored: str) -> bool:  # a key of v0.2.2's, or a table of them

@@ -18,36 +18,59 @@ from trainer.config.job_config import JobConfig
 TORCHTITAN_VERSION = "v0.2.2"
 
 # torchtitan sections and keys this trainer does not implement (v0.2.2's, and a few of earlier
-# versions). A config that uses them still loads, from the TOML file or the command line alike
-# (so upstream configs and launch scripts work as they are), with one warning naming what is
-# ignored. A key here that names a table (training.dataloader) covers every key inside it, and
-# an ignored section any key inside it.
-IGNORED_SECTIONS = frozenset(
-    {"fault_tolerance", "float8", "mx", "experimental"}
-)
-IGNORED_KEYS = {
-    "job": {"custom_config_module", "use_for_integration_test", "print_args"},
-    "quantize": {"linear.mx", "grouped_mm"},  # MX formats and MoE's grouped matmuls
-    "optimizer": {"early_step_in_backward"},
-    "training": {"gc_debug"},
-    "parallelism": {
-        "enable_compiled_autograd",
-        "expert_parallel_degree",
-        "expert_tensor_parallel_degree",
-        "expert_parallel_comm_backend",  # MoE only: no effect on Llama
-        "pipeline_parallel_expert_parallel_overlap",  # MoE only: no effect on Llama
-        "pipeline_parallel_schedule_csv",
-        "pipeline_parallel_split_points",
-        "context_parallel_load_balancer",
-    },
-    "checkpoint": {"enable_ft_dataloader_checkpoints", "initial_load_in_hf_quantized"},
-    "activation_checkpoint": {
-        "per_op_sac_force_recompute_mm_shapes_by_fqns",
-        "early_stop",
-        "visualize_memory_budget_pareto",
-    },
-    "debug": {"moe_force_load_balance"},
+# versions), each with the reason. A config that uses them still loads, from the TOML file or the
+# command line alike (so upstream configs and launch scripts work as they are), with one warning
+# naming what is ignored. A key here that names a table (quantize.linear.mx) covers every key
+# inside it, and an ignored section any key inside it.
+MOE = "MoE (experts) only: no effect on a Llama model"
+IGNORED_SECTIONS = {
+    "fault_tolerance": "torchft's replica groups that survive a failure are not integrated; a failed rank restarts "
+                       "the job from its latest checkpoint instead (docs/training.md, automatic restarts)",
+    "float8": "torchtitan v0.1's table; v0.2.2's [quantize.linear.float8] is implemented",
+    "mx": "torchtitan v0.1's MX table; MX formats are not implemented",
+    "experimental": "imports a user's own modules into torchtitan; this trainer builds Llama only",
 }
+IGNORED_KEYS = {
+    "job": {"custom_config_module": "extends torchtitan's configuration class with a user's module; this schema is "
+                                    "fixed",
+            "use_for_integration_test": "a flag of torchtitan's own test suite",
+            "print_args": "an earlier torchtitan's; job.print_config prints the resolved configuration"},
+    "quantize": {"linear.mx": "MX formats (MXFP8, for Blackwell GPUs) are not implemented",
+                 "grouped_mm": "MoE's grouped matmuls: no effect on a Llama model"},
+    "optimizer": {"early_step_in_backward": "the optimizer step inside backward is not implemented (it would clip "
+                                            "before the global gradient norm is known)"},
+    "training": {"gc_debug": "torchtitan's garbage-collector debugging; Python's gc.set_debug does it"},
+    "parallelism": {
+        "enable_compiled_autograd": "compiled autograd is not implemented; compile.enable compiles each block's "
+                                    "forward and backward",
+        "expert_parallel_degree": MOE,
+        "expert_tensor_parallel_degree": MOE,
+        "expert_parallel_comm_backend": MOE,
+        "pipeline_parallel_expert_parallel_overlap": MOE,
+        "pipeline_parallel_schedule_csv": "a schedule from a file of actions is not implemented; choose a named "
+                                          "schedule",
+        "pipeline_parallel_split_points": "an earlier torchtitan's; module_fqns_per_model_part or "
+                                          "pipeline_parallel_layers_per_stage split the model",
+        "context_parallel_load_balancer": "the ring here always balances the causal work (head and tail chunks)",
+    },
+    "checkpoint": {"enable_ft_dataloader_checkpoints": "fault tolerance's (torchft) data loader checkpoints",
+                   "initial_load_in_hf_quantized": "quantized Hugging Face weights are not read; "
+                                                   "initial_load_in_hf reads full-precision safetensors"},
+    "activation_checkpoint": {
+        "per_op_sac_force_recompute_mm_shapes_by_fqns": "a per-module override of selective op checkpointing (for "
+                                                        "MoE routers); not implemented",
+        "early_stop": "torch's early stop of recomputation is not exposed",
+        "visualize_memory_budget_pareto": "the memory budget's trade-off plot is not implemented",
+    },
+    "debug": {"moe_force_load_balance": MOE},
+}
+
+
+def why_ignored(section: str, key: str = "") -> str:
+    """The reason an ignored `section.key` is ignored (it must be one)."""
+    if section in IGNORED_SECTIONS:
+        return IGNORED_SECTIONS[section]
+    return next(why for ignored, why in IGNORED_KEYS[section].items() if key == ignored or key.startswith(f"{ignored}."))
 
 
 def is_ignored(section: str, key: str = "") -> bool:
@@ -236,7 +259,7 @@ def status(key: str, known: set[str] | None = None) -> tuple[str, str]:
     if key in known:
         return (DIFFERENT_STATUS, DIFFERENT[key]) if key in DIFFERENT else (SAME, "")
     if is_ignored(section, rest):
-        return IGNORED, ""
+        return IGNORED, why_ignored(section, rest)
     if key in REFUSED:
         return REFUSED_STATUS, REFUSED[key]
     raise KeyError(f"torchtitan's {key} has no status: implement it, list it in IGNORED_KEYS, or give "
