@@ -150,10 +150,12 @@ def precompute_scales(stages, conversion: Float8Conversion | None) -> None:
 
 class _ImportNoise(logging.Filter):
     """What importing torchao logs that says nothing about this run: a warning for each of its
-    CUDA kernel libraries a CPU build cannot load (float8 training here uses none of them), and
-    torch's notice that torchao registers an Enum with pytree (torchao's to change)."""
+    CUDA kernel libraries a CPU build cannot load and for Triton missing (its int8 kernels need
+    it; float8 training here uses neither), and torch's notice that torchao registers an Enum with
+    pytree (torchao's to change)."""
 
-    NOISE = ("Failed to load", "is an Enum subclass and is now natively supported")
+    NOISE = ("Failed to load", "Detected no triton", "is an Enum subclass and is now natively supported")
+    LOGGERS = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")  # a filter sees its own logger's records
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -162,7 +164,7 @@ class _ImportNoise(logging.Filter):
 
 def import_float8():
     """torchao.float8, imported without its import noise (_ImportNoise)."""
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in _ImportNoise.LOGGERS:
         source = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in source.filters):
             source.addFilter(_ImportNoise())
