@@ -169,7 +169,7 @@ def schedule_change(saved_config: dict, config, steps_done: int) -> str | None:
     saved_steps = saved_config.get("training", {}).get("steps", config.training.steps)
     # A key missing from the saved record is unset (None is not written) or newer than the record:
     # either way its default, which is what the saving run used.
-    saved = {**dataclasses.asdict(type(config.lr_scheduler)()), **saved_config.get("lr_scheduler", {})}
+    saved = {**dataclasses.asdict(type(config.lr_scheduler)()), **(saved_config.get("lr_scheduler") or {})}
     saved_horizon = saved.get("total_steps") or saved_steps
     horizon = schedule_horizon(config.lr_scheduler, config.training.steps)
     now = dataclasses.asdict(config.lr_scheduler)
@@ -224,7 +224,7 @@ def settings_changed(saved_config: dict, config) -> list[str]:
     for name in NAMED_ON_RESUME:
         section, _, key = name.partition(".")
         defaults = dotted(dataclasses.asdict(type(getattr(config, section))()))
-        saved = {**defaults, **dotted(saved_config.get(section, {}))}
+        saved = {**defaults, **dotted(saved_config.get(section) or {})}  # None: unset, as a missing section
         current = {**defaults, **dotted(now.get(section, {}))}
         for k in ([key] if key else sorted(current)):
             if saved.get(k) != current.get(k):

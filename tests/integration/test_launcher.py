@@ -18,6 +18,7 @@ import pytest
 
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.config.manager import load_config
+from trainer.records.run_meta import read_record
 
 
 def test_help_for_8b_config_without_building_the_model():
@@ -82,12 +83,20 @@ def test_memory_estimation_prints_the_estimate_before_the_ranks_train(tmp_path):
 
 def test_runs_from_another_directory_with_a_local_config(tmp_path):
     (tmp_path / "mine.toml").write_text('[model]\nflavor = "tiny"\n[training]\nseq_len = 16\nsteps = 2\n'
-                                        'local_batch_size = 2\n[metrics]\nlog_freq = 1\n')
+                                        'local_batch_size = 2\n[metrics]\nlog_freq = 1\n'
+                                        '[fault_tolerance]\nenable = false\n')  # torchtitan's, ignored here
     result = launch(1, ["--job.config_file", "mine.toml", "--job.dump_folder", "out"], cwd=tmp_path)
     assert result.returncode == 0, describe(result)
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2]
     assert f"outputs: {tmp_path / 'out'}" in result.stdout
     assert not (REPO / "out").exists()
+    # The launcher names the ignored table once (the ranks, loading the config again, do not), and
+    # the finished run records it: in the launcher's log and in run_meta.json.
+    assert (result.stdout + result.stderr).count("ignoring options this trainer does not implement") == 1
+    [warning] = [w for w in read_record(tmp_path / "out")["warnings"] if "ignoring options" in w]
+    assert warning.startswith("warning: ignoring options") and "[fault_tolerance]" in warning
+    [launcher_log] = (tmp_path / "out" / "logs").glob("*/launcher.log")
+    assert f"trainer.launch.launcher: {warning}\n" in launcher_log.read_text()
 
 
 @pytest.mark.cores(2)

@@ -192,7 +192,7 @@ SAVED_CONFIG_KEYS = {
     "parallelism": {"tensor_parallel_sync": (str, None), "tensor_parallel_degree": (int, 1),
                     "tensor_parallel_sync_group": (int, 0)},
 }
-COMPARED_SECTIONS = ("optimizer",)
+COMPARED_SECTIONS = ("optimizer", "model", "quantize")  # named on resume when they differ (trainer.optim)
 
 
 def check_saved_config(config: Fields) -> None:
