@@ -18,6 +18,7 @@ is asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -127,7 +128,10 @@ def convert(model, config, fsdp_shards: int, device) -> Float8Conversion:
 
     def converts(module, name: str) -> bool:
         reason = why_kept(name, module, filter_fqns, auto_filter)
-        (converted.append(name) if reason is None else kept.__setitem__(name, reason))
+        if reason is None:
+            converted.append(name)
+        else:
+            kept[name] = reason
         return reason is None
 
     float8.convert_to_float8_training(model, config=torchao_config(options, recipe, all_gather), module_filter_fn=converts)
@@ -162,8 +166,10 @@ class _ImportNoise(logging.Filter):
         return not any(part in message for part in self.NOISE)
 
 
+@functools.lru_cache(maxsize=None)
 def import_float8():
-    """torchao.float8, imported without its import noise (_ImportNoise)."""
+    """torchao.float8, imported without its import noise (_ImportNoise); once per process (each
+    step's scale precomputation asks for it)."""
     for name in _ImportNoise.LOGGERS:
         source = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in source.filters):

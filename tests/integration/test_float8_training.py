@@ -37,17 +37,14 @@ from dataclasses import replace
 
 import pytest
 
-from tests.launch import run_many
+from tests.launch import TINY_JOB, run_many
 from trainer.models.llama3.args import get_flavor
 from trainer.models.llama3.hf_config import hf_config
 
 pytestmark = pytest.mark.cores(2)
 
 STEPS = 4
-BASE = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),
-        "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--optimizer.weight_decay", "0",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.no_enable_tensorboard",
-        "--debug.deterministic", "--checkpoint.no_enable"]
+BASE = [*TINY_JOB, "--training.steps", str(STEPS), "--training.local_batch_size", "4", "--checkpoint.no_enable"]
 FLOAT8 = ["--model.converters", "float8"]
 OPTION = "--quantize.linear.float8."
 ALL_GATHER = [OPTION + "enable_fsdp_float8_all_gather", OPTION + "precompute_float8_dynamic_scale_for_fsdp"]

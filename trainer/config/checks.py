@@ -10,8 +10,8 @@ from pathlib import PurePath
 
 from trainer.config.errors import ConfigError
 from trainer.config.job_config import JobConfig
-from trainer.config.quantize import FLOAT8_CONVERTERS
 from trainer.config.ranges import FLOAT32_LARGEST, range_problems, shown
+from trainer.float8 import enabled as float8_enabled
 
 
 def validate(config: JobConfig) -> None:
@@ -210,7 +210,7 @@ def float8_problems(c: JobConfig) -> list[str]:
     if o.recipe_name is not None and o.enable_fsdp_float8_all_gather:
         problems.append(f"{key}.enable_fsdp_float8_all_gather: float8 all-gather is tensorwise scaling's, and "
                         f"recipe_name {o.recipe_name!r} all-gathers in high precision; turn it off, or unset recipe_name")
-    if not any(name in FLOAT8_CONVERTERS for name in c.model.converters):
+    if not float8_enabled(c):
         return problems
     if o.emulate and c.compile.enable:
         problems.append(f"{key}.emulate: torchao's emulated float8 matmuls do not compile; turn compile.enable off, or "

@@ -117,7 +117,7 @@ class BatchLoader:
         self.prefetch = None
         if workers is not None and workers.num_workers > 0 and source.random_access:
             self.prefetch = RowPrefetcher(source, workers, stride=global_batch_size, offset=self.own_first,
-                                          count=self.own_stop - self.own_first, length=self.row_length, name=name)
+                                          count=self.own_stop - self.own_first, length=self.row_length)
         elif workers is not None and workers.num_workers > 0:
             logger.warning("%s.dataloader.num_workers: a streamed dataset reads ahead in its own tokenizer workers "
                            "(training.stream_workers, stream_prefetch); these are not started", name)

@@ -38,8 +38,8 @@ class _Endless:
 
 
 class RowPrefetcher:
-    def __init__(self, source, options, *, stride: int, offset: int, count: int, length: int, name: str):
-        self.source, self.options, self.name = source, options, name
+    def __init__(self, source, options, *, stride: int, offset: int, count: int, length: int):
+        self.source, self.options = source, options
         self.stride, self.offset, self.count, self.length = stride, offset, count, length
         self.loader, self.iterator, self.next_first = None, None, None
 

@@ -130,13 +130,12 @@ def stages_of_parts(parts: list[list[str]], n_layers: int) -> tuple[tuple[int, .
 
 def check_part_count(num_stages: int, pp: int, schedule: str) -> None:
     """A split's number of stages against what the schedule runs on `pp` ranks."""
+    if schedule_takes(num_stages, pp, schedule):
+        return
     need = (f"exactly {pp} stages (one per PP rank)" if schedule in SINGLE_STAGE_SCHEDULES else
             f"exactly {2 * pp} stages (two per PP rank)" if schedule in V_SCHEDULES else
             f"a multiple of {pp} stages, at least {2 * pp}")
-    fits = (num_stages == pp if schedule in SINGLE_STAGE_SCHEDULES else num_stages == 2 * pp if schedule in V_SCHEDULES
-            else num_stages % pp == 0 and num_stages >= 2 * pp)
-    if not fits:
-        raise StageError(f"{PARTS_KEY}: {num_stages} parts, but {schedule} on {pp} PP ranks runs {need}")
+    raise StageError(f"{PARTS_KEY}: {num_stages} parts, but {schedule} on {pp} PP ranks runs {need}")
 
 
 def stages_per_rank_default(schedule: str) -> int:
@@ -157,16 +156,27 @@ def check_stage_count(num_stages: int, pp: int, schedule: str, layers_per_stage:
             f"parallelism.pipeline_parallel_degree={pp} with {schedule} needs {num_stages} stages, but the model has "
             f"only {n_layers} layers (+{first_less} for the embedding, +{last_less} for the output); use a smaller "
             "pipeline degree, a single-stage schedule (1F1B, GPipe), or a deeper model")
+    if schedule_takes(num_stages, pp, schedule):
+        return
     per_stage = f"pipeline_parallel_layers_per_stage={layers_per_stage} gives {num_stages} stages"
-    if schedule in SINGLE_STAGE_SCHEDULES and num_stages != pp:
+    if schedule in SINGLE_STAGE_SCHEDULES:
         raise StageError(f"parallelism.{per_stage}, but {schedule} runs exactly one stage per PP rank "
                          f"({pp}); set it to {-(-virtual // pp)} or leave it unset")
-    if schedule not in SINGLE_STAGE_SCHEDULES and (num_stages % pp or num_stages // pp < 2):
+    if num_stages % pp or num_stages // pp < 2:
         raise StageError(f"parallelism.{per_stage}, but {schedule} needs a multiple of {pp} stages, "
                          f"at least 2 per PP rank; leave it unset for {2 * pp} stages")
-    if schedule in V_SCHEDULES and num_stages != 2 * pp:
-        raise StageError(f"parallelism.{per_stage}, but {schedule} runs exactly 2 stages per PP rank "
-                         f"({2 * pp} stages); leave it unset")
+    raise StageError(f"parallelism.{per_stage}, but {schedule} runs exactly 2 stages per PP rank "
+                     f"({2 * pp} stages); leave it unset")
+
+
+def schedule_takes(num_stages: int, pp: int, schedule: str) -> bool:
+    """Whether `schedule` runs `num_stages` stages on `pp` ranks: one per rank, exactly two (the V
+    schedules), or a multiple of the ranks, at least two each (the looped ones)."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return num_stages == pp
+    if schedule in V_SCHEDULES:
+        return num_stages == 2 * pp
+    return num_stages % pp == 0 and num_stages // pp >= 2
 
 
 def accumulation_steps(global_batch_size: int, local_batch_size: int, dp: int) -> int:
