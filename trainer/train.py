@@ -240,9 +240,9 @@ class Trainer:
         if scaler is None:
             grad_norm, skipped = self._clip(), False
             self.optimizer.step()
-            float8.precompute_scales(self.stages, self.float8)
         else:
             grad_norm, skipped = self._scaled_update(scaler)
+        float8.precompute_scales(self.stages, self.float8)  # also after a step skipped for an overflow
         with warnings.catch_warnings():  # torch warns when the first optimizer step was skipped
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()  # also after a skipped step: the schedule follows the step number

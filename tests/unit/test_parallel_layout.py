@@ -239,8 +239,9 @@ def test_a_split_of_ones_own_is_a_toml_list_of_lists_or_json_on_the_command_line
                              "--parallelism.module_fqns_per_model_part", json.dumps(parts)])
     assert from_file.parallelism.module_fqns_per_model_part == from_argv.parallelism.module_fqns_per_model_part == parts
     assert plan_run(from_argv, 2).dims.pp == 2
-    with pytest.raises(ConfigError, match=r'a list of lists, written as JSON: \[\["a", "b"\], \["c"\]\]'):
-        load_config(["--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0"])
+    for text in ("tok_embeddings,layers.0", "[" * 100_000):  # not JSON; nested deeper than Python reads
+        with pytest.raises(ConfigError, match=r'a list of lists, written as JSON: \[\["a", "b"\], \["c"\]\]'):
+            load_config(["--parallelism.module_fqns_per_model_part", text])
     with pytest.raises(ConfigError, match="module_fqns_per_model_part: splits the model into pipeline stages; set "
                                           "parallelism.pipeline_parallel_degree >= 2"):
         load_config(["--parallelism.module_fqns_per_model_part", json.dumps(parts)])

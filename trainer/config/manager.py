@@ -210,7 +210,7 @@ def json_list(text: str, where: str) -> list:
     """A list of lists written on the command line: as JSON ([["a", "b"], ["c"]])."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python reads
         value = None
     if not isinstance(value, list):
         raise ConfigError(f'{where}: a list of lists, written as JSON: [["a", "b"], ["c"]]; got {shown(text)}')
