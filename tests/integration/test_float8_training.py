@@ -25,6 +25,11 @@ rounding, as the other layouts. Each float8
 run also differs from high precision by more than fp32 rounding (1e-5 or more), so a layout that
 silently trained without float8 fails.
 
+Tensor parallelism casts a block's input to float8 before its all-gather (torchao's float8
+styles), scaled by the whole sequence's maximum as one process scales it: its matmuls take the same
+float8 operands, and only the row-wise layers' sums are added in another order (1e-6 in loss,
+measured). Under FSDP with float8 all-gather (4 processes) it is held to float8's rounding, as FSDP.
+
 Every pipeline schedule runs the microbatches of Interleaved1F1B: the same losses, bitwise.
 
 A checkpoint of a run with float8 all-gather (whose weights torchao wraps) resumes onto the same
@@ -121,7 +126,12 @@ SCHEDULES = ("GPipe", "1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubb
 # Four processes: HSDP, 2 replicas of 2 shards, 2 sequences each.
 LAYOUTS_4 = {"HSDP": ([*FLOAT8, "--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
-                      "one float8, batch 8", "one high precision, batch 8")}
+                      "one float8, batch 8", "one high precision, batch 8"),
+             # torchao's float8 styles under FSDP's float8 all-gather: 2 data-parallel ranks of 4 sequences.
+             "FSDP 2 x TP 2, float8 all-gather": ([*FLOAT8, *ALL_GATHER, "--parallelism.tensor_parallel_degree", "2"],
+                                                 "one float8, batch 8", "one high precision, batch 8")}
+# Tensor parallelism gathers float8 layers' inputs in float8 (trainer/parallel/float8_tp.py).
+FLOAT8_GATHERS = ("TP", "FSDP 2 x TP 2, float8 all-gather")
 # Bitwise equal to FSDP's float8 run: they split no matmul operand differently.
 SAME_AS_FSDP = ("FSDP, float8 all-gather", "FSDP, AC full", "FSDP, AC selective op", "FSDP, AC selective layer",
                 "FSDP, compiled", "DDP")
@@ -188,6 +198,7 @@ def test_a_float8_layout_trains_like_one_process_to_float8s_rounding(layout, res
              f"2 x {allowed[0]:.1e}, {allowed[1]:.1e}); float8 vs high precision in one process: {float8_effect[0]:.1e}, "
              f"{float8_effect[1]:.1e}")
     assert "float8: 28 linear layers in float8" in results[layout]["log"]
+    assert ("float8 layers' inputs gathered in float8" in results[layout]["log"]) == (layout in FLOAT8_GATHERS)
     # Float8 is on: this run is further from high precision than fp32 rounding moves a layout.
     assert gaps(run, curve(results[high_precision]))[0] >= 1e-5
     assert layout_gap[0] <= 2 * allowed[0] and layout_gap[1] <= 2 * allowed[1]

@@ -84,7 +84,7 @@ def parallelize(model, dims: ParallelDims, mesh, config, device) -> ParallelMode
         if dims.tp > 1:
             tp = apply_tp(stage, mesh["tp"], loss_parallel=not p.disable_loss_parallel, reduce_dtype=reduce_dtype,
                           sync=p.tensor_parallel_sync, sync_group=p.tensor_parallel_sync_group,
-                          n_layers=model.args.n_layers)
+                          n_layers=model.args.n_layers, float8=float8_enabled(config))
         cp_cores = apply_cp(stage, mesh["cp"], reduce_dtype=reduce_dtype) if dims.cp > 1 else None
         recompute = apply_ac(stage, ac.mode, ac.selective_ac_option)
         compiled = (apply_compile(recompute, config.compile.backend)
@@ -167,6 +167,13 @@ def sync_phrase(p) -> str:
     return f", synchronized once per {p.tensor_parallel_sync_group} blocks"
 
 
+def float8_gathers(config) -> bool:
+    """Whether TP gathers the float8 layers' inputs in float8: tensorwise scaling's (float8_tp.py)."""
+    from trainer.float8 import enabled as float8_enabled
+
+    return float8_enabled(config) and config.quantize.linear.float8.recipe_name in (None, "tensorwise")
+
+
 def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: bool = True,
              compute_cast=None) -> str:
     """One line naming what `parallelize` applies, in the order it applies it."""
@@ -176,7 +183,8 @@ def describe(dims: ParallelDims, config, plan: StagePlan | None, data_parallel: 
         parts.append(f"PP {dims.pp} ({plan.schedule}, {plan.num_stages} stages)")
     if dims.tp > 1:
         parts.append(f"TP {dims.tp} with sequence parallelism" + ("" if p.disable_loss_parallel else " and loss parallelism")
-                     + (", async" if p.enable_async_tensor_parallel else "") + sync_phrase(p))
+                     + (", async" if p.enable_async_tensor_parallel else "") + sync_phrase(p)
+                     + (", float8 layers' inputs gathered in float8" if float8_gathers(config) else ""))
     if dims.cp > 1:
         parts.append(f"CP {dims.cp} (load-balanced ring attention)")
     if ac.mode == "memory_budget":

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.models.llama3.runtime import NormWeights
 from trainer.parallel.dims import sync_group_size
+from trainer.parallel.float8_tp import GROUPS, carry_float8_over_gloo, group_plan
 from trainer.parallel.reduced_sync import apply_reduced_sync
 
 
@@ -73,12 +74,14 @@ class TensorParallelParts:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dtype: torch.dtype | None = None,
-             sync: str = "full", sync_group: int = 0, n_layers: int = 0) -> TensorParallelParts:
+             sync: str = "full", sync_group: int = 0, n_layers: int = 0, float8: bool = False) -> TensorParallelParts:
     """Split `model` (a whole Llama or one pipeline stage of it) over the TP ranks: its weights in
     place, and what the blocks' runtime needs returned.
     `reduce_dtype` is the precision of the norm weights' gradient all-reduce (None: their dtype).
     `sync` other than "full" synchronizes the blocks' residual stream less often (reduced_sync.py):
-    once per block, or once per `sync_group` of the model's `n_layers` blocks."""
+    once per block, or once per `sync_group` of the model's `n_layers` blocks.
+    `float8`: the blocks hold float8 layers (model.converters), split with torchao's float8 styles
+    where they scale whole tensors (float8_tp.py)."""
     outer = {}
     if model.tok_embeddings is not None:
         outer["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -99,24 +102,32 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
     if sync != "full":
         syncs, partial_sums = apply_reduced_sync(model, tp_mesh, sync_group_size(sync, sync_group), n_layers, summed)
         return TensorParallelParts(partial_sums, summed if model.norm is not None else None, syncs, True)
+    if float8 and torch.distributed.get_backend(tp_mesh.get_group()) == "gloo":
+        carry_float8_over_gloo()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(block, tp_mesh, {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                                            **block_group_plan(block, float8)})
     if reduce_dtype is None:
         return TensorParallelParts(None, None)
     return TensorParallelParts(summed, summed if model.norm is not None else None)
+
+
+def block_group_plan(block, float8: bool) -> dict:
+    """A block's attention and FFN: column-wise in, row-wise out to the sequence split; the group's
+    input gathered once (float8 layers: float8_tp.group_plan)."""
+    # The attention's inputs: the hidden states, RoPE, the documents (when masked).
+    layouts = {"attention": ((Shard(1), None, None), (Replicate(), None, None)),
+               "feed_forward": ((Shard(1),), (Replicate(),))}
+    plan = {}
+    for name, (inputs, gathered) in layouts.items():
+        if float8:
+            plan |= group_plan(block.get_submodule(name), name, inputs, gathered, Shard(1))
+            continue
+        colwise, rowwise = GROUPS[name]
+        plan[name] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=gathered)
+        plan |= {f"{name}.{layer}": ColwiseParallel() for layer in colwise}
+        plan[f"{name}.{rowwise}"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
