@@ -27,9 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import float8, messages, process_setup
-
 from trainer.launch import run_lock
-
 from trainer.records import run_meta
 from trainer.checkpoint.manager import CheckpointError, CheckpointManager, TrainingComplete
 from trainer.config.job_config import JobConfig
@@ -40,6 +38,7 @@ from trainer.parallel.collectives import CollectiveCounter, mesh_group_names
 from trainer.parallel.collectives import describe as describe_collectives
 from trainer.data.build import build_sources, document_eos
 from trainer.data.documents import DataError
+from trainer.estimate.real import estimate_before_training
 from trainer.divergence import NonFiniteLossError, check_gradient_norm, check_parameters
 from trainer.data.finite_sources import DataExhausted
 from trainer.loss_scale import DynamicLossScaler, LossScaleError, build_loss_scaler, unscale_gradients
@@ -103,7 +102,7 @@ class Trainer:
     def _build(self, config: JobConfig, plan: RunPlan, world_size: int) -> None:
         process_setup.set_determinism(config.debug.seed, config.debug.deterministic, config.debug.deterministic_warn_only)
         self.mesh = plan.dims.build_mesh(self.device.type)
-
+        estimate_before_training(config, plan, self.mesh, self.device)  # memory_estimation.disable_fake_mode
         model_args = training_model_args(config)
         parallel = self._build_model(model_args)
         self.model = parallel.model  # every parameter of this rank, under its original name

@@ -54,8 +54,6 @@ def test_print_config_of_8b_round_trips_without_allocating(tmp_path):
         (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
           "--training.local_batch_size", "2"], "ZBVZeroBubble with 2 PP ranks and 4 stages needs at least 4 microbatches"),
         (["--training.enable_cpu_offload"], "training.enable_cpu_offload: moves FSDP state from GPU to CPU memory"),
-        (["--memory_estimation.disable_fake_mode"], "memory_estimation.disable_fake_mode: this trainer's estimator runs "
-                                                    "on fake tensors only"),
         (["--model.converters", "float8", "--training.enable_cpu_offload"],
          "training.enable_cpu_offload: not combined with float8 layers"),
     ],
@@ -79,6 +77,27 @@ def test_memory_estimation_prints_the_estimate_before_the_ranks_train(tmp_path):
     assert estimate < out.index("rank kind") < out.index("estimated in") < out.index("logs:")
     assert re.search(r"^every rank +0 +0\.2M .* yes \(0%\)", out, re.M), out
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+@pytest.mark.cores(2)
+def test_memory_estimation_on_real_tensors_runs_in_the_ranks_and_leaves_the_run_unchanged(tmp_path):
+    """memory_estimation.disable_fake_mode: each rank measures two real steps under the
+    estimator's tracker before training (no fake estimate in the launcher), and then trains the
+    same curve as without it (its random tokens draw from their own random state)."""
+    job = ["--model.flavor", "tiny", "--training.seq_len", "16", "--training.steps", "2", "--checkpoint.no_enable"]
+    plain = launch(2, [*job, "--job.dump_folder", str(tmp_path / "plain")])
+    real = launch(2, [*job, "--memory_estimation.enable", "--memory_estimation.disable_fake_mode",
+                      "--job.dump_folder", str(tmp_path / "real")])
+    assert plain.returncode == 0 and real.returncode == 0, describe(real)
+    out = real.stdout + real.stderr
+    assert "rank kind" not in out and "estimating every rank's memory" not in out
+    found = re.search(r"memory_estimation \(real tensors, 2 steps\): rank 0 tracker peak ([\d.]+) MiB \(step: "
+                      r"parameters ([\d.]+) MiB.* activations ([\d.]+) MiB.*a CPU keeps no allocator peak", out)
+    assert found, out
+    peak, parameters, activations = map(float, found.groups())
+    assert peak >= parameters + activations and parameters > 0 and activations > 0
+    curve = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "real")]
+    assert curve == [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "plain")] and len(curve) == 2
 
 
 def test_runs_from_another_directory_with_a_local_config(tmp_path):

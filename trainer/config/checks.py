@@ -89,9 +89,6 @@ def validate(config: JobConfig) -> None:
     need(p.module_fqns_per_model_part is None or p.pipeline_parallel_degree > 1,
          "parallelism.module_fqns_per_model_part: splits the model into pipeline stages; set "
          "parallelism.pipeline_parallel_degree >= 2, or leave it unset")
-    need(not c.memory_estimation.disable_fake_mode,
-         "memory_estimation.disable_fake_mode: this trainer's estimator runs on fake tensors only (no device memory "
-         "is used); leave it false (a run's real peak is its metrics.jsonl's memory, docs/performance.md)")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

@@ -113,6 +113,9 @@ class MemoryEstimation:
     (`python -m trainer.estimate --strict` stops a job that does not fit)."""
 
     disable_fake_mode: bool = False
-    """torchtitan's estimate on real tensors. Must stay false: this trainer's estimator runs on
-    fake tensors only; a run's real peak is in its metrics.jsonl (memory), and docs/performance.md
-    compares the two."""
+    """With `enable`: estimate on real tensors instead, in the job's own ranks (torchtitan's
+    meaning). The launcher then starts the ranks at once; each builds its part of the model on its
+    device, runs two steps of random tokens under the estimator's memory tracker, logs the
+    tracker's peak beside the device allocator's (CUDA), frees it all and trains from the start,
+    with the same data and weights as without it (trainer/estimate/real.py). It needs the memory
+    the job needs; no effect without `enable`."""

@@ -153,7 +153,7 @@ DIFFERENT: dict[str, str] = {
                                "(gloo has no flight recorder)",
     "memory_estimation.enable": "runs this trainer's estimator (python -m trainer.estimate) in the launcher before "
                                 "the ranks start, for every layout (torchtitan's script: FSDP and HSDP only)",
-    "memory_estimation.disable_fake_mode": "must stay false: the estimator runs on fake tensors only",
+    "memory_estimation.disable_fake_mode": "the real-tensor estimate runs in the job's own ranks, which then train",
     "parallelism.module_fqns_per_model_part": "the first part must hold tok_embeddings and the last norm and output "
                                               "(the model's ends stay on the first and last stages); JSON on the "
                                               "command line",

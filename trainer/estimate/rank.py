@@ -95,23 +95,26 @@ def rank_kinds(dims, stage_plan) -> list[RankKind]:
             for name, pp_rank in chosen]
 
 
-def fake_batch(config, accumulation_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fake_batch(config, accumulation_steps: int, device=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's microbatches of one global batch, as the loader gives them (token ids)."""
     shape = (config.training.local_batch_size, config.training.seq_len)
     vocab = training_model_args(config).vocab_size
-    return [(torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)) for _ in range(accumulation_steps)]
+    return [(torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
+            for _ in range(accumulation_steps)]
 
 
-def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstimate:
-    """Build rank `kind.rank` of the configured job and run `steps` training steps on fake tensors;
-    the collectives are counted over the last step."""
+def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1, real_mesh=None,
+                  device: torch.device = torch.device("cpu")) -> RankEstimate:
+    """Build rank `kind.rank` of the configured job and run `steps` training steps on fake tensors
+    in a fake world; the collectives are counted over the last step. With `real_mesh` (this
+    process's rank of a running job), on real tensors on `device` instead (real.py)."""
     started = time.perf_counter()
-    dims, device = run_plan.dims, torch.device("cpu")
-    with fake_process_group(kind.rank, dims.world_size):
-        mesh = dims.build_mesh(device.type)
+    dims, fake = run_plan.dims, real_mesh is None
+    with fake_process_group(kind.rank, dims.world_size) if fake else contextlib.nullcontext():
+        mesh = dims.build_mesh(device.type) if fake else real_mesh
         model_args = training_model_args(config)
         parallel = build_on_meta(config, dims, mesh, device, model_args)
-        with fake_tensors():
+        with fake_tensors() if fake else contextlib.nullcontext():
             with StepMemory() as init_memory:
                 materialize(parallel, config.debug.seed, device)
             runner = StepRunner(parallel, run_plan, mesh, config, device)
@@ -124,7 +127,8 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
             with step_memory:
                 for step in range(1, steps + 1):
                     counter = CollectiveCounter(mesh_group_names(mesh)) if step == steps else None
-                    state = run_training_step(runner, parallel.model, optimizer, scheduler, config, run_plan, counter)
+                    state = run_training_step(runner, parallel.model, optimizer, scheduler, config, run_plan, counter,
+                                              device)
     return RankEstimate(
         kind=kind, parameter_count=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                        for p in parallel.model.parameters()),
@@ -132,11 +136,11 @@ def estimate_rank(config, run_plan, kind: RankKind, steps: int = 1) -> RankEstim
         collectives=counter.per_op(), seconds=time.perf_counter() - started)
 
 
-def run_training_step(runner, model, optimizer, scheduler, config, run_plan, counter) -> StateBytes:
+def run_training_step(runner, model, optimizer, scheduler, config, run_plan, counter, device=None) -> StateBytes:
     """What Trainer.train_step does with a batch (the update of a float16 run is taken as finite:
     its loss scaler decides on values, which fake tensors do not have)."""
     with counter if counter is not None else contextlib.nullcontext():
-        batch = fake_batch(config, run_plan.accumulation_steps)
+        batch = fake_batch(config, run_plan.accumulation_steps, device)
         if counter is not None:
             counter.phase = "forward"
         runner.forward_backward(batch)

@@ -393,7 +393,8 @@ def main(argv: list[str]) -> int:
             need = prepare(opts, config)
         except RunComplete as done:
             return end_complete_run(opts, config, done)
-        if config.memory_estimation.enable and not config.checkpoint.create_seed_checkpoint:
+        estimation = config.memory_estimation
+        if estimation.enable and not estimation.disable_fake_mode and not config.checkpoint.create_seed_checkpoint:
             estimate_memory(args, opts.nproc * opts.nnodes)
         locks = take_locks(opts, config)
     except (ConfigError, run_lock.LockRefused) as e:
