@@ -43,6 +43,29 @@ class CastsWeights:
         return weight if self.compute_dtype is None else weight.to(self.compute_dtype)
 
 
+class RecastLinear(torch.autograd.Function):
+    """F.linear(x, weight.to(dtype)) that keeps the stored weight for backward (`stored`: a float32
+    parameter) and casts it again there, where F.linear would keep the cast copy alive from forward
+    to backward: a second copy of every weight in the compute dtype, which FSDP frees after each
+    block's forward. The backward is linear's own (the same matmuls in the same order: bitwise
+    equal). `weight`: what the layer uses (`stored`, or its one cast a tied weight shares)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, stored)
+        ctx.dtype, ctx.weight_dtype = dtype, weight.dtype
+        return F.linear(x, weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, stored = ctx.saved_tensors
+        grad_x = grad.matmul(stored.to(ctx.dtype)) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # mm's own backward: grad^T x over the flattened tokens
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
+        return grad_x, grad_weight, None, None
+
+
 class Linear(CastsWeights, nn.Linear):
     # Reduced-synchronization tensor parallelism (BlockRuntime.local_shard_weights): the weight is
     # a DTensor shard applied to plain tensors with its local shard: a column-split weight gives
@@ -52,6 +75,9 @@ class Linear(CastsWeights, nn.Linear):
 
     def forward(self, x: torch.Tensor, cast_weight: torch.Tensor | None = None) -> torch.Tensor:
         """`cast_weight`: this layer's weight already cast (a tied weight is cast once)."""
+        if self.compute_dtype is not None and self.bias is None and not self.local_shard:
+            return RecastLinear.apply(x, self.weight if cast_weight is None else cast_weight, self.weight,
+                                      self.compute_dtype)
         bias = None if self.bias is None else self.cast(self.bias)
         if cast_weight is None:
             cast_weight = self.cast(self.weight.to_local() if self.local_shard else self.weight)
