@@ -50,14 +50,18 @@ def test_debug_model_passes(tmp_path):
     check_seed(config, small)
     plan = check(config, 2, "cpu", meminfo=small)
     need = training_memory_need(config, plan.dims, "cpu", 2)
-    assert need.bytes < 150_000_000  # 16 bytes x 5.57e6 parameters, plus two init buffers
+    # 16 bytes x 5.57e6 parameters, plus two init buffers and two steps' activations (float32 on a
+    # CPU: 117,760 bytes for each of 8 x 128 tokens, at least: trainer/preflight/step_bound.py).
+    assert need.activations.tokens == 8 * 128 and need.activations.per_token == 117_760
+    assert 150_000_000 < need.bytes < 350_000_000
 
 
 def test_8b_training_on_cpu_is_refused_but_not_on_gpus(tmp_path):
     fake = meminfo(tmp_path, GB16)
     config = load_config(["--job.config_file", "llama3_8b.toml"])
     with pytest.raises(ConfigError, match=r"model.flavor 8B: 2 processes on cpu hold parameters, gradients and Adam "
-                                          r"state in float32 \(8.03e9 parameters x 16 bytes.*: 1[34]\d.\d GB of host "
+                                          r"state in float32 \(8.03e9 parameters x 16 bytes.*and a step's activations \(9.7 GB per "
+                                          r"process at least, 8,192 tokens\): 152.1 GB of host "
                                           r"memory, but this machine has 16.0 GB available"):
         check(config, 2, "cpu", meminfo=fake)
     check(config, 8, "cuda", meminfo=fake)  # the model state lives on the GPUs

@@ -109,8 +109,10 @@ def test_bfloat16_state_halves_the_host_memory_need():
     float32, bfloat16 = need(), need("--training.dtype", "bfloat16")
     assert "Adam state in bfloat16 (" in bfloat16.what and "x 8 bytes" in bfloat16.what
     # 2 of 2 processes hold one whole model state: 16 bytes a parameter in float32, 8 in bfloat16
-    # (the init buffers, drawn in float32 either way, are the same).
-    assert float32.bytes - bfloat16.bytes == (16 - 8) * count_parameters("debugmodel")
+    # (the init buffers, drawn in float32 either way, are the same), and each its step's
+    # activations, computed in the training dtype.
+    activations = 2 * (float32.activations.bytes - bfloat16.activations.bytes)
+    assert float32.bytes - bfloat16.bytes - activations == (16 - 8) * count_parameters("debugmodel")
 
 
 def count_parameters(flavor: str) -> int:

@@ -26,6 +26,7 @@ from trainer.checkpoint.lineage import LINEAGE_FILE
 from trainer.preflight.data import check_data
 from trainer.preflight.resume import RunComplete, check_resume, complete_record, resume_candidate  # noqa: F401 (used from here)
 from trainer.config.job_config import JobConfig
+from trainer.preflight.step_bound import ActivationBound, activation_bound, check_device_memory, gpu_memory
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
 from trainer.parallel.dims import ParallelDims, layout_problems
@@ -153,6 +154,8 @@ class MemoryNeed:
     bytes: int
     what: str  # what holds it: "<who> holds <what> (<figures>)"
     advice: str  # what to do when it does not fit
+    activations: ActivationBound | None = None  # of one step per process (step_bound.py), when counted
+    procs: int = 1  # the processes that hold activations
 
 
 def gb(n: float) -> str:
@@ -225,17 +228,20 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
     hf = initial_load_folder(Path(c.initial_load_path), True) if loads_hf_folder(config) else None
     hf_bytes = hf_folder_bytes(hf) if hf is not None else 0
     parts, advice = [], []
-    state = 0
+    state, activations = 0, None
     if device_type == "cpu":
         # Weights exist from init on; gradients and Adam state from the first step.
         dtype = config.training.dtype
         per_parameter = TENSORS_PER_PARAMETER * DTYPE_BYTES[dtype]
         state = int(per_parameter * params * share)
         init = local_procs * FP32_BYTES * largest  # init_weights' full-size float32 buffer, per process
+        activations = activation_bound(config, dims.tp, dims.cp, dims.pp, device_type)
         parts.append(f"parameters, gradients and Adam state in {dtype} ({count(params)} parameters x "
-                     f"{per_parameter} bytes{f' x {share:g}' if share != 1 else ''}, plus each process's init buffer)")
+                     f"{per_parameter} bytes{f' x {share:g}' if share != 1 else ''}, plus each process's init buffer), "
+                     f"and a step's activations ({gb(activations.bytes)} per process at least, {activations.tokens:,} "
+                     "tokens)")
+        need = state + init + min(local_procs, world) * activations.bytes
         advice.append("use a smaller model.flavor, or train on GPUs")
-        need = state + init
         if hf_bytes:
             need = max(need, int(DTYPE_BYTES[dtype] * params * share) + init + local_procs * hf_bytes)
     elif hf_bytes:
@@ -247,7 +253,20 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
         advice.append(f"convert the folder once (python -m trainer.hf import --hf {hf} "
                       f"--flavor {config.model.flavor} --out DIR) and load DIR as a DCP checkpoint")
     who = f"{local_procs} process{'es' if local_procs > 1 else ''} on {device_type}"
-    return MemoryNeed(bytes=need, what=f"{who} hold {' and '.join(parts)}", advice="; or ".join(advice))
+    return MemoryNeed(bytes=need, what=f"{who} hold {' and '.join(parts)}", advice="; or ".join(advice),
+                      activations=activations, procs=min(local_procs, world))
+
+
+def fitting_step(config: JobConfig, need: MemoryNeed, available: int) -> str:
+    """What would bring a step's activations (trainer/preflight/step_bound.py) within `available`
+    bytes: the longest training.seq_len its bound allows, a smaller batch, or checkpointing."""
+    bound = need.activations
+    room = available - (need.bytes - need.procs * bound.bytes)
+    seq_len = config.training.seq_len
+    longest = max(0, room) // need.procs * seq_len // max(1, bound.bytes)
+    limit = f" (above {longest:,} tokens no step of this batch fits here)" if 0 < longest < seq_len else ""
+    return (f"a shorter training.seq_len{limit}, a smaller training.local_batch_size, or "
+            "activation_checkpoint.mode 'full'")
 
 
 def available_memory(meminfo: str | Path | None = None) -> int | None:
@@ -278,9 +297,10 @@ def check_host_memory(config: JobConfig, need: MemoryNeed | None, meminfo: str |
     available = available_memory(meminfo)
     if available is None or need.bytes <= available:
         return
+    advice = need.advice if need.activations is None else f"{fitting_step(config, need, available)}; or {need.advice}"
     raise ConfigError(
         f"model.flavor {config.model.flavor}: {need.what}: {gb(need.bytes)} of host memory, but this machine has "
-        f"{gb(available)} available (MemAvailable in {meminfo or MEMINFO}); {need.advice}. (To try anyway: "
+        f"{gb(available)} available (MemAvailable in {meminfo or MEMINFO}); {advice}. (To try anyway: "
         "TRAINER_SKIP_MEMORY_CHECK=1)")
 
 
@@ -317,7 +337,8 @@ def check_seed(config: JobConfig, meminfo: str | Path | None = None) -> None:
 def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | None = None,
           meminfo: str | Path | None = None) -> RunPlan:
     """Every check of a training run before its processes start: layout, batch split, device
-    options, host memory (of a machine running `local_procs` of the `nproc` processes), and the
+    options, host memory (of a machine running `local_procs` of the `nproc` processes), a step's
+    memory on a GPU (trainer/preflight/step_bound.py), and the
     checkpoint to resume against training.steps (check_resume: RunComplete when the run is
     finished already)."""
     plan = plan_run(config, nproc)
@@ -325,6 +346,8 @@ def check(config: JobConfig, nproc: int, device_type: str, local_procs: int | No
     say_unused_hf_shapes(config)
     local = nproc if local_procs is None else local_procs
     check_host_memory(config, training_memory_need(config, plan.dims, device_type, local), meminfo)
+    if device_type == "cuda" and not os.environ.get("TRAINER_SKIP_MEMORY_CHECK"):
+        check_device_memory(config, plan.dims, gpu_memory())
     refuse_record_links(config)
     check_resume(config)  # last, as in the ranks: any other mistake is reported first
     return plan
