@@ -108,8 +108,8 @@ def test_user_mistakes_get_one_clear_error(capsys):
 
 
 def test_context_parallel_estimates_with_the_ring_counted_as_cp_traffic():
-    # The ring attention runs as custom ops: on fake tensors they take their shapes from their fake
-    # implementations and send nothing, and each call counts the bytes its hops would send.
+    # The ring attention runs as custom ops: the memory tracker runs their bodies on fake tensors
+    # (their hops send nothing), and each call counts the bytes its hops would send.
     args = [*DEBUG, "--parallelism.context_parallel_degree", "2"]
     config, _ = estimated_config(args)
     [estimate] = estimate_kinds(args, 8, rank_kinds(plan_layout(config, 8).dims, None), steps=1)
@@ -122,3 +122,22 @@ def test_context_parallel_estimates_with_the_ring_counted_as_cp_traffic():
     assert cp["ring_attention"]["bytes"] == model_args.n_layers * kv
     assert cp["ring_attention_backward"]["bytes"] == model_args.n_layers * 3 * kv
     assert estimate.step_peak.activations > 0
+
+
+def test_the_compilers_memory_budget_is_estimated_at_its_share_between_full_and_no_checkpointing(capsys):
+    """activation_checkpoint.mode memory_budget (the compiler's, which the eager estimate cannot
+    run) was estimated as no checkpointing: a strict gate refused jobs that fit at their budget."""
+    job = [*DEBUG, "--training.seq_len", "2048", "--training.local_batch_size", "1", "--compile.enable"]
+    config, _ = estimated_config(job)
+    kinds = rank_kinds(plan_layout(config, 2).dims, None)
+    full, none, budget = (estimate_kinds([*job, "--activation_checkpoint.mode", *mode], 2, kinds, steps=1)[0]
+                          for mode in (["full"], ["none"], ["memory_budget", "--activation_checkpoint.memory_budget",
+                                                            "0.25"]))
+    assert full.step_peak.total < budget.step_peak.total < none.step_peak.total
+    assert budget.step_peak.activations == round(full.step_peak.activations + 0.25 * (none.step_peak.activations
+                                                                                      - full.step_peak.activations))
+    # A device between the budget's peak and no checkpointing's: the budget fits, --strict passes.
+    memory = round((budget.step_peak.total + none.step_peak.total) / 2 / 0.9)
+    assert main(["--nproc", "2", "--device-memory", str(memory), "--strict", "--no-changes", *job,
+                 "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.25"]) == 0
+    assert "estimated between AC full (0) and none (1) at the budget" in capsys.readouterr().out

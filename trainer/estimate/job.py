@@ -31,6 +31,10 @@ def estimated_config(overrides: list[str]):
         notes.append("compile.enable is estimated in eager mode")
     if config.training.mixed_precision_param == "auto":
         config.training.mixed_precision_param = "bfloat16"
+    if config.activation_checkpoint.mode == "memory_budget":
+        notes.append(f"activation_checkpoint.mode memory_budget {config.activation_checkpoint.memory_budget:g} is "
+                     "estimated between AC full (0) and none (1) at the budget, the share of the activations it lets "
+                     "the compiler keep")
     if config.training.enable_cpu_offload:
         raise ConfigError("training.enable_cpu_offload: the estimator does not model offloaded state; turn it off")
     return config, notes
@@ -41,7 +45,33 @@ PRELOADED = ["trainer.estimate.job", "trainer.estimate.rank", "trainer.preflight
 
 
 def estimate_kinds(overrides: list[str], nproc: int, kinds: list, steps: int) -> list:
-    """The estimates of `kinds`, each in its own process, two at a time."""
+    """The estimates of `kinds`, each in its own process, two at a time. The compiler's memory
+    budget (activation_checkpoint.mode memory_budget, which eager code cannot run) bounds the
+    activations it keeps to that share of the way from full checkpointing to none: estimated as
+    both, and placed there (`at_budget`)."""
+    ac = estimated_config(overrides)[0].activation_checkpoint
+    if ac.mode == "memory_budget":
+        full, none = (estimate_eager(overrides + ["--activation_checkpoint.mode", mode], nproc, kinds, steps)
+                      for mode in ("full", "none"))
+        return [at_budget(f, n, ac.memory_budget) for f, n in zip(full, none)]
+    return estimate_eager(overrides, nproc, kinds, steps)
+
+
+def at_budget(full, none, budget: float):
+    """A rank's estimate `budget` of the way from its full-checkpointing one to its no-checkpointing one."""
+    from dataclasses import replace
+
+    from trainer.estimate.step_memory import MemoryBreakdown
+
+    def between(a: MemoryBreakdown, b: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(**{name: round(getattr(a, name) + budget * (getattr(b, name) - getattr(a, name)))
+                                  for name in ("parameters", "gradients", "optimizer", "activations", "temporaries")})
+
+    return replace(none, step_peak=between(full.step_peak, none.step_peak), seconds=full.seconds + none.seconds)
+
+
+def estimate_eager(overrides: list[str], nproc: int, kinds: list, steps: int) -> list:
+    """The estimates of `kinds` as eager code runs, each in its own process, two at a time."""
     workers = max(1, min(len(kinds), os.cpu_count() or 1, 2))
     environment = dict(os.environ)
     with ProcessPoolExecutor(max_workers=workers, mp_context=preloaded_context(PRELOADED),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 TOTAL = "Total"
 
@@ -38,9 +39,36 @@ class MemoryBreakdown:
                 "activations": self.activations, "temporaries": self.temporaries, "total": self.total}
 
 
+def opened_ops() -> dict:
+    """Custom ops whose own allocations count: the tracker runs their bodies as plain code, where
+    it would otherwise see only their outputs (ring attention's chunk pairs, buffers and hops)."""
+    import torch
+
+    from trainer.parallel import ring_attention
+
+    ops = torch.ops.trainer
+    return {ops.ring_attention.default: ring_attention.ring_attention_body,
+            ops.ring_attention_backward.default: ring_attention.ring_attention_backward_body}
+
+
 class StepMemory(MemTracker):
     """`with StepMemory() as memory: ...`, after `memory.track_external(model, optimizer)` for what
     exists before; then `memory.peak()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._opened = opened_ops()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = self._opened.get(func)
+        if body is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        # A mode is off the stack while it handles an op: put it back, so that the body's ops are tracked.
+        _push_mode(self)
+        try:
+            return body(*args, **(kwargs or {}))
+        finally:
+            _pop_mode()
 
     def _pre_fw_hook(self, module, inputs) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:

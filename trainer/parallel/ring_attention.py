@@ -91,6 +91,13 @@ def _visible(documents: Tensor, query_chunk: int, key_chunk: int, chunk: int) ->
     return causal & (documents[:, queries, None] == documents[:, None, keys])
 
 
+def _has_values(tensor: Tensor) -> bool:
+    """False for the memory estimator's fake tensors, whose values cannot decide anything."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(tensor)
+
+
 def block_calls(rank: int, source: int, degree: int, chunk: int, documents: Optional[Tensor]) -> list[PairCall]:
     """The kernel calls of `rank`'s queries against the keys and values of `source`. Two fully
     visible key chunks of one query chunk make one call over the whole block."""
@@ -103,7 +110,9 @@ def block_calls(rank: int, source: int, degree: int, chunk: int, documents: Opti
             if kind == SKIP:
                 continue
             mask = None
-            if documents is not None:
+            if documents is not None and not _has_values(documents):  # the memory estimator: every pair masked
+                mask = _visible(documents, query_chunk, key_chunk, chunk)
+            elif documents is not None:
                 visible = _visible(documents, query_chunk, key_chunk, chunk)
                 if not bool(visible.any()):
                     continue
@@ -329,13 +338,27 @@ def ring_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: 
 # ---------------------------------------------------------------------------------------------
 # Custom ops and their autograd.
 
+def ring_attention_body(q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor], group_name: str, rank: int,
+                        degree: int, reduce_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
+    """What the op computes, callable as plain code (the memory estimator runs it so, to see the
+    tensors it allocates: trainer/estimate/step_memory.py)."""
+    return ring_forward(q, k, v, documents, _group(group_name), rank, degree)
+
+
+def ring_attention_backward_body(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor],
+                                 out: Tensor, lse: Tensor, group_name: str, rank: int, degree: int,
+                                 reduce_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    return ring_backward(grad_out.contiguous(), q, k, v, documents, out, lse, _group(group_name), rank, degree,
+                         reduce_dtype)
+
+
 @torch.library.custom_op("trainer::ring_attention", mutates_args=())
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor], group_name: str, rank: int,
                    degree: int, reduce_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
     """Causal (optionally document-masked) attention of this rank's query chunks over the whole
     sequence of its CP group -> (output (B, L, H, D), log-sum-exp (B, H, L)). `reduce_dtype` is
     used by backward only (the key/value gradient sums)."""
-    return ring_forward(q, k, v, documents, _group(group_name), rank, degree)
+    return ring_attention_body(q, k, v, documents, group_name, rank, degree, reduce_dtype)
 
 
 @ring_attention.register_fake
@@ -348,8 +371,8 @@ def _ring_attention_fake(q, k, v, documents, group_name, rank, degree, reduce_dt
 def ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor],
                             out: Tensor, lse: Tensor, group_name: str, rank: int, degree: int,
                             reduce_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
-    return ring_backward(grad_out.contiguous(), q, k, v, documents, out, lse, _group(group_name), rank, degree,
-                         reduce_dtype)
+    return ring_attention_backward_body(grad_out, q, k, v, documents, out, lse, group_name, rank, degree,
+                                        reduce_dtype)
 
 
 @ring_attention_backward.register_fake
