@@ -311,7 +311,8 @@ class Parallelism:
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free unsharded parameters after forward (ZeRO-3-like) or keep them to backward (ZeRO-2-like).
-    default: always, except never under pipeline parallelism."""
+    default: always, except never under pipeline parallelism, where a stage otherwise gathers its
+    weights again for every microbatch's backward (docs/parallelisms.md: the trade-off measured)."""
 
     tensor_parallel_degree: int = valid(1, ge=1)
     """Tensor parallel degree, with sequence parallelism for norms and the residual stream. Must
