@@ -117,3 +117,18 @@ def test_tied_init_prints_one_row_per_std():
     # Step 1 loss grows with the std: the current token's own logit starts near dim x std.
     first = [float(r[2]) for r in rows]
     assert first[0] > first[1] > math.log(256) - 0.1, first
+
+
+def test_ring_attention_with_documents_holds_memory_falling_as_one_over_cp(measured):
+    """benchmarks/cp_document_memory.py at 4,096 tokens: computed in tiles of query rows, a rank's
+    peak with document masking falls as 1 / cp (peak x cp within 1.5x across degrees 2-8), on the
+    CPU kernel and on CUDA's math kernel; whole masked pairs on the math kernel (chunk x chunk
+    float32 scores per head, as before) hold more than twice the tiles' peak at cp 2."""
+    rows = table_rows(run_script("cp_document_memory.py", "--seq-lens", "4096", "--cp", "2", "4", "8",
+                                 "--fake-seq-len", "0"))
+    for kernel in ("cpu", "math"):
+        scaled = {int(r[2]): float(r[4].replace(",", "")) for r in rows if r[1] == kernel}
+        measured(f"cp documents {kernel}: peak x cp {scaled}")
+        assert set(scaled) == {2, 4, 8} and max(scaled.values()) <= 1.5 * min(scaled.values())
+    [math_cp2] = [r for r in rows if r[1] == "math" and r[2] == "2"]
+    assert float(math_cp2[5]) > 2 * float(math_cp2[3])

@@ -78,3 +78,13 @@ def test_the_flex_kernel_is_refused_with_tensor_parallelism():
                                           "parallelism"):
         plan_layout(load_config([*flex, "--parallelism.tensor_parallel_degree", "2"]), 2)
     assert plan_layout(load_config(flex), 2).dims.tp == 1
+
+
+def test_the_flex_kernel_is_refused_with_context_parallelism():
+    """Under CP the ring attention masks documents itself: the key would be silently ignored."""
+    from trainer.preflight.checks import plan_layout
+
+    flex = ["--training.dataset", "shards", "--training.document_masking", "--training.document_masking_kernel", "flex"]
+    with pytest.raises(ConfigError, match="training.document_masking_kernel: 'flex' does not apply under context "
+                                          r"parallelism \(context_parallel_degree=2\).*use 'mask'"):
+        plan_layout(load_config([*flex, "--parallelism.context_parallel_degree", "2"]), 2)

@@ -266,3 +266,54 @@ def test_the_math_pair_equals_the_cpu_flash_kernel(causal, masked):
     math_grads = ring_attention.pair_backward(grad, q, k, v, out, lse, causal and not masked, mask, math_pairs=True)
     for a, b in zip(flash_grads, math_grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("math_pairs", [False, True])
+def test_a_masked_pair_in_tiles_of_query_rows_equals_the_whole_pair(math_pairs):
+    """Masked pairs run a tile of query rows at a time (trainer/parallel/ring_pairs.py), each tile
+    building its own rows of the mask: the rows come out as one call over the whole pair gives
+    them, and the key/value gradients sum over the tiles."""
+    from trainer.parallel.ring_pairs import DocumentMask
+
+    generator = torch.Generator().manual_seed(2)
+    q, grad = (torch.randn(2, 4, 16, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    # A diagonal pair (queries and keys at positions 16-31) crossed by two document boundaries.
+    mask = DocumentMask(documents()[:, :32].contiguous(), 16, 16, 16)
+    whole = ring_attention.pair_forward(q, k, v, False, mask, math_pairs, tile_rows=16)
+    tiled = ring_attention.pair_forward(q, k, v, False, mask, math_pairs, tile_rows=3)
+    for a, b in zip(whole, tiled):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    out, lse = whole
+    grads = [ring_attention.pair_backward(grad, q, k, v, out, lse, False, mask, math_pairs, tile_rows=rows)
+             for rows in (16, 3)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_pairs_are_skipped_or_masked_from_the_chunk_ends_as_their_whole_masks_say(degree):
+    """pair_mask decides from four document indices per row (they never decrease along a
+    sequence); the decisions are those of the pair's whole visibility: skipped when nothing is
+    visible, unmasked when it is the pair's plain pattern, masked otherwise."""
+    from trainer.parallel.ring_pairs import DocumentMask
+
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        tokens, chunk = 8 * degree, 4
+        ends = torch.rand(2, tokens, generator=generator) < (0.05 + 0.1 * (trial % 4))
+        documents = torch.cumsum(ends.long(), dim=1)
+        for rank in range(degree):
+            for source in range(degree):
+                for query_chunk in ring_attention.rank_chunks(rank, degree):
+                    for key_chunk in ring_attention.rank_chunks(source, degree):
+                        kind = ring_attention.chunk_pair_kind(query_chunk, key_chunk)
+                        if kind == ring_attention.SKIP:
+                            continue
+                        visible = DocumentMask(documents, query_chunk * chunk, key_chunk * chunk, chunk).rows(0, chunk)
+                        plain = torch.ones(chunk, chunk, dtype=torch.bool)
+                        plain = plain.tril() if kind == ring_attention.CAUSAL else plain
+                        expected = (ring_attention.SKIP if not visible.any() else
+                                    None if torch.equal(visible, plain.expand_as(visible)) else "masked")
+                        decided = ring_attention.pair_mask(documents, query_chunk, key_chunk, chunk, kind)
+                        assert (decided if decided in (None, ring_attention.SKIP) else "masked") == expected

@@ -207,8 +207,8 @@ class Training:
     """How document-masked attention is computed: 'mask', SDPA with an explicit (T x T) mask,
     which rules out flash kernels and computes every block; 'flex', torch's flex attention with a
     document block mask, which skips the blocks no query of a document sees (CUDA only: torch's
-    flex attention has no backward on a CPU). Under context parallelism the ring attention skips
-    such blocks itself and this key does not apply."""
+    flex attention has no backward on a CPU). Under context parallelism only 'mask' is taken: the
+    ring attention skips such blocks itself and masks the others a tile of query rows at a time."""
 
     shuffle: bool = True
     """Read every epoch in a new order, a seeded permutation of (data seed, epoch) that is the

@@ -165,6 +165,10 @@ def layout_problems(config, dims: ParallelDims) -> list[str]:
         # never been checked together, so the combination is refused rather than run unchecked.
         problems.append(f"training.document_masking_kernel: 'flex' is not available with tensor parallelism "
                         f"(tensor_parallel_degree={dims.tp}); use 'mask', or tensor_parallel_degree 1")
+    if c.training.document_masking and c.training.document_masking_kernel == "flex" and dims.cp > 1:
+        problems.append(f"training.document_masking_kernel: 'flex' does not apply under context parallelism "
+                        f"(context_parallel_degree={dims.cp}): the ring attention masks documents itself, a tile of "
+                        "query rows at a time; use 'mask', or context_parallel_degree 1")
     if p.enable_async_tensor_parallel and (dims.tp == 1 or not c.compile.enable):
         problems.append("parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and "
                         "compile.enable (it is a compiler pass), on CUDA")

@@ -12,8 +12,10 @@ where the backend allows it (NCCL; gloo transfers on its own threads).
 Every (query chunk, key chunk) pair is classified by true chunk index: a key chunk before the
 query chunk is fully visible (no mask), the same chunk is causal (`is_causal`, both start at the
 same position), a later one is skipped without compute. With document masking, a pair whose
-visible set differs from that pattern runs with an explicit mask (the per-pair fallback), and a
-pair nothing in which is visible is skipped too. Each pair runs an SDPA kernel that returns the
+visible set differs from that pattern runs masked, a tile of query rows at a time (ring_pairs.py:
+no mask or score tensor of a whole pair), and a pair nothing in which is visible is skipped too.
+Which is which is read from the document indices at the chunks' ends (they never decrease along
+a sequence), without building the pair's mask. Each pair runs an SDPA kernel that returns the
 log-sum-exp of its rows; the partial outputs are merged by log-sum-exp in float32 (float64 for
 float64 inputs).
 
@@ -26,17 +28,13 @@ probabilities the true ones of the whole row.
 
 Forward and backward are custom ops (`torch.ops.trainer.ring_attention` and `_backward`): the
 compiler keeps each as one opaque node (its communication never enters a graph), fake tensors
-take their shapes from the fake implementations (the memory estimator runs them without a
-process group), and selective activation checkpointing can keep the forward's outputs rather than
+take their shapes from the fake implementations (the memory estimator's tracker runs their bodies
+instead, to count what they allocate), and selective activation checkpointing can keep the forward's outputs rather than
 run the ring again in backward (trainer/parallel/activation_checkpointing.py).
 
-Kernels: on CPU `_scaled_dot_product_flash_attention_for_cpu` and its backward (they share the
-K/V heads of grouped-query attention themselves, and take the per-pair mask); on CUDA the flash
-kernel for float16/bfloat16, the memory-efficient kernel otherwise (K/V heads repeated per pair),
-and a float32 math pair for masked pairs.
+The kernels of one pair are ring_pairs.py's.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-aten = torch.ops.aten
+from trainer.parallel.ring_pairs import DocumentMask, accumulation_dtype, merge, pair_backward, pair_forward
 
 FULL, CAUSAL, SKIP = "full", "causal", "skip"
 
@@ -75,20 +73,12 @@ def schedule(rank: int, degree: int) -> list[list[tuple[int, int, str]]]:
 @dataclass(frozen=True)
 class PairCall:
     """One kernel call: local query rows x rows of the key/value block held, causal or full,
-    with an explicit (B, Tq, Tk) visibility mask when document masking needs one."""
+    or masked by documents (the mask holds causality)."""
 
     q_rows: slice
     k_rows: slice
     causal: bool
-    mask: Optional[Tensor] = None
-
-
-def _visible(documents: Tensor, query_chunk: int, key_chunk: int, chunk: int) -> Tensor:
-    """(B, chunk, chunk): the key is at or before the query and in the same document."""
-    queries = torch.arange(query_chunk * chunk, (query_chunk + 1) * chunk, device=documents.device)
-    keys = torch.arange(key_chunk * chunk, (key_chunk + 1) * chunk, device=documents.device)
-    causal = queries[:, None] >= keys[None, :]
-    return causal & (documents[:, queries, None] == documents[:, None, keys])
+    mask: Optional[DocumentMask] = None
 
 
 def _has_values(tensor: Tensor) -> bool:
@@ -96,6 +86,22 @@ def _has_values(tensor: Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return not is_fake(tensor)
+
+
+def pair_mask(documents: Tensor, query_chunk: int, key_chunk: int, chunk: int, kind: str) -> Optional[DocumentMask]:
+    """The mask of a pair cut by a document boundary; None when the pair is FULL or CAUSAL as
+    without documents; SKIP when nothing in it is visible. Document indices never decrease
+    along a sequence, so the chunks' end positions decide: a key chunk before the queries shares
+    a document with them only through its last key and their first query, and a pair is one
+    document when its first key and last query are."""
+    queries, keys = query_chunk * chunk, key_chunk * chunk
+    mask = DocumentMask(documents, queries, keys, chunk)
+    if not _has_values(documents):  # the memory estimator: every pair masked, the most a pair holds
+        return mask
+    first_query, last_query = documents[:, queries], documents[:, queries + chunk - 1]
+    if kind == FULL and not bool((documents[:, keys + chunk - 1] == first_query).any()):
+        return SKIP
+    return None if bool((documents[:, keys] == last_query).all()) else mask
 
 
 def block_calls(rank: int, source: int, degree: int, chunk: int, documents: Optional[Tensor]) -> list[PairCall]:
@@ -107,137 +113,15 @@ def block_calls(rank: int, source: int, degree: int, chunk: int, documents: Opti
         pairs = []  # (key chunk's local index, causal, mask)
         for j, key_chunk in enumerate(rank_chunks(source, degree)):
             kind = chunk_pair_kind(query_chunk, key_chunk)
-            if kind == SKIP:
+            mask = pair_mask(documents, query_chunk, key_chunk, chunk, kind) if documents is not None else None
+            if kind == SKIP or mask is SKIP:
                 continue
-            mask = None
-            if documents is not None and not _has_values(documents):  # the memory estimator: every pair masked
-                mask = _visible(documents, query_chunk, key_chunk, chunk)
-            elif documents is not None:
-                visible = _visible(documents, query_chunk, key_chunk, chunk)
-                if not bool(visible.any()):
-                    continue
-                plain = visible.all() if kind == FULL else torch.equal(visible, torch.ones_like(visible).tril())
-                mask = None if bool(plain) else visible
-            pairs.append((j, kind == CAUSAL, mask))
+            pairs.append((j, kind == CAUSAL and mask is None, mask))
         if len(pairs) == 2 and not any(causal or mask is not None for _, causal, mask in pairs):
             calls.append(PairCall(rows, slice(0, 2 * chunk), False))
         else:
             calls += [PairCall(rows, slice(j * chunk, (j + 1) * chunk), causal, mask) for j, causal, mask in pairs]
     return calls
-
-
-# ---------------------------------------------------------------------------------------------
-# One pair: heads-first views q (B, H, Tq, D), k and v (B, H_kv, Tk, D).
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _repeat_heads(x: Tensor, heads: int) -> Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _fold_heads(grad: Tensor, kv_heads: int) -> Tensor:
-    """Sum the gradients of repeated K/V heads back onto their H_kv heads."""
-    heads = grad.shape[1]
-    return grad if heads == kv_heads else grad.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
-
-
-def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, Tq, Tk) boolean -> (B, 1, Tq, Tk) additive mask: 0 where visible, -inf elsewhere."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf")).unsqueeze(1)
-
-
-def _flash_applies(q: Tensor) -> bool:
-    """CUDA's flash kernel: float16/bfloat16, head dim a multiple of 8 up to 256."""
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-
-def pair_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor],
-                 math_pairs: bool = False) -> tuple[Tensor, Tensor]:
-    """(output (B, H, Tq, D) in q's dtype, log-sum-exp (B, H, Tq)); a row that sees no key of
-    this pair has log-sum-exp -inf (it weighs nothing in the merge)."""
-    if math_pairs or (q.device.type != "cpu" and mask is not None):
-        return _math_forward(q, k, v, causal, mask)
-    if q.device.type == "cpu":
-        bias = None if mask is None else _additive(mask, q.dtype)
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
-        if mask is not None:  # the kernel reports 0 for a row with nothing visible
-            lse = lse.masked_fill(~mask.any(-1).unsqueeze(1), float("-inf"))
-        return out, lse
-    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    if _flash_applies(q):
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
-        return out, lse
-    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
-    return out, lse[..., :q.shape[2]]  # padded to a multiple of 32 rows
-
-
-def pair_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                  mask: Optional[Tensor], math_pairs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of q, k, v (k and v with their H_kv heads) of one pair, given the merged output
-    and log-sum-exp of the query rows (which make the pair's probabilities the whole row's)."""
-    if math_pairs or (q.device.type != "cpu" and mask is not None):
-        return _math_backward(grad_out, q, k, v, out, lse, causal, mask)
-    if q.device.type == "cpu":
-        bias = None if mask is None else _additive(mask, q.dtype)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal,
-                                                                         attn_mask=bias)
-    kv_heads = k.shape[1]
-    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-    # The CUDA kernels get dense per-pair slices of the row-wise tensors (lse is a slice of columns).
-    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
-    no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: never read
-    if _flash_applies(q):
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng, no_rng)
-    else:
-        rows = -(-q.shape[2] // 32) * 32  # the kernel's log-sum-exp rows are padded to 32
-        padded = torch.nn.functional.pad(lse, (0, rows - q.shape[2]))
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, None, out, padded, no_rng, no_rng, 0.0, [True, True, True, False], causal)
-    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
-
-
-def _scores(q: Tensor, k: Tensor, causal: bool, mask: Optional[Tensor]) -> Tensor:
-    acc = accumulation_dtype(q.dtype)
-    scores = q.to(acc) @ _repeat_heads(k, q.shape[1]).to(acc).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if mask is None and causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    return scores if mask is None else scores.masked_fill(~(mask.unsqueeze(1) if mask.dim() == 3 else mask),
-                                                          float("-inf"))
-
-
-def _math_forward(q, k, v, causal, mask):
-    scores = _scores(q, k, causal, mask)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
-    out = probs @ _repeat_heads(v, q.shape[1]).to(scores.dtype)
-    return out.to(q.dtype), lse
-
-
-def _math_backward(grad_out, q, k, v, out, lse, causal, mask):
-    scale = 1 / math.sqrt(q.shape[-1])
-    acc = accumulation_dtype(q.dtype)
-    probs = torch.exp(_scores(q, k, causal, mask) - lse.to(acc).unsqueeze(-1))
-    grad_out, values, keys = grad_out.to(acc), _repeat_heads(v, q.shape[1]).to(acc), _repeat_heads(k, q.shape[1]).to(acc)
-    dv = probs.transpose(-1, -2) @ grad_out
-    dprobs = grad_out @ values.transpose(-1, -2)
-    dscores = probs * (dprobs - (grad_out * out.to(acc)).sum(-1, keepdim=True))
-    dq = dscores @ keys * scale
-    dk = dscores.transpose(-1, -2) @ q.to(acc) * scale
-    return dq.to(q.dtype), _fold_heads(dk, k.shape[1]).to(k.dtype), _fold_heads(dv, k.shape[1]).to(v.dtype)
-
-
-def merge(out_acc: Tensor, lse_acc: Tensor, rows: slice, out: Tensor, lse: Tensor) -> None:
-    """Fold a partial result (out, lse) of query rows `rows` into the accumulators, in place."""
-    current = lse_acc[..., rows]
-    merged = torch.logaddexp(current, lse.to(lse_acc.dtype))
-    finite = merged.masked_fill(merged == float("-inf"), 0)  # rows nothing has been visible to yet
-    old_weight = torch.exp(current - finite).unsqueeze(-1)
-    new_weight = torch.exp(lse.to(lse_acc.dtype) - finite).unsqueeze(-1)
-    out_acc[..., rows, :] = out_acc[..., rows, :] * old_weight + out.to(out_acc.dtype) * new_weight
-    lse_acc[..., rows] = merged
 
 
 # ---------------------------------------------------------------------------------------------
