@@ -129,15 +129,18 @@ def pair_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         if math_pairs:
             return _math_backward(grad_out, q, k, v, out, lse, causal, None)
         return _unmasked_backward(grad_out, q, k, v, out, lse, causal)
-    parts = [_masked_backward(grad_out[:, :, start:stop], q[:, :, start:stop], k, v, out[:, :, start:stop],
-                              lse[..., start:stop], mask_rows(mask, start, stop), math_pairs)
-             for start, stop in tiles(q.shape[2], tile_rows or TILE_ROWS)]
-    if len(parts) == 1:
-        return parts[0]
-    acc = accumulation_dtype(k.dtype)
-    dk = torch.stack([dk.to(acc) for _, dk, _ in parts]).sum(0)
-    dv = torch.stack([dv.to(acc) for _, _, dv in parts]).sum(0)
-    return torch.cat([dq for dq, _, _ in parts], dim=2), dk.to(k.dtype), dv.to(v.dtype)
+    row_tiles = tiles(q.shape[2], tile_rows or TILE_ROWS)
+    dqs, dk_sum, dv_sum = [], None, None
+    for start, stop in row_tiles:
+        dq, dk, dv = _masked_backward(grad_out[:, :, start:stop], q[:, :, start:stop], k, v, out[:, :, start:stop],
+                                      lse[..., start:stop], mask_rows(mask, start, stop), math_pairs)
+        if len(row_tiles) == 1:
+            return dq, dk, dv
+        dqs.append(dq)
+        acc = accumulation_dtype(k.dtype)  # a running sum: one tile's key/value gradients alive at a time
+        dk_sum = dk.to(acc) if dk_sum is None else dk_sum + dk
+        dv_sum = dv.to(acc) if dv_sum is None else dv_sum + dv
+    return torch.cat(dqs, dim=2), dk_sum.to(k.dtype), dv_sum.to(v.dtype)
 
 
 def _masked_backward(grad_out, q, k, v, out, lse, mask: Tensor, math_pairs: bool) -> tuple[Tensor, Tensor, Tensor]:
