@@ -141,3 +141,13 @@ def test_the_compilers_memory_budget_is_estimated_at_its_share_between_full_and_
     assert main(["--nproc", "2", "--device-memory", str(memory), "--strict", "--no-changes", *job,
                  "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.25"]) == 0
     assert "estimated between AC full (0) and none (1) at the budget" in capsys.readouterr().out
+
+
+def test_what_the_estimate_leaves_out_on_cuda_is_said_on_its_first_line():
+    documents = [*DEBUG, "--training.dataset", "files", "--training.document_masking"]
+    _, notes = estimated_config(documents)  # 16 heads over 4 K/V heads
+    assert any("masked grouped-query attention repeats the K/V heads 4x" in note for note in notes)
+    _, notes = estimated_config([*documents, "--parallelism.context_parallel_degree", "2"])
+    assert any("ring attention's masked chunk pairs run a float32 math kernel" in note for note in notes)
+    _, notes = estimated_config(DEBUG)
+    assert not any("not counted" in note for note in notes)

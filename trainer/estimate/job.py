@@ -35,9 +35,31 @@ def estimated_config(overrides: list[str]):
         notes.append(f"activation_checkpoint.mode memory_budget {config.activation_checkpoint.memory_budget:g} is "
                      "estimated between AC full (0) and none (1) at the budget, the share of the activations it lets "
                      "the compiler keep")
+    notes += unseen(config)
     if config.training.enable_cpu_offload:
         raise ConfigError("training.enable_cpu_offload: the estimator does not model offloaded state; turn it off")
     return config, notes
+
+
+def unseen(config) -> list[str]:
+    """What the estimate (CPU kernels on fake tensors) leaves out of this job on CUDA."""
+    from trainer.models.llama3.hf_config import configured_model_args
+    from trainer.parallel.ring_pairs import TILE_ROWS
+
+    args = configured_model_args(config.model)
+    if not config.training.document_masking:
+        return []
+    cp = config.parallelism.context_parallel_degree
+    if cp > 1:
+        chunk = config.training.seq_len // (2 * cp)
+        return [f"not counted: on CUDA, ring attention's masked chunk pairs run a float32 math kernel a tile of "
+                f"{TILE_ROWS} query rows at a time, a few local batch x heads x {TILE_ROWS} x {chunk} float32 "
+                "tensors at once, where the CPU kernel estimated here holds the tile's mask"]
+    if args.kv_heads == args.n_heads:
+        return []
+    copies = args.n_heads // args.kv_heads
+    return [f"not counted: on CUDA, masked grouped-query attention repeats the K/V heads {copies}x before its kernel "
+            f"(grouped_query_attention), which backward keeps: {copies}x the keys' and values' bytes per layer"]
 
 
 # What the forkserver imports once, so that no estimate's process imports it again.
