@@ -30,6 +30,9 @@
 #                        torchtitan (float8's speed-up, and this trainer's float8 against torchtitan's)
 #   protocol_float8      optional: protocol/plans/float8_gpu.toml in statistical mode (float8
 #                        tensorwise and rowwise must pass against bf16, a 5% higher lr must fail)
+#   cp_documents         optional: benchmarks/cp_document_memory.py --device cuda at 32k tokens: one CP
+#                        rank's ring attention with documents, peak memory against cp (tiled masked
+#                        pairs against whole ones)
 #
 # Each part runs under a time limit, with every process it started ended at the limit; a part
 # that fails or times out is recorded and the suite goes on. The whole suite keeps within
@@ -334,6 +337,11 @@ if ring.exists():
     rows = [line for line in ring.read_text().splitlines() if line.startswith(("|", "attention forward"))]
     lines += ["## Ring attention kernels per CP rank vs whole-sequence attention (benchmarks/ring_kernels.py)", "",
               *rows, ""]
+documents = work / "cp_documents.log"
+if documents.exists():
+    rows = [line for line in documents.read_text().splitlines() if line.startswith(("|", "#"))]
+    lines += ["## Ring attention with documents: one CP rank's peak memory against cp (benchmarks/cp_document_memory.py)",
+              "", *rows, ""]
 offload = work / "offload_1b.log"
 if offload.exists():
     rows = [line for line in offload.read_text().splitlines() if line.startswith(("|", "1 processes"))]
@@ -403,12 +411,13 @@ declare -A LIMIT=(
   [offload_1b]=${GPU_SUITE_OFFLOAD_S:-150}
   [float8_8b]=${GPU_SUITE_FLOAT8_S:-420}
   [protocol_float8]=${GPU_SUITE_PROTOCOL_FLOAT8_S:-360}
+  [cp_documents]=${GPU_SUITE_CP_DOCUMENTS_S:-90}
 )
-OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8 "
+OPTIONAL=" estimate_1b bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8 cp_documents "
 SUMMARY_S=10
 # Which parts run, in this order (GPU_SUITE_PARTS="side_by_side_1b estimate_1b" runs two of them).
 PARTS=(${GPU_SUITE_PARTS:-cuda_tests side_by_side_1b side_by_side_8b ring_kernels document_masking protocol_techniques estimate_1b
-       bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8})
+       bench_1b bench_1b_eager profile_1b offload_1b float8_8b protocol_float8 cp_documents})
 for part in "${PARTS[@]}"; do
   [ -n "${LIMIT[$part]:-}" ] || { say "GPU_SUITE_PARTS: unknown part '$part'; valid: ${!LIMIT[*]}"; exit 2; }
 done
@@ -420,6 +429,8 @@ MASKING=(--seq-len 1024 4096 --steps 20)
 ESTIMATE=(--flavor 1B --seq-len 2048 --local-batch 4)
 # The ring attention's kernel work per CP rank against whole-sequence flash attention.
 RING=(--cp 2 4 8 --seq-lens 8192 32768 --repeats 5)
+# One CP rank's ring attention with documents at 32k tokens: peak memory against cp.
+CP_DOCUMENTS=(--device cuda --seq-lens 32768 --cp 2 4 8 --fake-seq-len 0)
 # FSDP with and without CPU offload on one GPU (the strategies table's GPU row).
 OFFLOAD=(--flavor 1B --nproc 1 --only FSDP --ac none --seq-len 2048 --steps 6)
 # Where the trainer's 1B step spends its time: the side-by-side 1B case, phase by phase and by kernel.
@@ -444,6 +455,7 @@ if [ "${GPU_SUITE_CPU_SMOKE:-0}" = 1 ]; then
   MASKING=(--seq-len 128 --steps 4)
   ESTIMATE=(--flavor debugmodel --seq-len 128 --local-batch 4)
   RING=(--cp 2 --seq-lens 256 --heads 4 --kv-heads 2 --repeats 1)
+  CP_DOCUMENTS=(--seq-lens 2048 --cp 2 4 --fake-seq-len 0 --kernels device)
   OFFLOAD=(--flavor debugmodel --nproc 1 --only FSDP --ac none --seq-len 128 --steps 3)
   PROFILE=(--steps 2 --top 5 --model.flavor debugmodel --training.seq_len 128 --training.local_batch_size 4)
   SIDE_BY_SIDE_1B=(--dry-run)
@@ -556,6 +568,13 @@ part_ring_kernels() {
   run_part ring_kernels "${LIMIT[ring_kernels]}" "$(after ring_kernels)" "$WORK/ring_kernels.log" \
     "$PYTHON" benchmarks/ring_kernels.py "${RING[@]}"
   grep -E '^\|' "$WORK/ring_kernels.log" | tail -n 14
+}
+
+# --- ring attention with documents: memory per rank against cp ---------------------------------------
+part_cp_documents() {
+  run_part cp_documents "${LIMIT[cp_documents]}" "$(after cp_documents)" "$WORK/cp_documents.log" \
+    "$PYTHON" benchmarks/cp_document_memory.py "${CP_DOCUMENTS[@]}"
+  grep -E '^\|' "$WORK/cp_documents.log" | tail -n 5
 }
 
 # --- FSDP with and without CPU offload ---------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_ring_attention_with_documents_holds_memory_falling_as_one_over_cp(measu
     float32 scores per head, as before) hold more than twice the tiles' peak at cp 2."""
     rows = table_rows(run_script("cp_document_memory.py", "--seq-lens", "4096", "--cp", "2", "4", "8",
                                  "--fake-seq-len", "0"))
-    for kernel in ("cpu", "math"):
+    for kernel in ("cpu flash", "math"):
         scaled = {int(r[2]): float(r[4].replace(",", "")) for r in rows if r[1] == kernel}
         measured(f"cp documents {kernel}: peak x cp {scaled}")
         assert set(scaled) == {2, 4, 8} and max(scaled.values()) <= 1.5 * min(scaled.values())

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every part but two: document masking is benchmarks/document_masking.py, which
 # tests/integration/test_benchmarks.py runs, and bench_1b_eager is bench_1b without compile.
 PARTS = ("cuda_tests", "side_by_side_1b", "side_by_side_8b", "ring_kernels", "protocol_techniques", "estimate_1b",
-         "bench_1b", "float8_8b", "protocol_float8")
+         "bench_1b", "float8_8b", "protocol_float8", "cp_documents")
 
 
 def test_cpu_smoke_run_of_the_gpu_suite(tmp_path):
@@ -52,6 +52,8 @@ def test_cpu_smoke_run_of_the_gpu_suite(tmp_path):
         assert run in plan, plan
     ring = summary.split("## Ring attention kernels")[1].split("\n## ")[0]
     assert re.search(r"^\| 256 +\| 2 +\| 0 +\| +[\d.]+ \|", ring, re.M), ring
+    documents = summary.split("## Ring attention with documents")[1].split("\n## ")[0]
+    assert re.search(r"^\| 2,048 +\| +cpu flash \| +4 \| +[\d.]+ \|", documents, re.M), documents
     assert "16 passed" not in summary  # the smoke run takes one CUDA test file, on the CPU
     assert re.search(r"\d+ passed, 0 failed, 0 errors", summary)
     for name in ("summary.md", "suite.log", "cuda_tests.xml", "details.tar.gz"):
