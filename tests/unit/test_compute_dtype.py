@@ -29,16 +29,20 @@ def full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_the_model_cast_gives_fsdp_numbers_exactly(one_rank_mesh, tied):
-    args = get_flavor("tiny")
-    args.max_seq_len, args.tie_embeddings = 16, tied
+def fsdp_and_cast(args, mesh) -> tuple[Transformer, Transformer, torch.Tensor]:
+    """The same initial weights under FSDP over one rank computing in bfloat16 and under the
+    model's own bfloat16 cast, and a batch of 4 sequences for them."""
     base = Transformer(args)
     base.init_weights(seed=0)
     fsdp, cast = copy.deepcopy(base), copy.deepcopy(base)
-    apply_fsdp(fsdp, one_rank_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True)
+    apply_fsdp(fsdp, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True)
     cast.apply_runtime(replace(cast.runtime, compute_dtype=torch.bfloat16))
-    tokens = torch.randint(0, args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    return fsdp, cast, torch.randint(0, args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_model_cast_gives_fsdp_numbers_exactly(one_rank_mesh, tied):
+    fsdp, cast, tokens = fsdp_and_cast(replace(get_flavor("tiny"), max_seq_len=16, tie_embeddings=tied), one_rank_mesh)
 
     assert two_microbatches(cast, tokens) == two_microbatches(fsdp, tokens)
     cast_grads = dict((name, p.grad) for name, p in cast.named_parameters())
@@ -92,11 +96,6 @@ def test_the_model_cast_holds_no_copy_of_the_weights_between_forward_and_backwar
     backward, 5.5 MB of this model's 32.8 MB peak, measured), and its peak is at most FSDP's over
     one rank, which frees each block's cast after its forward (27.3 MB against FSDP's 35.0 MB)."""
     args = replace(get_flavor("tiny"), dim=256, n_layers=4, max_seq_len=16, tie_embeddings=tied)
-    base = Transformer(args)
-    base.init_weights(seed=0)
-    fsdp, cast = copy.deepcopy(base), copy.deepcopy(base)
-    apply_fsdp(fsdp, one_rank_mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=True)
-    cast.apply_runtime(replace(cast.runtime, compute_dtype=torch.bfloat16))
-    tokens = torch.randint(0, args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    fsdp, cast, tokens = fsdp_and_cast(args, one_rank_mesh)
     assert cast_weights_kept_for_backward(cast, tokens) == []
     assert forward_backward_peak(cast, tokens) <= forward_backward_peak(fsdp, tokens)

@@ -151,3 +151,12 @@ def test_what_the_estimate_leaves_out_on_cuda_is_said_on_its_first_line():
     assert any("ring attention's masked chunk pairs run a float32 math kernel" in note for note in notes)
     _, notes = estimated_config(DEBUG)
     assert not any("not counted" in note for note in notes)
+
+
+def test_an_older_torch_is_named_for_its_optimizer_temporaries(monkeypatch):
+    from trainer.estimate import job
+
+    monkeypatch.setattr(job, "torch_version", lambda: "2.11.0")
+    assert any("torch 2.11.0: the optimizer step's temporaries" in note for note in estimated_config(DEBUG)[1])
+    monkeypatch.setattr(job, "torch_version", lambda: "2.13.0")
+    assert not any("temporaries" in note for note in estimated_config(DEBUG)[1])
