@@ -124,25 +124,6 @@ def test_context_parallel_estimates_with_the_ring_counted_as_cp_traffic():
     assert estimate.step_peak.activations > 0
 
 
-def test_the_compilers_memory_budget_is_estimated_at_its_share_between_full_and_no_checkpointing(capsys):
-    """activation_checkpoint.mode memory_budget (the compiler's, which the eager estimate cannot
-    run) was estimated as no checkpointing: a strict gate refused jobs that fit at their budget."""
-    job = [*DEBUG, "--training.seq_len", "2048", "--training.local_batch_size", "1", "--compile.enable"]
-    config, _ = estimated_config(job)
-    kinds = rank_kinds(plan_layout(config, 2).dims, None)
-    full, none, budget = (estimate_kinds([*job, "--activation_checkpoint.mode", *mode], 2, kinds, steps=1)[0]
-                          for mode in (["full"], ["none"], ["memory_budget", "--activation_checkpoint.memory_budget",
-                                                            "0.25"]))
-    assert full.step_peak.total < budget.step_peak.total < none.step_peak.total
-    assert budget.step_peak.activations == round(full.step_peak.activations + 0.25 * (none.step_peak.activations
-                                                                                      - full.step_peak.activations))
-    # A device between the budget's peak and no checkpointing's: the budget fits, --strict passes.
-    memory = round((budget.step_peak.total + none.step_peak.total) / 2 / 0.9)
-    assert main(["--nproc", "2", "--device-memory", str(memory), "--strict", "--no-changes", *job,
-                 "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.25"]) == 0
-    assert "estimated between AC full (0) and none (1) at the budget" in capsys.readouterr().out
-
-
 def test_what_the_estimate_leaves_out_on_cuda_is_said_on_its_first_line():
     documents = [*DEBUG, "--training.dataset", "files", "--training.document_masking"]
     _, notes = estimated_config(documents)  # 16 heads over 4 K/V heads
