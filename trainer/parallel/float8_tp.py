@@ -39,25 +39,32 @@ def tensorwise_float8(module) -> bool:
     return all(cast.scaling_granularity is tensorwise for cast in casts)
 
 
-def group_plan(group, name: str, input_layouts, desired_input_layouts, output_layouts) -> dict:
-    """The TP plan of one block group (`name`: "attention" or "feed_forward"): float8 styles for its
-    tensorwise float8 layers, plain ones for the others; its input cast to float8 before the
-    all-gather when all its column-wise layers are float8."""
+def float8_styles() -> tuple:
+    """torchao's (input preparation, column-wise, row-wise) styles for float8 layers."""
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
         Float8RowwiseParallel,
         PrepareFloat8ModuleInput,
     )
 
+    return PrepareFloat8ModuleInput, Float8ColwiseParallel, Float8RowwiseParallel
+
+
+def group_plan(group, name: str, input_layouts, desired_input_layouts, output_layouts, float8: bool) -> dict:
+    """The TP plan of one block group (`name`: "attention" or "feed_forward"): column-wise layers on
+    the gathered input, the row-wise one out to `output_layouts`. With float8 layers (`float8`),
+    torchao's float8 styles for those that scale whole tensors, and the group's input cast to
+    float8 before its all-gather when all its column-wise layers are such; plain styles otherwise
+    (torchao is not imported)."""
     colwise, rowwise = GROUPS[name]
-    gathers_float8 = all(tensorwise_float8(group.get_submodule(layer)) for layer in colwise)
-    prepare = PrepareFloat8ModuleInput if gathers_float8 else PrepareModuleInput
-    plan = {name: prepare(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts)}
+    in_float8 = {layer: float8 and tensorwise_float8(group.get_submodule(layer)) for layer in (*colwise, rowwise)}
+    prepare, column, row = float8_styles() if any(in_float8.values()) else (None, None, None)
+    gathers_float8 = all(in_float8[layer] for layer in colwise)
+    plan = {name: (prepare if gathers_float8 else PrepareModuleInput)(input_layouts=input_layouts,
+                                                                      desired_input_layouts=desired_input_layouts)}
     for layer in colwise:
-        style = Float8ColwiseParallel if tensorwise_float8(group.get_submodule(layer)) else ColwiseParallel
-        plan[f"{name}.{layer}"] = style()
-    style = Float8RowwiseParallel if tensorwise_float8(group.get_submodule(rowwise)) else RowwiseParallel
-    plan[f"{name}.{rowwise}"] = style(output_layouts=output_layouts)
+        plan[f"{name}.{layer}"] = (column if in_float8[layer] else ColwiseParallel)()
+    plan[f"{name}.{rowwise}"] = (row if in_float8[rowwise] else RowwiseParallel)(output_layouts=output_layouts)
     return plan
 
 

@@ -28,7 +28,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -37,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.models.llama3.runtime import NormWeights
 from trainer.parallel.dims import sync_group_size
-from trainer.parallel.float8_tp import GROUPS, carry_float8_over_gloo, group_plan
+from trainer.parallel.float8_tp import carry_float8_over_gloo, group_plan
 from trainer.parallel.reduced_sync import apply_reduced_sync
 
 
@@ -114,19 +113,13 @@ def apply_tp(model: torch.nn.Module, tp_mesh, *, loss_parallel: bool, reduce_dty
 
 def block_group_plan(block, float8: bool) -> dict:
     """A block's attention and FFN: column-wise in, row-wise out to the sequence split; the group's
-    input gathered once (float8 layers: float8_tp.group_plan)."""
+    input gathered once (float8_tp.group_plan, with `float8` layers or without)."""
     # The attention's inputs: the hidden states, RoPE, the documents (when masked).
     layouts = {"attention": ((Shard(1), None, None), (Replicate(), None, None)),
                "feed_forward": ((Shard(1),), (Replicate(),))}
     plan = {}
     for name, (inputs, gathered) in layouts.items():
-        if float8:
-            plan |= group_plan(block.get_submodule(name), name, inputs, gathered, Shard(1))
-            continue
-        colwise, rowwise = GROUPS[name]
-        plan[name] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=gathered)
-        plan |= {f"{name}.{layer}": ColwiseParallel() for layer in colwise}
-        plan[f"{name}.{rowwise}"] = RowwiseParallel(output_layouts=Shard(1))
+        plan |= group_plan(block.get_submodule(name), name, inputs, gathered, Shard(1), float8)
     return plan
 
 
