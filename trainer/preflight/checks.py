@@ -26,7 +26,8 @@ from trainer.checkpoint.lineage import LINEAGE_FILE
 from trainer.preflight.data import check_data
 from trainer.preflight.resume import RunComplete, check_resume, complete_record, resume_candidate  # noqa: F401 (used from here)
 from trainer.config.job_config import JobConfig
-from trainer.preflight.step_bound import ActivationBound, activation_bound, check_device_memory, gpu_memory
+from trainer.preflight.step_bound import (DTYPE_BYTES, ActivationBound, activation_bound, check_device_memory,
+                                         gpu_memory, state_bytes_per_parameter)
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.config.saved_config import check_saved_config_file
 from trainer.parallel.dims import ParallelDims, layout_problems
@@ -142,9 +143,6 @@ def describe_degrees(dims: ParallelDims) -> str:
 
 MEMINFO = "/proc/meminfo"
 FP32_BYTES = 4
-# Adam: the parameter, its gradient, exp_avg and exp_avg_sq, each of training.dtype.
-TENSORS_PER_PARAMETER = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -232,7 +230,7 @@ def training_memory_need(config: JobConfig, dims: ParallelDims, device_type: str
     if device_type == "cpu":
         # Weights exist from init on; gradients and Adam state from the first step.
         dtype = config.training.dtype
-        per_parameter = TENSORS_PER_PARAMETER * DTYPE_BYTES[dtype]
+        per_parameter = state_bytes_per_parameter(config)
         state = int(per_parameter * params * share)
         init = local_procs * FP32_BYTES * largest  # init_weights' full-size float32 buffer, per process
         activations = activation_bound(config, dims.tp, dims.cp, dims.pp, device_type)
@@ -261,10 +259,8 @@ def fitting_step(config: JobConfig, need: MemoryNeed, available: int) -> str:
     """What would bring a step's activations (trainer/preflight/step_bound.py) within `available`
     bytes: the longest training.seq_len its bound allows, a smaller batch, or checkpointing."""
     bound = need.activations
-    room = available - (need.bytes - need.procs * bound.bytes)
-    seq_len = config.training.seq_len
-    longest = max(0, room) // need.procs * seq_len // max(1, bound.bytes)
-    limit = f" (above {longest:,} tokens no step of this batch fits here)" if 0 < longest < seq_len else ""
+    room = available - (need.bytes - need.procs * bound.bytes)  # for the activations of all processes
+    limit = bound.seq_len_limit(max(0, room) // need.procs, config.training.seq_len, " here")
     return (f"a shorter training.seq_len{limit}, a smaller training.local_batch_size, or "
             "activation_checkpoint.mode 'full'")
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 from trainer.config.job_config import JobConfig
 
-COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOSS_BYTES = 4  # the loss's float32 log-probabilities
+# Adam: the parameter, its gradient, exp_avg and exp_avg_sq, each of training.dtype.
+TENSORS_PER_PARAMETER = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,17 @@ class ActivationBound:
     def bytes(self) -> int:
         return self.per_token * self.tokens
 
+    def seq_len_limit(self, room: int, seq_len: int, where: str = "") -> str:
+        """" (above N tokens ...)": the longest sequence whose bound fits `room` bytes per rank,
+        when it is shorter than `seq_len` (and any fits); "" otherwise."""
+        longest = max(0, room) * seq_len // max(1, self.bytes)
+        return f" (above {longest:,} tokens no step of this batch fits{where})" if 0 < longest < seq_len else ""
+
+
+def state_bytes_per_parameter(config: JobConfig) -> int:
+    """Weights, gradients and Adam's two moments, in training.dtype."""
+    return TENSORS_PER_PARAMETER * DTYPE_BYTES[config.training.dtype]
+
 
 def compute_bytes(config: JobConfig, device_type: str) -> int:
     """Bytes of the compute dtype ('auto': bfloat16 on CUDA, float32 on a CPU, as trainer/parallel/fsdp.py)."""
@@ -46,7 +59,7 @@ def compute_bytes(config: JobConfig, device_type: str) -> int:
         return 2
     if name == "auto":
         return 2 if device_type == "cuda" else 4
-    return COMPUTE_BYTES[name]
+    return DTYPE_BYTES[name]
 
 
 def block_bytes_per_token(args, tp: int, dtype_bytes: int) -> int:
@@ -114,12 +127,12 @@ def check_device_memory(config: JobConfig, dims, device_memory: int | None) -> N
 
     if device_memory is None:
         return
-    state = 16 * num_params(configured_model_args(config.model)) // (dims.dp_shard * dims.cp * dims.tp * dims.pp)
+    shards = dims.dp_shard * dims.cp * dims.tp * dims.pp
+    state = TENSORS_PER_PARAMETER * DTYPE_BYTES["float32"] * num_params(configured_model_args(config.model)) // shards
     bound = activation_bound(config, dims.tp, dims.cp, dims.pp, "cuda")
     if state + bound.bytes <= device_memory:
         return
-    longest = max(0, device_memory - state) * config.training.seq_len // max(1, bound.bytes)
-    limit = f" (above {longest:,} tokens no step of this batch fits)" if 0 < longest < config.training.seq_len else ""
+    limit = bound.seq_len_limit(device_memory - state, config.training.seq_len)
     raise ConfigError(
         f"training.seq_len {config.training.seq_len}, local_batch_size {config.training.local_batch_size}: a rank's "
         f"step needs at least {state / 2 ** 30:.1f} GiB of model state and {bound.bytes / 2 ** 30:.1f} GiB of "
