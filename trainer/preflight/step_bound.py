@@ -118,8 +118,8 @@ def gpu_memory() -> int | None:
 
 
 def check_device_memory(config: JobConfig, dims, device_memory: int | None) -> None:
-    """ConfigError when one rank's step cannot fit its GPU: its share of the model state (float32
-    weights, gradients and Adam's two moments, sharded over every parallel dimension) and the
+    """ConfigError when one rank's step cannot fit its GPU: its share of the model state (weights,
+    gradients and Adam's two moments in training.dtype, sharded over every parallel dimension) and the
     activation bound, against `device_memory` bytes (None: not known, nothing checked)."""
     from trainer.config.errors import ConfigError
     from trainer.models.llama3.args import num_params
@@ -128,7 +128,7 @@ def check_device_memory(config: JobConfig, dims, device_memory: int | None) -> N
     if device_memory is None:
         return
     shards = dims.dp_shard * dims.cp * dims.tp * dims.pp
-    state = TENSORS_PER_PARAMETER * DTYPE_BYTES["float32"] * num_params(configured_model_args(config.model)) // shards
+    state = state_bytes_per_parameter(config) * num_params(configured_model_args(config.model)) // shards
     bound = activation_bound(config, dims.tp, dims.cp, dims.pp, "cuda")
     if state + bound.bytes <= device_memory:
         return
