@@ -61,7 +61,6 @@ def attention_unseen(config) -> list[str]:
     from trainer.models.llama3.hf_config import configured_model_args
     from trainer.parallel.ring_pairs import TILE_ROWS
 
-    args = configured_model_args(config.model)
     if not config.training.document_masking:
         return []
     cp = config.parallelism.context_parallel_degree
@@ -70,6 +69,7 @@ def attention_unseen(config) -> list[str]:
         return [f"not counted: on CUDA, ring attention's masked chunk pairs run a float32 math kernel a tile of "
                 f"{TILE_ROWS} query rows at a time, a few local batch x heads x {TILE_ROWS} x {chunk} float32 "
                 "tensors at once, where the CPU kernel estimated here holds the tile's mask"]
+    args = configured_model_args(config.model)
     if args.kv_heads == args.n_heads:
         return []
     copies = args.n_heads // args.kv_heads
