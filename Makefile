@@ -19,8 +19,8 @@ TRAIN_STAMP := $(VENV)/.installed-train
 TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: setup train test test-fast
-# pytest-xdist's workers (one per core by default); they share the cores by what each test keeps
-# busy (tests/machine_share.py). TEST_WORKERS=0 runs the tests in this process, one after the other.
+# pytest-xdist's workers (one per slot by default, 1.5 slots a core); they share the cores by what each
+# test keeps busy (tests/machine_share.py). TEST_WORKERS=0 runs the tests in this process, one after the other.
 TEST_WORKERS ?= auto
 # The suite writes Python's bytecode caches (__pycache__, ignored by git) even where the environment
 # says not to (PYTHONDONTWRITEBYTECODE): without them every worker compiles and assertion-rewrites

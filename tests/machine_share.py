@@ -1,34 +1,37 @@
-"""Share the machine's cores between pytest-xdist's workers (`pytest -n 2`, make test).
+"""Share the machine's cores between pytest-xdist's workers (`pytest -n auto`, make test).
 
-Each test holds the cores it keeps busy: `@pytest.mark.cores(n)`, else 1. A test asking for more
-cores than the machine has holds all of them. So on 2 cores a test that keeps both
-busy (a 4-rank test, a compile matrix) runs with the machine to itself, and one-core tests run two
-at a time. A test's cores are what it measures: the machine's busy CPU seconds over wall seconds,
-with the test alone on an idle machine and the warm Python on (TEST_CPU_LOG below), 2 from 1.45
-up. Most 2-rank launches of the tiny model spend much of their time in one process (the launcher's
-checks, a rank's start, checkpoint files) and keep 0.7 to 1.4 cores busy; tests whose timing
-against a deadline is what they check hold the machine too.
-Overcommitting the cores would make ranks' collectives and tests' deadlines wait on each other:
-slower, and flaky where a test times a signal, a restart or a stall.
+Each test holds the slots of the cores it keeps busy: `@pytest.mark.cores(n)`, else 1, at most the
+machine's cores; a test marked `alone` holds every slot. A test's cores are what it measures: the
+machine's busy CPU seconds over wall seconds, with the test alone on an idle machine and the warm
+Python on (TEST_CPU_LOG below), 2 from 1.45 up. Most 2-rank launches of the tiny model spend much of
+their time in one process (the launcher's checks, a rank's start, checkpoint files) and keep 0.7 to
+1.4 cores busy, and a test that keeps "both" cores busy keeps 1.3 to 1.8 of them busy: so the
+machine has more slots than cores (TEST_SLOTS, default 1.5 a core: 3 on 2 cores), and as many
+xdist workers as slots. On 2 cores a 2-core test runs beside a one-core test, and three one-core
+tests run together: the cores their waits leave idle are used, at the price of each test's
+seconds (a rank's collectives wait for a peer that shares a core). Tests whose timing against a
+deadline is what they check (a stall, a kill, a collective's timeout) are marked `alone`: nothing
+runs beside them.
 
-The cores are lock files, one per core, in a folder of this test run (its xdist run id). A test
-takes its cores while holding a turnstile lock, so a test waiting for the whole machine is not
-overtaken by one-core tests; locks held by a process die with it. A worker holding the whole
-machine keeps it for its next test when that one needs the whole machine too and the test it just
-ran was short (under SHORT_TEST_S), for at most STREAK_S: a file of short multi-process tests (or
-of checks of one module-scoped run) then waits for the other worker once, not before each test,
-and the other worker waits no longer than a streak. Long whole-machine tests take turns with the
-other worker's tests as one-core tests do: a one-core test always gives its core back, so that a
-test waiting for the whole machine gets it next. Without xdist nothing is locked.
+The slots are lock files, one per slot, in a folder of this test run (its xdist run id). A test
+takes its slots while holding a turnstile lock, so a test waiting for several slots is not
+overtaken by one-slot tests; locks held by a process die with it. A test that wants more than half
+of the slots (a 2-core test on 2 cores) first takes the `big` lock, without the turnstile: two of
+them cannot run together anyway, and one waiting for the other at the turnstile would leave the
+third slot idle. A worker holding several slots keeps them for its next test when that one wants
+as many and the test it just ran was short (under SHORT_TEST_S), for at most STREAK_S: a file of
+short multi-process tests (or of checks of one module-scoped run) then waits for the others once,
+not before each test. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
-The order in which the workers get the files (xdist's loadfile hands out whole files, in the order
-of the collection, which this plugin sets): first the files whose tests mostly hold the whole
-machine, so that they wait only for each other and not for a one-core test on the other worker;
-then the others, integration tests before the protocol's and the unit tests, each folder's files
-with the most tests first. The long one-core files (a power study, the GPU suite's smoke run) then
-start early, and the many short unit tests fill the end, where the workers would otherwise wait
-for one long test.
+Which worker runs what: xdist's loadfile hands out whole files, in the order of the collection,
+which this plugin sets. The files whose tests mostly want more than half the slots form one chain
+(one work unit, WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the
+other: the others' one-slot tests run beside each of its tests, where files of big tests handed to
+several workers would wait for each other with nothing beside them. The other files follow,
+integration tests before the protocol's and the unit tests, each folder's files with the most tests
+first. The long one-slot files (a power study, the GPU suite's smoke run) then start early, and the
+many short unit tests fill the end, where the workers would otherwise wait for one long test.
 """
 
 from __future__ import annotations
@@ -48,29 +51,45 @@ def machine_cores() -> int:
     return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
 
 
-SHORT_TEST_S = 5.0  # a whole-machine test this short lets the next one keep the machine
-STREAK_S = 30.0  # for at most this long from when the machine was taken
+SLOTS_PER_CORE = 1.5  # see the module docstring
 
 
-class CoreLocks:
-    def __init__(self, folder: Path, cores: int):
+def machine_slots() -> int:
+    return int(os.environ.get("TEST_SLOTS") or max(1, round(machine_cores() * SLOTS_PER_CORE)))
+
+
+SHORT_TEST_S = 5.0  # a big test this short lets the next one keep the slots
+STREAK_S = 30.0  # for at most this long from when they were taken
+
+
+class SlotLocks:
+    def __init__(self, folder: Path, slots: int):
         folder.mkdir(parents=True, exist_ok=True)
         self.turnstile = folder / "turnstile"
-        self.cores = [folder / f"core-{index}" for index in range(cores)]
+        self.big_lock = folder / "big"
+        self.slots = [folder / f"slot-{index}" for index in range(slots)]
         self.held: dict[Path, object] = {}
-        self.taken_at = 0.0  # when the cores held now were taken (time.monotonic)
+        self.big = None  # the big lock's handle while held
+        self.taken_at = 0.0  # when the slots held now were taken (time.monotonic)
+
+    def is_big(self, wanted: int) -> bool:
+        """Whether a test of `wanted` slots wants more than half of them: two cannot run together."""
+        return 2 * min(wanted, len(self.slots)) > len(self.slots)
 
     def take(self, wanted: int) -> None:
-        """Hold `wanted` cores (at most the machine's), waiting at the turnstile for them; a
-        worker that already holds that many keeps them."""
-        wanted = max(1, min(wanted, len(self.cores)))
+        """Hold `wanted` slots (at most the machine's): a big test first takes the big lock, then
+        each waits at the turnstile for its slots; a worker that already holds as many keeps them."""
+        wanted = max(1, min(wanted, len(self.slots)))
         if len(self.held) == wanted:
             return
         self.release()
+        if self.is_big(wanted):
+            self.big = open(self.big_lock, "a")
+            fcntl.flock(self.big, fcntl.LOCK_EX)
         with open(self.turnstile, "a") as turnstile:
             fcntl.flock(turnstile, fcntl.LOCK_EX)
             while len(self.held) < wanted:
-                for path in self.cores:
+                for path in self.slots:
                     if len(self.held) < wanted and path not in self.held and (handle := self._try_lock(path)):
                         self.held[path] = handle
                 if len(self.held) < wanted:
@@ -81,13 +100,15 @@ class CoreLocks:
         for handle in self.held.values():
             handle.close()  # closing the file releases its lock
         self.held.clear()
+        if self.big is not None:
+            self.big.close()
+            self.big = None
 
     def keep_for(self, wanted: int, last_test_s: float) -> bool:
-        """Whether the next test, which wants `wanted` cores, keeps what this worker holds (the
+        """Whether the next test, which wants `wanted` slots, keeps what this worker holds (the
         module docstring says when)."""
-        whole = len(self.cores)
-        return (len(self.held) == whole and min(wanted, whole) == whole and last_test_s < SHORT_TEST_S
-                and time.monotonic() - self.taken_at < STREAK_S)
+        return (self.big is not None and len(self.held) == min(wanted, len(self.slots))
+                and last_test_s < SHORT_TEST_S and time.monotonic() - self.taken_at < STREAK_S)
 
     @staticmethod
     def _try_lock(path: Path):
@@ -100,7 +121,7 @@ class CoreLocks:
             return None
 
 
-LOCKS = pytest.StashKey[CoreLocks]()  # a worker's locks, set in pytest_configure
+LOCKS = pytest.StashKey[SlotLocks]()  # a worker's locks, set in pytest_configure
 
 
 def cores_of(item: pytest.Item) -> int:
@@ -108,46 +129,116 @@ def cores_of(item: pytest.Item) -> int:
     return int(mark.args[0]) if mark is not None else 1
 
 
+def slots_of(item: pytest.Item, cores: int, slots: int) -> int:
+    """The slots a test holds on a machine of `cores` cores and `slots` slots."""
+    return slots if item.get_closest_marker("alone") else min(cores_of(item), cores)
+
+
+def run_folder(testrunuid: str) -> Path:
+    """The folder of this test run's locks and of the chain's files."""
+    return Path(tempfile.gettempdir()) / f"pytest-cores-{testrunuid}"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cores(n): the cores the test keeps busy, which it holds under "
                                        "pytest-xdist (tests/machine_share.py)")
+    config.addinivalue_line("markers", "alone: timed against a deadline; no other test runs beside it "
+                                       "under pytest-xdist (tests/machine_share.py)")
     workerinput = getattr(config, "workerinput", None)  # set in xdist's workers only
     if workerinput is not None:
-        folder = Path(tempfile.gettempdir()) / f"pytest-cores-{workerinput['testrunuid']}"
-        config.stash[LOCKS] = CoreLocks(folder, machine_cores())
+        config.stash[LOCKS] = SlotLocks(run_folder(workerinput["testrunuid"]), machine_slots())
     elif getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # xdist's controller keeps the order set below
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per slot."""
+    return machine_slots()
+
+
+WHOLE_MACHINE_CHAIN = "whole-machine-chain"  # the work unit of the files of big tests
+CHAIN_FILES = "chain-files.txt"  # in the run's folder: the chain's files, as the workers collected them
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadfile's scheduling, with the files of the chain as one work unit. The controller sees only
+    the tests' ids: the workers write which files the chain has (CHAIN_FILES) when they collect,
+    before the controller schedules."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndChain(LoadFileScheduling):
+        chain: frozenset = frozenset()
+
+        def schedule(self) -> None:
+            if self.collection is None and self.nodes:  # the first call, once every worker collected
+                folder = run_folder(self.nodes[0].workerinput["testrunuid"])
+                self.chain = frozenset((folder / CHAIN_FILES).read_text().split("\n"))
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid, self.chain)
+
+    return FilesAndChain(config, log)
+
+
+def work_unit(nodeid: str, chain: frozenset) -> str:
+    """The chain for a test of one of its files, else the test's file (loadfile's unit)."""
+    file = nodeid.split("::", 1)[0]
+    return WHOLE_MACHINE_CHAIN if file in chain else file
 
 
 FOLDER_ORDER = ("slurm", "integration", "protocol", "unit")
 
 
 @pytest.hookimpl(trylast=True)  # after the fast tier has chosen its tests (tests/conftest.py)
-def pytest_collection_modifyitems(items):
-    items[:] = in_file_order(items, machine_cores(), Path(__file__).parent)
+def pytest_collection_modifyitems(config, items):
+    cores, slots = machine_cores(), machine_slots()
+    items[:] = in_file_order(items, lambda item: slots_of(item, cores, slots), slots, Path(__file__).parent)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        chain = "\n".join(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items if in_chain(item)))
+        written = run_folder(workerinput["testrunuid"]) / f"{CHAIN_FILES}.{workerinput['workerid']}"
+        written.write_text(chain)
+        written.replace(written.with_name(CHAIN_FILES))  # whole, whichever worker writes last
 
 
-def in_file_order(items: list, whole_machine: int, suite: Path) -> list:
-    """The files in the order the module docstring gives; the tests of a file keep theirs."""
+IN_CHAIN = pytest.StashKey[bool]()
+
+
+def in_chain(item) -> bool:
+    return item.stash.get(IN_CHAIN, False)
+
+
+def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
+    """The files in the order the module docstring gives; the tests of a file keep theirs. The
+    files of the chain (first) are marked in their tests' stash (IN_CHAIN)."""
     files: dict[Path, list] = {}
     for item in items:
         files.setdefault(Path(item.path), []).append(item)
 
+    def chained(tests: list) -> bool:
+        return 2 * sum(2 * slots_of_test(test) > slots for test in tests) >= len(tests)
+
     def order(path_and_tests: tuple[Path, list]) -> tuple:
         path, tests = path_and_tests
-        holding = sum(cores_of(test) >= whole_machine for test in tests)
         folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
         rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-        return (2 * holding < len(tests), rank, -len(tests))
+        return (not chained(tests), rank, -len(tests))
 
+    for tests in files.values():
+        for test in tests:
+            test.stash[IN_CHAIN] = chained(tests)
     return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     locks = item.config.stash.get(LOCKS, None)
+    cores, slots = machine_cores(), machine_slots()
     if locks is not None:
-        locks.take(cores_of(item))
+        locks.take(slots_of(item, cores, slots))
     started = time.monotonic()
     try:
         with busy_cores_logged(item):
@@ -155,7 +246,7 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if locks is not None:
             seconds = time.monotonic() - started
-            if nextitem is None or not locks.keep_for(cores_of(nextitem), seconds):
+            if nextitem is None or not locks.keep_for(slots_of(nextitem, cores, slots), seconds):
                 locks.release()
 
 

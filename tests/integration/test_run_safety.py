@@ -17,9 +17,9 @@ import pytest
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.launch import run_lock
 
-# Stalls, kills and timeouts timed against deadlines: the machine to itself (tests/machine_share.py).
+# Stalls, kills and timeouts timed against deadlines: nothing beside them (tests/machine_share.py).
 # Real processes (tests/warm_python): launchers and ranks are killed, stopped and watched.
-pytestmark = [pytest.mark.cores(2), pytest.mark.real_processes]
+pytestmark = [pytest.mark.alone, pytest.mark.real_processes]
 
 LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
 

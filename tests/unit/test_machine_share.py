@@ -1,6 +1,8 @@
-"""The cores that pytest-xdist's workers share (tests/machine_share.py): one-process tests run side
-by side, a test that wants the machine waits for them and then runs alone, and is not overtaken; a
-worker keeps the whole machine for its next test only when that one wants the whole machine too."""
+"""The slots that pytest-xdist's workers share (tests/machine_share.py): one-slot tests run side by
+side and beside a big test; a big test waits for its slots and is not overtaken, and waits for
+another big test without holding up the one-slot tests; a test marked `alone` has the machine to
+itself; a worker keeps its slots for its next test only when that one is big and wants as many; the
+files of big tests form one chain, handed to one worker."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.machine_share import STREAK_S, SHORT_TEST_S, CoreLocks, cores_of, in_file_order
+from tests.machine_share import (SHORT_TEST_S, STREAK_S, WHOLE_MACHINE_CHAIN, SlotLocks, in_chain, in_file_order,
+                                 machine_slots, slots_of, work_unit)
 
 
-def hold_in_thread(folder: Path, cores: int, log: list, name: str, release: threading.Event):
-    """A worker of its own (its own locks on the shared folder) running one test that holds `cores`."""
+def hold_in_thread(folder: Path, slots: int, log: list, name: str, release: threading.Event):
+    """A worker of its own (its own locks on the shared folder, of 3 slots) running one test that
+    holds `slots`."""
     def body():
-        locks = CoreLocks(folder, cores=2)
-        locks.take(cores)
+        locks = SlotLocks(folder, slots=3)
+        locks.take(slots)
         log.append(f"{name} in")
         release.wait(10)
         log.append(f"{name} out")
@@ -34,53 +38,85 @@ def wait_until(condition, timeout: float = 5):
         time.sleep(0.01)
 
 
-def test_one_core_tests_share_the_machine_and_a_whole_machine_test_waits_for_them(tmp_path):
+def test_a_big_test_waits_for_its_slots_is_not_overtaken_and_then_runs_beside_a_one_slot_test(tmp_path):
     log: list[str] = []
-    first, second, whole, late = (threading.Event() for _ in range(4))
-    threads = [hold_in_thread(tmp_path, 1, log, "a", first), hold_in_thread(tmp_path, 1, log, "b", second)]
-    wait_until(lambda: {"a in", "b in"} <= set(log))  # two one-core tests at once
-    threads.append(hold_in_thread(tmp_path, 4, log, "whole", whole))  # more than the machine: all of it
+    a, b, c, big, late = (threading.Event() for _ in range(5))
+    threads = [hold_in_thread(tmp_path, 1, log, name, event) for name, event in (("a", a), ("b", b), ("c", c))]
+    wait_until(lambda: {"a in", "b in", "c in"} <= set(log))  # three one-slot tests at once
+    threads.append(hold_in_thread(tmp_path, 2, log, "big", big))
     time.sleep(0.3)
-    threads.append(hold_in_thread(tmp_path, 1, log, "late", late))  # comes after the waiting whole-machine test
+    threads.append(hold_in_thread(tmp_path, 1, log, "late", late))  # comes after the waiting big test
     time.sleep(0.3)
-    assert "whole in" not in log and "late in" not in log
+    a.set()
+    time.sleep(0.3)
+    assert "big in" not in log and "late in" not in log  # one slot is free, the big test needs two
+    b.set()
+    wait_until(lambda: "big in" in log)
+    time.sleep(0.3)
+    assert "late in" not in log  # c and the big test hold the three slots
+    c.set()
+    wait_until(lambda: "late in" in log)  # beside the big test
+    assert "big out" not in log
+    big.set()
+    late.set()
+    for thread in threads:
+        thread.join(10)
+
+
+def test_a_big_test_waiting_for_another_holds_up_no_one_slot_test_and_alone_is_alone(tmp_path):
+    log: list[str] = []
+    first, second, one, alone, beside, late = (threading.Event() for _ in range(6))
+    threads = [hold_in_thread(tmp_path, 2, log, "first", first)]
+    wait_until(lambda: "first in" in log)
+    threads.append(hold_in_thread(tmp_path, 2, log, "second", second))  # waits for the big lock
+    time.sleep(0.3)
+    threads.append(hold_in_thread(tmp_path, 1, log, "one", one))
+    wait_until(lambda: "one in" in log)  # the third slot is used meanwhile
+    assert "second in" not in log
     first.set()
+    one.set()
+    wait_until(lambda: "second in" in log)
+    threads.append(hold_in_thread(tmp_path, 3, log, "alone", alone))  # every slot: waits for the big lock
     time.sleep(0.3)
-    assert "whole in" not in log and "late in" not in log  # one core is free, the whole test needs two
+    threads.append(hold_in_thread(tmp_path, 1, log, "beside", beside))
+    wait_until(lambda: "beside in" in log)  # beside the big test, as the alone one waits for that
     second.set()
-    wait_until(lambda: "whole in" in log)
     time.sleep(0.3)
-    assert "late in" not in log  # the machine is the whole test's alone
-    whole.set()
+    threads.append(hold_in_thread(tmp_path, 1, log, "late", late))  # comes after the alone test's turn
+    time.sleep(0.3)
+    assert "alone in" not in log and "late in" not in log  # it waits for `beside`, and is not overtaken
+    beside.set()
+    wait_until(lambda: "alone in" in log)
+    time.sleep(0.3)
+    assert "late in" not in log  # nothing beside it
+    alone.set()
     wait_until(lambda: "late in" in log)
     late.set()
     for thread in threads:
         thread.join(10)
-    assert log.index("whole out") < log.index("late in")
 
 
-def test_the_whole_machine_is_kept_after_a_short_test_for_a_next_that_wants_it_and_a_core_never_is(tmp_path,
-                                                                                                   monkeypatch):
-    worker = CoreLocks(tmp_path, cores=2)
+def test_a_worker_keeps_its_slots_after_a_short_big_test_for_a_next_as_big_and_one_slot_never(tmp_path, monkeypatch):
+    worker = SlotLocks(tmp_path, slots=3)
     worker.take(2)
-    assert worker.keep_for(2, 0.1) and worker.keep_for(8, 0.1) and not worker.keep_for(1, 0.1)
-    assert not worker.keep_for(2, SHORT_TEST_S)  # after a long test, the other worker's turn
+    assert worker.keep_for(2, 0.1) and not worker.keep_for(1, 0.1) and not worker.keep_for(3, 0.1)
+    assert not worker.keep_for(2, SHORT_TEST_S)  # after a long test, the others' turn
     now = time.monotonic()
     monkeypatch.setattr(time, "monotonic", lambda: now + STREAK_S)
     assert not worker.keep_for(2, 0.1)  # a streak of short tests ends
     monkeypatch.undo()
     log: list[str] = []
     other = threading.Event()
-    waiting = hold_in_thread(tmp_path, 1, log, "other", other)  # the other worker's one-core test
+    waiting = hold_in_thread(tmp_path, 2, log, "other", other)  # another worker's big test
     time.sleep(0.3)
-    # The next whole-machine test keeps the machine: no wait at the turnstile, where the other waits.
+    # The next big test keeps the slots and the big lock: no wait, where the other waits.
     kept = threading.Thread(target=worker.take, args=(2,))
     kept.start()
     kept.join(2)
     assert not kept.is_alive() and len(worker.held) == 2 and "other in" not in log
-    worker.take(1)  # a one-core test gives the machine back first, then takes its core
+    worker.take(1)  # a one-slot test gives the big test's slots back first, then takes its slot
     wait_until(lambda: "other in" in log)
-    assert len(worker.held) == 1 and not worker.keep_for(1, 0.1) and not worker.keep_for(2, 0.1)
+    assert len(worker.held) == 1 and worker.big is None and not worker.keep_for(1, 0.1)
     worker.release()
     other.set()
     waiting.join(10)
@@ -91,47 +127,68 @@ class FakeItem:
     def __init__(self, path: str, mark=None):
         self.path = Path(path)
         self._mark = mark
+        self.stash = pytest.Stash()
 
     def get_closest_marker(self, name):
-        return self._mark if name == "cores" else None
+        return self._mark if self._mark is not None and self._mark.name == name else None
 
 
-@pytest.mark.parametrize("path, mark, cores", [
-    ("/repo/tests/unit/test_x.py", None, 1),
-    ("/repo/tests/protocol/test_x.py", None, 1),
-    ("/repo/tests/integration/test_x.py", None, 1),
-    ("/repo/tests/integration/test_x.py", pytest.mark.cores(2).mark, 2),
-    ("/repo/tests/unit/test_x.py", pytest.mark.cores(4).mark, 4),
+@pytest.mark.parametrize("mark, cores, slots, held", [
+    (None, 2, 3, 1),
+    (pytest.mark.cores(2).mark, 2, 3, 2),
+    (pytest.mark.cores(4).mark, 2, 3, 2),  # more than the machine's cores: all its cores, not every slot
+    (pytest.mark.cores(4).mark, 8, 12, 4),
+    (pytest.mark.alone.mark, 2, 3, 3),
+    (pytest.mark.alone.mark, 8, 12, 12),
 ])
-def test_the_cores_a_test_holds(path, mark, cores):
-    assert cores_of(FakeItem(path, mark)) == cores
+def test_the_slots_a_test_holds(mark, cores, slots, held):
+    assert slots_of(FakeItem("/repo/tests/unit/test_x.py", mark), cores, slots) == held
 
 
-def test_files_that_hold_the_machine_come_first_then_integration_protocol_unit_by_size():
-    whole = pytest.mark.cores(2).mark
-    files = {  # path -> the cores marks of its tests, in collection order
+@pytest.mark.parametrize("cores, slots", [("1", 2), ("2", 3), ("4", 6), ("16", 24)])
+def test_the_machine_has_one_and_a_half_slots_a_core_unless_told(monkeypatch, cores, slots):
+    monkeypatch.delenv("TEST_SLOTS", raising=False)
+    monkeypatch.setenv("TEST_CORES", cores)
+    assert machine_slots() == slots
+    monkeypatch.setenv("TEST_SLOTS", "2")
+    assert machine_slots() == 2
+
+
+def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protocol_unit_by_size():
+    big = pytest.mark.cores(2).mark
+    files = {  # path -> the marks of its tests, in collection order
         "/repo/tests/unit/test_many.py": [None] * 5,
         "/repo/tests/unit/test_few.py": [None] * 2,
         "/repo/tests/protocol/test_plan.py": [None] * 3,
-        "/repo/tests/integration/test_mostly_one_core.py": [whole, None, None],
+        "/repo/tests/integration/test_mostly_one_slot.py": [big, None, None],
         "/repo/tests/integration/test_long.py": [None],
-        "/repo/tests/protocol/test_real_plans.py": [whole, whole, None],
-        "/repo/tests/slurm/test_cluster.py": [whole, None],
+        "/repo/tests/integration/test_deadlines.py": [pytest.mark.alone.mark],
+        "/repo/tests/protocol/test_real_plans.py": [big, big, None],
+        "/repo/tests/slurm/test_cluster.py": [big, None],
         "/elsewhere/test_outside.py": [None] * 9,
     }
     items = [FakeItem(path, mark) for path, marks in files.items() for mark in marks]
     for index, item in enumerate(items):
         item.index = index
-    ordered = in_file_order(items, whole_machine=2, suite=Path("/repo/tests"))
+    ordered = in_file_order(items, lambda item: slots_of(item, 2, 3), 3, Path("/repo/tests"))
     paths = list(dict.fromkeys(str(item.path) for item in ordered))
-    assert paths == ["/repo/tests/slurm/test_cluster.py", "/repo/tests/protocol/test_real_plans.py",
-                     "/repo/tests/integration/test_mostly_one_core.py", "/repo/tests/integration/test_long.py",
+    chain = ["/repo/tests/slurm/test_cluster.py", "/repo/tests/integration/test_deadlines.py",
+             "/repo/tests/protocol/test_real_plans.py"]
+    assert paths == [*chain, "/repo/tests/integration/test_mostly_one_slot.py", "/repo/tests/integration/test_long.py",
                      "/repo/tests/protocol/test_plan.py", "/repo/tests/unit/test_many.py",
                      "/repo/tests/unit/test_few.py", "/elsewhere/test_outside.py"]
+    assert {str(item.path) for item in ordered if in_chain(item)} == set(chain)
     for path in paths:  # a file's tests stay together and in their order
         indexes = [item.index for item in ordered if str(item.path) == path]
         assert indexes == sorted(indexes) and indexes == list(range(indexes[0], indexes[0] + len(indexes)))
-    # On a machine of 4 cores a cores(2) test holds half of it: no file holds the machine.
-    assert list(dict.fromkeys(str(item.path) for item in in_file_order(items, 4, Path("/repo/tests"))))[:3] == [
-        "/repo/tests/slurm/test_cluster.py", "/repo/tests/integration/test_mostly_one_core.py",
-        "/repo/tests/integration/test_long.py"]
+    # On a machine of 4 cores (6 slots) a cores(2) test holds a third of it: only `alone` chains.
+    ordered = in_file_order(items, lambda item: slots_of(item, 4, 6), 6, Path("/repo/tests"))
+    assert {str(item.path) for item in ordered if in_chain(item)} == {"/repo/tests/integration/test_deadlines.py"}
+
+
+def test_the_chain_is_one_work_unit_and_every_other_file_its_own():
+    chain = frozenset({"tests/slurm/test_cluster.py", "tests/integration/test_deadlines.py"})
+    assert work_unit("tests/slurm/test_cluster.py::test_a", chain) == WHOLE_MACHINE_CHAIN
+    assert work_unit("tests/integration/test_deadlines.py::test_b[p::q]", chain) == WHOLE_MACHINE_CHAIN
+    assert work_unit("tests/unit/test_x.py::test_b[tests/slurm/test_cluster.py]", chain) == "tests/unit/test_x.py"
+    assert work_unit("tests/unit/test_x.py::Class::test_c", chain) == "tests/unit/test_x.py"
