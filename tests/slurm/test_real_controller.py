@@ -183,7 +183,7 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
     assert expected in (tmp_path / "runs" / "report.md").read_text()
 
 
-@pytest.mark.cores(2)  # two runs, and a job timed against its time limit: the machine to itself
+@pytest.mark.cores(2)  # two runs; a slower job still runs when its time limit signals it (tests/machine_share.py)
 @pytest.mark.real_processes  # SLURM signals the job's processes at its time limit
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
     """One process for about 27 s of training under a 1-minute limit: SLURM signals it 30 s before
