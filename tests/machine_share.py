@@ -147,8 +147,25 @@ def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)  # set in xdist's workers only
     if workerinput is not None:
         config.stash[LOCKS] = SlotLocks(run_folder(workerinput["testrunuid"]), machine_slots())
-    elif getattr(config.option, "dist", "no") == "loadfile":
+        return
+    config.stash[RUN_START] = (time.monotonic(), machine_busy_seconds())
+    if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # xdist's controller keeps the order set below
+
+
+RUN_START = pytest.StashKey[tuple]()  # (monotonic seconds, the machine's busy CPU seconds) at the start
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How busy the run kept the machine: what the slots are for."""
+    if (start := config.stash.get(RUN_START, None)) is not None:
+        wall, busy = time.monotonic() - start[0], machine_busy_seconds() - start[1]
+        terminalreporter.write_line(machine_use(wall, busy, machine_cores(), getattr(config.option, "numprocesses", 0)))
+
+
+def machine_use(wall: float, busy: float, cores: int, workers: int | None) -> str:
+    return (f"the machine: {busy:,.0f} CPU-seconds busy in {wall:,.0f} s, {busy / max(wall, 1e-9):.2f} of its {cores} "
+            f"cores on average ({workers or 'no'} xdist workers; every process on the machine counts)")
 
 
 def pytest_xdist_auto_num_workers(config):

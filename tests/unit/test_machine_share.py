@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.machine_share import (SHORT_TEST_S, STREAK_S, WHOLE_MACHINE_CHAIN, SlotLocks, in_chain, in_file_order,
-                                 machine_slots, slots_of, work_unit)
+                                 machine_busy_seconds, machine_slots, machine_use, slots_of, work_unit)
 
 
 def hold_in_thread(folder: Path, slots: int, log: list, name: str, release: threading.Event):
@@ -192,3 +192,14 @@ def test_the_chain_is_one_work_unit_and_every_other_file_its_own():
     assert work_unit("tests/integration/test_deadlines.py::test_b[p::q]", chain) == WHOLE_MACHINE_CHAIN
     assert work_unit("tests/unit/test_x.py::test_b[tests/slurm/test_cluster.py]", chain) == "tests/unit/test_x.py"
     assert work_unit("tests/unit/test_x.py::Class::test_c", chain) == "tests/unit/test_x.py"
+
+
+def test_the_run_reports_how_busy_it_kept_the_machine():
+    assert machine_use(1131.4, 2125.2, 2, 3) == ("the machine: 2,125 CPU-seconds busy in 1,131 s, 1.88 of its 2 cores "
+                                                 "on average (3 xdist workers; every process on the machine counts)")
+    assert "(no xdist workers;" in machine_use(10, 5, 2, None)
+    before = machine_busy_seconds()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # busy for 0.3 CPU-seconds
+        pass
+    assert machine_busy_seconds() - before >= 0.25  # /proc/stat counts in clock ticks (0.01 s)
