@@ -110,11 +110,17 @@ def installed_torch_version() -> str | None:
         return None
 
 
-def torch_supported(version: str) -> bool:
-    """Whether a torch version lies in the tested range, judged on its release's major.minor: local
-    builds (+cpu, +cu130) and pre-releases count as their release (2.14.0a0 is a 2.14)."""
+def torch_release(version: str) -> tuple[int, int] | None:
+    """A torch version's (major, minor): local builds (+cpu, +cu130) and pre-releases count as their
+    release (2.14.0a0 is a 2.14); None for what is not a version."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    return match is not None and TORCH_MIN <= (int(match[1]), int(match[2])) < TORCH_BELOW
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def torch_supported(version: str) -> bool:
+    """Whether a torch version lies in the tested range, judged on its release (torch_release)."""
+    release = torch_release(version)
+    return release is not None and TORCH_MIN <= release < TORCH_BELOW
 
 
 def torch_problem() -> str | None:

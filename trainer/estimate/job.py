@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from trainer import messages
 from trainer.config.manager import ConfigError, load_config, with_default_config
 from trainer.forkserver import preloaded_context
+from trainer.version import installed_torch_version, torch_release
 
 
 def estimated_config(overrides: list[str]):
@@ -44,16 +45,16 @@ def estimated_config(overrides: list[str]):
 def unseen(config) -> list[str]:
     """What the estimate (CPU kernels on fake tensors, this torch) leaves out of this job."""
     notes = []
-    if tuple(int(part) for part in torch_version().split(".")[:2]) < (2, 13):
-        notes.append(f"torch {torch_version()}: the optimizer step's temporaries over fake tensors may be counted high "
+    version = torch_version()
+    if (release := torch_release(version)) is not None and release < (2, 13):
+        notes.append(f"torch {version}: the optimizer step's temporaries over fake tensors may be counted high "
                      "(4.5x the parameter bytes with 2.11; about 1x with 2.13, as real runs allocate)")
     return notes + attention_unseen(config)
 
 
 def torch_version() -> str:
-    import torch
-
-    return torch.__version__.split("+")[0]
+    """The running torch's version without its local build (2.13.0, not 2.13.0+cpu)."""
+    return (installed_torch_version() or "").split("+")[0]
 
 
 def attention_unseen(config) -> list[str]:
