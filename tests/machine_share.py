@@ -58,6 +58,11 @@ def machine_slots() -> int:
     return int(os.environ.get("TEST_SLOTS") or max(1, round(machine_cores() * SLOTS_PER_CORE)))
 
 
+def is_big(wanted: int, slots: int) -> bool:
+    """Whether a test of `wanted` slots wants more than half of the machine's: two cannot run together."""
+    return 2 * min(wanted, slots) > slots
+
+
 SHORT_TEST_S = 5.0  # a big test this short lets the next one keep the slots
 STREAK_S = 30.0  # for at most this long from when they were taken
 
@@ -72,10 +77,6 @@ class SlotLocks:
         self.big = None  # the big lock's handle while held
         self.taken_at = 0.0  # when the slots held now were taken (time.monotonic)
 
-    def is_big(self, wanted: int) -> bool:
-        """Whether a test of `wanted` slots wants more than half of them: two cannot run together."""
-        return 2 * min(wanted, len(self.slots)) > len(self.slots)
-
     def take(self, wanted: int) -> None:
         """Hold `wanted` slots (at most the machine's): a big test first takes the big lock, then
         each waits at the turnstile for its slots; a worker that already holds as many keeps them."""
@@ -83,7 +84,7 @@ class SlotLocks:
         if len(self.held) == wanted:
             return
         self.release()
-        if self.is_big(wanted):
+        if is_big(wanted, len(self.slots)):
             self.big = open(self.big_lock, "a")
             fcntl.flock(self.big, fcntl.LOCK_EX)
         with open(self.turnstile, "a") as turnstile:
@@ -234,19 +235,17 @@ def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
     files: dict[Path, list] = {}
     for item in items:
         files.setdefault(Path(item.path), []).append(item)
-
-    def chained(tests: list) -> bool:
-        return 2 * sum(2 * slots_of_test(test) > slots for test in tests) >= len(tests)
+    for tests in files.values():  # a file of mostly big tests is the chain's
+        chained = 2 * sum(is_big(slots_of_test(test), slots) for test in tests) >= len(tests)
+        for test in tests:
+            test.stash[IN_CHAIN] = chained
 
     def order(path_and_tests: tuple[Path, list]) -> tuple:
         path, tests = path_and_tests
         folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
         rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-        return (not chained(tests), rank, -len(tests))
+        return (not in_chain(tests[0]), rank, -len(tests))
 
-    for tests in files.values():
-        for test in tests:
-            test.stash[IN_CHAIN] = chained(tests)
     return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 
 
