@@ -48,14 +48,24 @@ import pytest
 
 
 def machine_cores() -> int:
-    return int(os.environ.get("TEST_CORES") or len(os.sched_getaffinity(0)))
+    return count_from_environment("TEST_CORES") or len(os.sched_getaffinity(0))
 
 
 SLOTS_PER_CORE = 1.5  # see the module docstring
 
 
 def machine_slots() -> int:
-    return int(os.environ.get("TEST_SLOTS") or max(1, round(machine_cores() * SLOTS_PER_CORE)))
+    return count_from_environment("TEST_SLOTS") or max(1, round(machine_cores() * SLOTS_PER_CORE))
+
+
+def count_from_environment(name: str) -> int | None:
+    """The positive whole number the variable `name` sets, None when it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"{name}={value!r}: must be a whole number of at least 1 (unset: this machine's)")
+    return int(value)
 
 
 def is_big(wanted: int, slots: int) -> bool:

@@ -152,6 +152,10 @@ def test_the_machine_has_one_and_a_half_slots_a_core_unless_told(monkeypatch, co
     assert machine_slots() == slots
     monkeypatch.setenv("TEST_SLOTS", "2")
     assert machine_slots() == 2
+    for wrong in ("0", "two", "1.5"):
+        monkeypatch.setenv("TEST_SLOTS", wrong)
+        with pytest.raises(pytest.UsageError, match=f"TEST_SLOTS='{wrong}': must be a whole number of at least 1"):
+            machine_slots()
 
 
 def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protocol_unit_by_size():
