@@ -27,7 +27,8 @@ TEST_CORES sets the number of cores (default: those this process may run on).
 Which worker runs what: xdist's loadfile hands out whole files, in the order of the collection,
 which this plugin sets. The files whose tests mostly want more than half the slots form one chain
 (one work unit, WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the
-other: the others' one-slot tests run beside each of its tests, where files of big tests handed to
+other (its integration files before its SLURM file, which loads what the compile matrix compiled):
+the others' one-slot tests run beside each of its tests, where files of big tests handed to
 several workers would wait for each other with nothing beside them. The other files follow,
 integration tests before the protocol's and the unit tests, each folder's files with the most tests
 first. The long one-slot files (a power study, the GPU suite's smoke run) then start early, and the
@@ -217,7 +218,9 @@ def work_unit(nodeid: str, chain: frozenset) -> str:
     return WHOLE_MACHINE_CHAIN if file in chain else file
 
 
-FOLDER_ORDER = ("slurm", "integration", "protocol", "unit")
+# The chain's integration files before its SLURM file: the compile matrix builds the kernels and
+# graphs that the SLURM smoke's compiled set then loads from the run's compile cache.
+FOLDER_ORDER = ("integration", "slurm", "protocol", "unit")
 
 
 @pytest.hookimpl(trylast=True)  # after the fast tier has chosen its tests (tests/conftest.py)

@@ -17,9 +17,11 @@ import pytest
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.launch import run_lock
 
-# Stalls, kills and timeouts timed against deadlines: nothing beside them (tests/machine_share.py).
-# Real processes (tests/warm_python): launchers and ranks are killed, stopped and watched.
-pytestmark = [pytest.mark.alone, pytest.mark.real_processes]
+# Real processes (tests/warm_python): launchers and ranks are killed, stopped and watched. The
+# deadlines here leave room for tests beside them (ranks gone 3 s after their launcher: 0.1 s
+# measured; a second job refused within 10 s: 0.4 s), except a stalled rank's 5 s train timeout,
+# which a slow healthy step must not reach: that test runs `alone` (tests/machine_share.py).
+pytestmark = pytest.mark.real_processes
 
 LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
 
@@ -277,6 +279,7 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(tmp_path, mea
     assert record["start"]["kind"] == "resume" and record["start"]["step"] % 3 == 0 < record["start"]["step"]
 
 
+@pytest.mark.alone
 def test_a_stopped_rank_times_out_is_killed_and_the_job_recovers(tmp_path, measured):
     """SIGSTOP on rank 1: rank 0 gives up after comm.train_timeout_seconds; the launcher kills the
     stopped rank (SIGTERM would wait for it to be continued) and restarts."""

@@ -176,7 +176,7 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
         item.index = index
     ordered = in_file_order(items, lambda item: slots_of(item, 2, 3), 3, Path("/repo/tests"))
     paths = list(dict.fromkeys(str(item.path) for item in ordered))
-    chain = ["/repo/tests/slurm/test_cluster.py", "/repo/tests/integration/test_deadlines.py",
+    chain = ["/repo/tests/integration/test_deadlines.py", "/repo/tests/slurm/test_cluster.py",
              "/repo/tests/protocol/test_real_plans.py"]
     assert paths == [*chain, "/repo/tests/integration/test_mostly_one_slot.py", "/repo/tests/integration/test_long.py",
                      "/repo/tests/protocol/test_plan.py", "/repo/tests/unit/test_many.py",
