@@ -147,11 +147,11 @@ def extras(tied: str, corpus: tuple[str, str, str]) -> dict[str, tuple[str, list
 def run_matrix(nproc: int, runs: dict[str, tuple[str, list[str]]], folder) -> dict:
     # The test run's compile cache (tests/conftest.py): the first compile of each graph is cold, a
     # repeated one warm, and the suite's other compiled runs of the same graphs load what the matrix
-    # built (the SLURM smoke's compiled set is its "TP compiled, AC selective layer": 25 of its 75
-    # CPU-seconds). The ranks share the kernels they generate (trainer/parallel/compile.py): one builds a kernel
-    # while the others wait for it. Two compile threads per rank keep 2 builds going on the 2
-    # ranks' 2 cores (the kernel builds are most of a compiled run's time here), where one thread
-    # per rank builds one at a time; the 8 ranks compile nothing (aot_eager) and keep one.
+    # built. The SLURM smoke's compiled set is its "TP compiled, AC selective layer": 4 processes
+    # of it took 75 CPU-seconds cold, 49 after a run of the matrix's. The ranks share the kernels
+    # they generate (trainer/parallel/compile.py): one builds a kernel while the others wait for it.
+    # Two compile threads per rank keep 2 builds going on the 2 ranks' 2 cores, where one thread per
+    # rank builds one at a time; the 8 ranks compile nothing (aot_eager) and keep one.
     threads = "2" if nproc == 2 else "1"
     found, _ = run_many(nproc, BASE, {name: overrides for name, (_, overrides) in runs.items()}, folder,
                         env={"TORCHINDUCTOR_COMPILE_THREADS": threads})
