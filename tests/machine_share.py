@@ -64,7 +64,7 @@ def count_from_environment(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not value.isdecimal() or int(value) < 1:  # isdecimal: exactly what int() reads (not "²")
         raise pytest.UsageError(f"{name}={value!r}: must be a whole number of at least 1 (unset: this machine's)")
     return int(value)
 
