@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.launch import rank_store
+
 logger = logging.getLogger(__name__)
 
 
@@ -90,8 +92,10 @@ def init_distributed(device: torch.device, timeout_s: int, nccl_trace_entries: i
     if "RANK" not in os.environ:  # a plain `python -m trainer.train` is a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    timeout = timedelta(seconds=timeout_s)
+    # Started by this trainer's launcher: the store it hosts, else env:// (rank 0 opens one on MASTER_PORT).
+    dist.init_process_group(backend=backend_for(device), timeout=timeout,
+                            device_id=device if device.type == "cuda" else None, **rank_store.join(timeout))
     return dist.get_rank(), dist.get_world_size()
 
 

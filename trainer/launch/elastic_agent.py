@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
@@ -30,10 +31,12 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 
+from trainer.launch import rank_store
 from trainer.launch.failure_report import RankFailure, root_cause
 from trainer.launch.process_exit import DIVERGED
 from trainer.launch.stop_request import SAVED_AND_STOPPED, catches, received
 
+RANK_STORE_TIMEOUT = timedelta(minutes=5)  # the node-0 launcher's own calls to the store it hosts
 USER_MISTAKE = 2  # a rank's exit code for a mistake in the config, the data or a checkpoint
 # Told before each restart: (the rank that failed first, this restart's number, the most
 # restarts, the ranks found stopped).
@@ -81,6 +84,15 @@ class RankAgent(LocalElasticAgent):
         self.restarts_done = 0
         self.stopped_ranks: list[int] = []  # stopped when the last failure was seen
         self.passed_on: set[tuple[int, signal.Signals]] = set()  # (rank pid, stop signal) sent
+        self.rank_store = None  # the store this attempt's ranks meet at, on node 0 (trainer/launch/rank_store.py)
+
+    def _rendezvous(self, worker_group) -> None:
+        """torch's rendezvous of the nodes, then a fresh store for this attempt's ranks in place of
+        the port torch found free, which another process can take before rank 0 listens on it."""
+        super()._rendezvous(worker_group)
+        self.rank_store = None  # the last attempt's store closes before the next opens
+        self.rank_store, worker_group.master_port = rank_store.host(
+            worker_group.store, worker_group.group_rank, worker_group.master_addr, RANK_STORE_TIMEOUT)
 
     def failures_of(self, result: RunResult) -> list[RankFailure]:
         """The failed ranks of the current attempt; those this agent killed because they were
