@@ -25,10 +25,11 @@ not before each test. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
 Which worker runs what: xdist's loadfile hands out whole files, in the order of the collection,
-which this plugin sets. The files whose tests mostly want more than half the slots form one chain
-(one work unit, WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the
-other (its integration files before its SLURM file, which loads what the compile matrix compiled):
-the others' one-slot tests run beside each of its tests, where files of big tests handed to
+which this plugin sets. The files whose tests mostly want more than half the slots, and those
+marked `chain` (pytestmark) that have one such test, form one chain (one work unit,
+WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the other (its
+integration files before its SLURM file, which loads what the compile matrix compiled): the
+others' one-slot tests run beside each of its tests, where files of big tests handed to
 several workers would wait for each other with nothing beside them. The other files follow,
 integration tests before the protocol's and the unit tests, each folder's files with the most tests
 first. The long one-slot files (a power study, the GPU suite's smoke run) then start early, and the
@@ -156,6 +157,8 @@ def pytest_configure(config):
                                        "pytest-xdist (tests/machine_share.py)")
     config.addinivalue_line("markers", "alone: timed against a deadline; no other test runs beside it "
                                        "under pytest-xdist (tests/machine_share.py)")
+    config.addinivalue_line("markers", "chain: the file runs in the chain of big tests when any of its tests "
+                                       "is big, not only when most are (tests/machine_share.py)")
     workerinput = getattr(config, "workerinput", None)  # set in xdist's workers only
     if workerinput is not None:
         config.stash[LOCKS] = SlotLocks(run_folder(workerinput["testrunuid"]), machine_slots())
@@ -248,8 +251,9 @@ def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
     files: dict[Path, list] = {}
     for item in items:
         files.setdefault(Path(item.path), []).append(item)
-    for tests in files.values():  # a file of mostly big tests is the chain's
-        chained = 2 * sum(is_big(slots_of_test(test), slots) for test in tests) >= len(tests)
+    for tests in files.values():  # a file of mostly big tests is the chain's, and one marked `chain` with any
+        big = sum(is_big(slots_of_test(test), slots) for test in tests)
+        chained = 2 * big >= len(tests) or (big > 0 and any(test.get_closest_marker("chain") for test in tests))
         for test in tests:
             test.stash[IN_CHAIN] = chained
 

@@ -361,11 +361,13 @@ class Trainer:
                 if hasattr(self.source, "rows_drawn"):  # a mixture: tokens trained on from each source
                     self.metrics.log_scalars(step, self._tokens_per_source(), prefix="data")
                 last_log_time, last_log_step = now, step
-            paused = time.perf_counter()  # evaluation and saving stay out of the training throughput
+            paused = time.perf_counter()  # evaluation, saving and the step delay stay out of the training throughput
             if evaluating:
                 self.metrics.log_scalars(step, {"loss": self.validation_loss()}, prefix="validation")
             if saving:
                 self._save(step, last=step == cfg.training.steps)
+            if cfg.debug.step_delay_s > 0 and not stopping and step < last_step:
+                time.sleep(cfg.debug.step_delay_s)
             last_log_time += time.perf_counter() - paused
             if profiler is not None:
                 profiler.step(step)

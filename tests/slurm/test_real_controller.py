@@ -21,6 +21,9 @@ from protocol.plan.model import slugify
 from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
+# One chain with the compile matrix (tests/machine_share.py): the smoke's compiled set loads what it
+# compiled, though only the smoke is big.
+pytestmark = pytest.mark.chain
 
 
 def environment(conf: Path, **extra: str) -> dict[str, str]:
@@ -95,7 +98,7 @@ checkpoint_interval = {interval}
 "metrics.log_freq" = 1
 "metrics.enable_tensorboard" = false
 "debug.deterministic" = true
-
+{overrides}
 [tolerance]
 mode = "exact"
 
@@ -111,10 +114,11 @@ overrides = {{ "activation_checkpoint.mode" = "full" }}
 
 
 def small_plan(folder: Path, slurm: str, name: str = "small", steps: int = 4, dp: int = 2,
-               interval: int = 10, seed: bool = True) -> Path:
+               interval: int = 10, seed: bool = True, overrides: str = "") -> Path:
+    """The plan in `folder`: `slurm` its [slurm] tables, `overrides` more lines of [plan.overrides]."""
     path = folder / "plan.toml"
     path.write_text(SMALL.format(name=name, steps=steps, dp=dp, interval=interval, slurm=slurm,
-                                 seed=str(seed).lower()))
+                                 seed=str(seed).lower(), overrides=overrides))
     return path
 
 
@@ -183,18 +187,19 @@ def test_a_failed_job_reaches_the_report_with_its_reason_and_log(slurm_cluster, 
     assert expected in (tmp_path / "runs" / "report.md").read_text()
 
 
-@pytest.mark.cores(2)  # two runs; a slower job still runs when its time limit signals it (tests/machine_share.py)
 @pytest.mark.real_processes  # SLURM signals the job's processes at its time limit
 def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same_curve(slurm_cluster, tmp_path):
     """One process for about 27 s of training under a 1-minute limit: SLURM signals it 30 s before
     the limit or up to 30 s earlier (its time-limit check runs every 30 s), so within 30 s of the
     job's start; it saves and stops (exit 75), the job requeues itself and resumes from that
-    checkpoint, maybe more than once. The same run made locally at the same time, uninterrupted, is
-    the reference: every step's loss and gradient norm are equal."""
-    steps = 4000  # about 27 s on an idle core, after a start of about 7 s: past the latest signal
+    checkpoint, maybe more than once. The job waits 80 ms after each step (debug.step_delay_s), so
+    its 27 s cost a core 2 s, not 27. The same run made locally at the same time, uninterrupted and
+    without the wait, is the reference: every step's loss and gradient norm are equal."""
+    steps = 300  # about 27 s with the wait (and 7 ms a step on an idle core) after a start of about 7 s: past the signal
     # No seed job: both runs initialize the same weights from debug.seed (init is layout-invariant).
     limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 30\n',
-                         name="time_limit", steps=steps, dp=1, interval=100000, seed=False)
+                         name="time_limit", steps=steps, dp=1, interval=100000, seed=False,
+                         overrides='"debug.step_delay_s" = 0.08\n')
     reference = tmp_path / "reference"
     reference.mkdir()
     small_plan(reference, "", name="time_limit", steps=steps, dp=1, interval=100000, seed=False)
@@ -223,3 +228,6 @@ def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same
     resumed, uninterrupted = curve(run), curve(reference / "runs" / "control")
     assert [s for s, _, _ in resumed] == list(range(1, steps + 1))
     assert resumed == uninterrupted
+    # The wait is not the step's: the steps' own seconds stay under it.
+    step_times = sorted(json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert step_times[len(step_times) // 2] < 0.08, step_times

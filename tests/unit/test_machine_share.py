@@ -168,7 +168,7 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
         "/repo/tests/integration/test_long.py": [None],
         "/repo/tests/integration/test_deadlines.py": [pytest.mark.alone.mark],
         "/repo/tests/protocol/test_real_plans.py": [big, big, None],
-        "/repo/tests/slurm/test_cluster.py": [big, None],
+        "/repo/tests/slurm/test_cluster.py": [big, None, None, pytest.mark.chain.mark],  # one big test of 4, marked
         "/elsewhere/test_outside.py": [None] * 9,
     }
     items = [FakeItem(path, mark) for path, marks in files.items() for mark in marks]

@@ -410,7 +410,7 @@ class Comm:
 
 @dataclass
 class Debug:
-    """Reproducibility."""
+    """Reproducibility, and a slow job for rehearsals."""
 
     seed: int = valid(0, ge=0, le=SEED_MAX)
     """Seed of the initial weights, and of the data unless training.data_seed is set."""
@@ -432,6 +432,12 @@ class Debug:
 
     init_perturbation_seed: int = valid(1, ge=0)
     """Seed of init_perturbation's noise; each noise control of the protocol uses its own."""
+
+    step_delay_s: float = valid(0.0, ge=0, le=3600, note="0 is off")
+    """Seconds every rank waits after each training step (not after the last): a slow job that
+    computes little, to rehearse a cluster's time limits, signals and requeues, or the launcher's
+    restarts, without spending the compute. The numbers are those of the same run without it; the
+    wait stays out of tokens_per_s and step_time_s. 0: off."""
 
 
 @dataclass

@@ -232,7 +232,7 @@ OWN_KEYS: tuple[str, ...] = (
     "checkpoint.verify_checksums",
     "metrics.count_collectives", "metrics.peak_flops",
     "metrics.fingerprints", "metrics.fingerprint_first", "metrics.fingerprint_every",
-    "debug.init_perturbation", "debug.init_perturbation_seed",
+    "debug.init_perturbation", "debug.init_perturbation_seed", "debug.step_delay_s",
     "validation.global_batch_size",
 )
 
