@@ -23,7 +23,9 @@ from trainer.launch import run_lock
 # which a slow healthy step must not reach: that test runs `alone` (tests/machine_share.py).
 pytestmark = pytest.mark.real_processes
 
-LONG_JOB = [*TINY_JOB, "--training.steps", "10000"]
+# A job that lives while a test acts on it: it waits 50 ms after each step (debug.step_delay_s), so
+# it leaves the cores to what the test starts beside it.
+LONG_JOB = [*TINY_JOB, "--training.steps", "10000", "--debug.step_delay_s", "0.05"]
 
 
 def start(nproc: int, args: list[str], **env: str) -> subprocess.Popen:
