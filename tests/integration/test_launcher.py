@@ -119,13 +119,15 @@ def test_runs_from_another_directory_with_a_local_config(tmp_path):
     assert f"trainer.launch.launcher: {warning}\n" in launcher_log.read_text()
 
 
-def launcher_finding(port: int) -> list[str]:
-    """`python -m trainer.launch` whose torch agent finds `port` free for the ranks' store."""
-    code = ("import runpy\n"
-            "import torch.distributed.elastic.rendezvous.api as rendezvous_api\n"
-            f"rendezvous_api.get_free_port = lambda: {port}\n"
-            "runpy.run_module('trainer.launch', run_name='__main__', alter_sys=True)\n")
-    return [sys.executable, "-c", code]
+def launcher_finding(port: int, folder: Path) -> list[str]:
+    """`python -m trainer.launch` whose torch agent finds `port` free for the ranks' store (a script
+    in `folder`: the suite's warm Python runs scripts, tests/warm_python)."""
+    script = folder / "launcher_finding_a_port.py"
+    script.write_text("import runpy\n"
+                      "import torch.distributed.elastic.rendezvous.api as rendezvous_api\n"
+                      f"rendezvous_api.get_free_port = lambda: {port}\n"
+                      "runpy.run_module('trainer.launch', run_name='__main__', alter_sys=True)\n")
+    return [sys.executable, str(script)]
 
 
 @pytest.fixture
@@ -145,29 +147,35 @@ def curve(dump_folder: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(dump_folder)]
 
 
-def test_a_port_taken_before_the_ranks_start_costs_no_restart(tmp_path, taken_port):
+@pytest.fixture(scope="module")
+def short_curve(tmp_path_factory) -> list[tuple[int, float, float]]:
+    """The curve of SHORT_JOB on 2 processes, as torchrun_launch.sh runs it."""
+    folder = tmp_path_factory.mktemp("short-reference")
+    reference = launch(2, [*SHORT_JOB, "--job.dump_folder", str(folder)])
+    assert reference.returncode == 0, describe(reference)
+    return curve(folder)
+
+
+def test_a_port_taken_before_the_ranks_start_costs_no_restart(tmp_path, taken_port, short_curve):
     """torch's agent finds a port free, then starts the ranks; by the time rank 0 would listen on
     it (env://), another process can hold it, and the job failed with EADDRINUSE (or spent a
     restart). The ranks meet at a store the launcher opened before they started."""
-    reference = launch(2, [*SHORT_JOB, "--job.dump_folder", str(tmp_path / "reference")])
-    assert reference.returncode == 0, describe(reference)
-    result = subprocess.run([*launcher_finding(taken_port), "--nproc", "2", "--device", "cpu", *SHORT_JOB,
+    result = subprocess.run([*launcher_finding(taken_port, tmp_path), "--nproc", "2", "--device", "cpu", *SHORT_JOB,
                              "--job.dump_folder", str(tmp_path / "run")], cwd=REPO, env=LAUNCHER_ENV,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "restart" not in result.stderr, describe(result)
-    assert curve(tmp_path / "run") == curve(tmp_path / "reference")
+    assert curve(tmp_path / "run") == short_curve
 
 
-def test_two_nodes_meet_at_the_store_of_node_0s_launcher(tmp_path, taken_port):
+def test_two_nodes_meet_at_the_store_of_node_0s_launcher(tmp_path, taken_port, short_curve):
     """Two launchers of one process each (`--nnodes 2`, one c10d rendezvous) train as one job of 2
     ranks: node 1's launcher reads the port of the store node 0's launcher opened from the
     rendezvous, not the port torch found free (taken here)."""
-    reference = launch(2, [*SHORT_JOB, "--job.dump_folder", str(tmp_path / "reference")])
-    assert reference.returncode == 0, describe(reference)
     with socket.socket() as probe:  # the rendezvous's own port, which one launcher listens on
         probe.bind(("", 0))
         endpoint = f"localhost:{probe.getsockname()[1]}"
-    nodes = [subprocess.Popen([*launcher_finding(taken_port), "--nproc", "1", "--device", "cpu", "--nnodes", "2",
+    launcher = launcher_finding(taken_port, tmp_path)
+    nodes = [subprocess.Popen([*launcher, "--nproc", "1", "--device", "cpu", "--nnodes", "2",
                                "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", *SHORT_JOB,
                                "--job.dump_folder", str(tmp_path / f"node{node}")],
                               cwd=REPO, env=LAUNCHER_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -177,7 +185,7 @@ def test_two_nodes_meet_at_the_store_of_node_0s_launcher(tmp_path, taken_port):
         assert node.returncode == 0, describe(subprocess.CompletedProcess(node.args, node.returncode, out, err))
     # Rank 0 writes the metrics, on whichever node the rendezvous made node 0.
     [rank_0] = [folder for folder in (tmp_path / "node0", tmp_path / "node1") if (folder / "metrics.jsonl").exists()]
-    assert curve(rank_0) == curve(tmp_path / "reference")
+    assert curve(rank_0) == short_curve
 
 
 @pytest.mark.cores(2)
