@@ -48,6 +48,12 @@ def read_metrics(dump_folder: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def curve(dump_folder: Path) -> list[tuple[int, float, float]]:
+    """Each training step's (step, loss, gradient norm), in file order: what two runs that must
+    agree bitwise are compared by."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(dump_folder) if "kind" not in r]
+
+
 def describe(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
+from tests.launch import LAUNCHER, REPO, TINY_JOB, curve, descendants, describe, launch, read_metrics
 from trainer.config.manager import load_config
 from trainer.records.run_meta import read_record
 
@@ -97,8 +97,8 @@ def test_memory_estimation_on_real_tensors_runs_in_the_ranks_and_leaves_the_run_
     assert found, out
     peak, parameters, activations = map(float, found.groups())
     assert peak >= parameters + activations and parameters > 0 and activations > 0
-    curve = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "real")]
-    assert curve == [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "plain")] and len(curve) == 2
+    losses = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "real")]
+    assert losses == [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "plain")] and len(losses) == 2
 
 
 def test_runs_from_another_directory_with_a_local_config(tmp_path):
@@ -141,10 +141,6 @@ def taken_port():
 
 LAUNCHER_ENV = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
 SHORT_JOB = [*TINY_JOB, "--training.steps", "2", "--checkpoint.no_enable"]
-
-
-def curve(dump_folder: Path) -> list[tuple[int, float, float]]:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(dump_folder)]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from protocol.plan.model import slugify
+from tests.launch import curve, read_metrics
 from tests.protocol import smoke
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,13 +222,9 @@ def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same
     assert job_log.count("requeued to resume from it") == len(starts), job_log[-3000:]
     assert "PENDING" in result.stdout + result.stderr  # the runner saw the job wait again after its requeue
 
-    def curve(folder: Path) -> list[tuple[int, float, float]]:
-        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        return [(m["step"], m["loss"], m["grad_norm"]) for m in lines]
-
     resumed, uninterrupted = curve(run), curve(reference / "runs" / "control")
     assert [s for s, _, _ in resumed] == list(range(1, steps + 1))
     assert resumed == uninterrupted
     # The wait is not the step's: the steps' own seconds stay under it.
-    step_times = sorted(json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    step_times = sorted(r["step_time_s"] for r in read_metrics(run))
     assert step_times[len(step_times) // 2] < 0.08, step_times

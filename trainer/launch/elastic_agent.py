@@ -23,7 +23,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
@@ -36,7 +35,6 @@ from trainer.launch.failure_report import RankFailure, root_cause
 from trainer.launch.process_exit import DIVERGED
 from trainer.launch.stop_request import SAVED_AND_STOPPED, catches, received
 
-RANK_STORE_TIMEOUT = timedelta(minutes=5)  # the node-0 launcher's own calls to the store it hosts
 USER_MISTAKE = 2  # a rank's exit code for a mistake in the config, the data or a checkpoint
 # Told before each restart: (the rank that failed first, this restart's number, the most
 # restarts, the ranks found stopped).
@@ -91,8 +89,8 @@ class RankAgent(LocalElasticAgent):
         the port torch found free, which another process can take before rank 0 listens on it."""
         super()._rendezvous(worker_group)
         self.rank_store = None  # the last attempt's store closes before the next opens
-        self.rank_store, worker_group.master_port = rank_store.host(
-            worker_group.store, worker_group.group_rank, worker_group.master_addr, RANK_STORE_TIMEOUT)
+        self.rank_store, worker_group.master_port = rank_store.host(worker_group.store, worker_group.group_rank,
+                                                                    worker_group.master_addr)
 
     def failures_of(self, result: RunResult) -> list[RankFailure]:
         """The failed ranks of the current attempt; those this agent killed because they were

@@ -23,15 +23,15 @@ import torch.distributed as dist
 
 RANK_STORE_ENV = "TRAINER_RANK_STORE"  # ADDRESS:PORT of the store the ranks' launcher hosts
 PORT_KEY = "trainer_rank_store_port"  # in the rendezvous store of the round, for the other nodes
+HOST_TIMEOUT = timedelta(minutes=5)  # the node-0 launcher's own calls to the store it hosts
 
 
-def host(rendezvous_store: dist.Store, group_rank: int, address: str,
-         timeout: timedelta) -> tuple[dist.TCPStore | None, int]:
+def host(rendezvous_store: dist.Store, group_rank: int, address: str) -> tuple[dist.TCPStore | None, int]:
     """(the store this node hosts, None on the other nodes; its port), named in this process's
     environment for the ranks it starts next. Node 0 opens a fresh store and publishes its port in
     the round's rendezvous store; the other nodes wait for it there."""
     if group_rank == 0:
-        store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=HOST_TIMEOUT)
         port = store.port
         rendezvous_store.set(PORT_KEY, str(port))
     else:
