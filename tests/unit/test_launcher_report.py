@@ -101,6 +101,31 @@ def test_report_files_are_read_through_torch(tmp_path, monkeypatch):
     assert killed.message is None and killed.signal == signal.SIGKILL
 
 
+def test_a_rank_stopped_by_the_agent_after_its_stop_report_saved_and_stopped(tmp_path, monkeypatch):
+    """Ranks that saved and stopped on request all exit 75, each in its own time: when one exits
+    first, the agent stops the ranks still running with SIGTERM, one of them maybe past its report.
+    That rank saved and stopped too; a rank stopped before it reported, or one that reported an
+    error, did not."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    import trainer.launch.process_exit as process_exit
+
+    def ended(name: str, code: int | None, exitcode: int) -> RankFailure:
+        path = tmp_path / name / "error.json"
+        path.parent.mkdir()
+        if code is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            monkeypatch.setattr(process_exit, "_reported", False)
+            process_exit.report_error("saved a checkpoint at step 3 on SIGUSR1 and stopped", code)
+        return RankFailure.from_torch(0, ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(path)),
+                                      tmp_path)
+
+    assert ended("exited", 75, 75).saved_and_stopped
+    assert ended("terminated past its report", 75, -signal.SIGTERM).saved_and_stopped
+    assert not ended("terminated before", None, -signal.SIGTERM).saved_and_stopped
+    assert not ended("failed, then terminated", 2, -signal.SIGTERM).saved_and_stopped
+    assert not ended("killed past its report", 75, -signal.SIGKILL).saved_and_stopped
+
 def test_options():
     opts, rest = parse_options(["--nproc", "4", "--device", "cuda", "--log-ranks", "0,3", "--training.steps", "5"])
     assert (opts.nproc, opts.device, opts.log_ranks, rest) == (4, "cuda", {0, 3}, ["--training.steps", "5"])

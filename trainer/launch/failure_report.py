@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.launch.stop_request import SAVED_AND_STOPPED
 from trainer.preflight.checks import MemoryNeed, available_memory, gb
 
 # How the agent stops the other ranks once one has failed (and how a scheduler or a user stops a
@@ -36,6 +37,15 @@ class RankFailure:
     message: str | None = None  # the rank's report
     log_dir: Path | None = None
     killed_stopped: bool = False  # stopped (SIGSTOP), then killed by the launcher: it said nothing
+    reported_exitcode: int | None = None  # the exit code the rank's report gives, None without one
+
+    @property
+    def saved_and_stopped(self) -> bool:
+        """It saved a checkpoint and stopped on request (exit 75), also when the agent's SIGTERM came
+        while it was exiting so: a peer that exited first ends the attempt, and the agent then stops the
+        ranks still running, this one past its report."""
+        return self.exitcode == SAVED_AND_STOPPED or (self.signal in STOP_SIGNALS
+                                                      and self.reported_exitcode == SAVED_AND_STOPPED)
 
     @property
     def signal(self) -> signal.Signals | None:
@@ -59,15 +69,17 @@ class RankFailure:
         """From a torch.distributed.elastic ProcessFailure."""
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
         ours = data.get("trainer")
-        message, when = None, float(failure.timestamp)
+        message, when, reported = None, float(failure.timestamp), None
         if isinstance(ours, dict) and isinstance(ours.get("message"), str):
             message, when = ours["message"], float(ours.get("time", when))
+            reported = ours.get("exit_code") if type(ours.get("exit_code")) is int else None
         elif isinstance(failure.message, dict):  # written by torch's @record / ErrorHandler
             message = str(failure.message.get("message", "")) or None
         elif data.get("message") not in (None, "<NONE>"):  # an error file with a plain message
             message = str(failure.message) or None
         log_dir = folder / f"rank{rank}" if folder is not None else None
-        return cls(rank=rank, exitcode=failure.exitcode, time=when, message=message, log_dir=log_dir)
+        return cls(rank=rank, exitcode=failure.exitcode, time=when, message=message, log_dir=log_dir,
+                   reported_exitcode=reported)
 
 
 def root_cause(failures: list[RankFailure]) -> RankFailure:

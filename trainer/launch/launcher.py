@@ -454,7 +454,7 @@ def report(outcome: Outcome, config: JobConfig, need, folder: Path, offline_host
     """The one failure block of the last attempt; the launcher's exit code."""
     failures = outcome.failures
     cause = root_cause(failures)
-    if all(failure.exitcode == stop_request.SAVED_AND_STOPPED for failure in failures):
+    if all(failure.saved_and_stopped for failure in failures):
         print(f"stopped: {cause.message or 'the ranks saved a checkpoint and stopped on request'}", file=sys.stderr,
               flush=True)
         return stop_request.SAVED_AND_STOPPED
