@@ -40,6 +40,9 @@ if action == "raise":
     raise ValueError("a mistake")
 if action == "stdin":
     print("read", sys.stdin.read().strip())
+if action == "frozen":
+    import gc
+    print("frozen", gc.get_freeze_count())
 if action == "limit":
     import resource
     print("files", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
@@ -100,6 +103,17 @@ def test_a_module_runs_forked_with_its_arguments_directory_environment_and_strea
     assert said(real)[0] == "real" and real.stdout.splitlines()[1] == result.stdout.splitlines()[1]
     script = warm.run("-u", str(warm.code / "probe.py"), "plain")
     assert said(script)[0] == "forked", script
+
+
+def test_a_fork_starts_with_the_servers_imports_out_of_the_collectors_sight(warm, tmp_path):
+    """gc.freeze before serving: a fork's full collections walk only what the fork made."""
+    forked = warm.run("-m", "probe", "frozen", cwd=tmp_path)
+    assert said(forked)[0] == "forked", forked.stderr
+    frozen = int(forked.stdout.split("frozen ")[1].split()[0])
+    assert frozen > 1000  # the stdlib modules the server imported, at least
+    real = subprocess.run([REAL_PYTHON, "-m", "probe", "frozen"], cwd=tmp_path, env=warm.env(), capture_output=True,
+                          text=True, timeout=60)
+    assert said(real)[0] == "real" and "frozen 0" in real.stdout
 
 
 def test_exit_codes_exceptions_and_deaths_by_signal_are_the_processs(warm):

@@ -11,6 +11,11 @@ interpreter: another interpreter setting, a variable read at import (TORCH*, OMP
 another PYTHONPATH (a sitecustomize a test adds), a folder that shadows a module.
 TEST_WARM_PYTHON_LOG=FILE collects the servers' log: each refusal and its reason.
 
+Before serving, a server moves what it imported out of the garbage collector's sight (gc.freeze,
+as Python's documentation advises for a process that forks): a fork's full collection then walks
+only what the fork made, not the 300,000 imported objects (150-200 ms of CPU and a copy of every
+page they are on, at each full collection of each fork).
+
 Tests whose subject is the process boundary itself (the launcher's process tree, kills and signals
 to it, stops, restarts) are marked `real_processes`: their processes are started as real
 interpreters. TEST_WARM_PYTHON=0 turns the warm Python off for a whole run.
@@ -33,9 +38,10 @@ SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interprete
 # that a test starts may itself be a fork, whose sys.executable is the client).
 REAL_PYTHON = os.environ.get(f"{SWITCH}_REAL") or sys.executable
 SLOTS = 4  # servers per test run: ranks 0-3 of a launch get distinct hash seeds
-# What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver.
+# What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver,
+# and inductor, which a compiling rank imports at its first compile (0.9 CPU-s a process).
 PRELOAD = ["trainer.train", "trainer.launch.launcher", "trainer.launch.elastic_agent", "torch.distributed.run",
-           "protocol.cli"]
+           "protocol.cli", "torch._inductor.compile_fx"]
 # The environment of a child process that must be a real interpreter, whatever the test's mark.
 REAL_PROCESSES = {SWITCH: ""}
 
