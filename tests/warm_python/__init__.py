@@ -38,10 +38,9 @@ SWITCH = "TEST_WARM_PYTHON"  # the servers' folder; empty: start real interprete
 # that a test starts may itself be a fork, whose sys.executable is the client).
 REAL_PYTHON = os.environ.get(f"{SWITCH}_REAL") or sys.executable
 SLOTS = 4  # servers per test run: ranks 0-3 of a launch get distinct hash seeds
-# What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver,
-# and inductor, which a compiling rank imports at its first compile (0.9 CPU-s a process).
+# What the servers import before they fork: the launcher, a rank, torchrun, the protocol's driver.
 PRELOAD = ["trainer.train", "trainer.launch.launcher", "trainer.launch.elastic_agent", "torch.distributed.run",
-           "protocol.cli", "torch._inductor.compile_fx"]
+           "protocol.cli"]
 # The environment of a child process that must be a real interpreter, whatever the test's mark.
 REAL_PROCESSES = {SWITCH: ""}
 
