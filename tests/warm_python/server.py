@@ -93,9 +93,7 @@ def main() -> None:
         if threading.active_count() != 1:
             sys.exit("warm python: the vector instruction check started threads; not serving")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the relays are reaped by the kernel
-    # What the imports made lives as long as the fork: out of the collector's sight (gc.freeze), a
-    # fork's full collection does not walk the 300,000 objects again (150-200 ms of CPU each, and
-    # a copy of every page they are on), as Python's documentation advises for fork servers.
+    # Out of the collector's sight: a fork's full collections walk only what it made (the module docstring).
     gc.collect()
     gc.freeze()
     while True:
