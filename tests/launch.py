@@ -55,7 +55,14 @@ def curve(dump_folder: Path) -> list[tuple[int, float, float]]:
 
 
 def describe(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    """A failed run's exit code and the ends of its output, and the first traceback of its stderr
+    when the end leaves it out: the rank that failed first prints it, and torchrun's report of
+    every rank's exit (several thousand characters) follows it."""
+    text = f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    first = result.stderr.find("Traceback (most recent call last)")
+    if 0 <= first < len(result.stderr) - 4000:
+        text += f"\nthe first traceback of stderr:\n{result.stderr[first:first + 4000]}"
+    return text
 
 
 def descendants(root: int) -> list[int]:
