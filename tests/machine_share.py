@@ -19,16 +19,20 @@ overtaken by one-slot tests; locks held by a process die with it. A test that wa
 of the slots (a 2-core test on 2 cores) first takes the `big` lock, without the turnstile: two of
 them cannot run together anyway, and one waiting for the other at the turnstile would leave the
 third slot idle. A worker holding several slots keeps them for its next test when that one wants
-as many and the test it just ran was short (under SHORT_TEST_S), for at most STREAK_S: a file of
-short multi-process tests (or of checks of one module-scoped run) then waits for the others once,
-not before each test. Without xdist nothing is locked.
+as many and the test it just ran was short (under SHORT_TEST_S), or when both are `alone`, for at
+most STREAK_S: a file of short multi-process tests (or of checks of one module-scoped run), or the
+`alone` tests one after the other, then wait for the others once, not before each test. That wait
+(the drain) costs the machine what the others' running tests leave idle: up to a long test's
+length at one core. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
 Which worker runs what: xdist's loadfile hands out whole files, in the order of the collection,
 which this plugin sets. The files whose tests mostly want more than half the slots, and those
 marked `chain` (pytestmark) that have one such test, form one chain (one work unit,
-WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the other (its
-integration files before its SLURM file, which loads what the compile matrix compiled): the
+WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the other (the files of
+`alone` tests first, at the start, where the others have run no long test yet: one short drain for
+all of them; then its integration files before its SLURM file, which loads what the compile matrix
+compiled): the
 others' one-slot tests run beside each of its tests, where files of big tests handed to
 several workers would wait for each other with nothing beside them. The other files follow,
 integration tests before the protocol's and the unit tests, each folder's files with the most tests
@@ -120,8 +124,10 @@ class SlotLocks:
     def keep_for(self, wanted: int, last_test_s: float) -> bool:
         """Whether the next test, which wants `wanted` slots, keeps what this worker holds (the
         module docstring says when)."""
-        return (self.big is not None and len(self.held) == min(wanted, len(self.slots))
-                and last_test_s < SHORT_TEST_S and time.monotonic() - self.taken_at < STREAK_S)
+        if self.big is None or len(self.held) != min(wanted, len(self.slots)):
+            return False
+        every_slot = len(self.held) == len(self.slots)  # an `alone` test after an `alone` test
+        return (every_slot or last_test_s < SHORT_TEST_S) and time.monotonic() - self.taken_at < STREAK_S
 
     @staticmethod
     def _try_lock(path: Path):
@@ -261,7 +267,8 @@ def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
         path, tests = path_and_tests
         folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
         rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-        return (not in_chain(tests[0]), rank, -len(tests))
+        every_slot = all(slots_of_test(test) >= slots for test in tests)
+        return (not in_chain(tests[0]), not every_slot, rank, -len(tests))
 
     return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 

@@ -1,5 +1,6 @@
 """A job and its dump folder: ranks die with their launcher, one live job per dump folder, automatic
-restarts from the latest checkpoint after a rank is killed or hangs."""
+restarts from the latest checkpoint after a rank is killed (after a rank hangs:
+tests/integration/test_timeouts.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import pytest
 from tests.launch import LAUNCHER, REPO, TINY_JOB, descendants, describe, launch, read_metrics
 from trainer.launch import run_lock
 
-# Real processes (tests/warm_python): launchers and ranks are killed, stopped and watched. The
-# deadlines here leave room for tests beside them (ranks gone 3 s after their launcher: 0.1 s
-# measured; a second job refused within 10 s: 0.4 s), except a stalled rank's 5 s train timeout,
-# which a slow healthy step must not reach: that test runs `alone` (tests/machine_share.py).
+# Real processes (tests/warm_python): launchers and ranks are killed and watched. The deadlines
+# here leave room for tests beside them (ranks gone 3 s after their launcher: 0.1 s measured; a
+# second job refused within 10 s: 0.4 s). A stopped rank's 5 s train timeout, which a slow healthy
+# step must not reach, is tested `alone` in tests/integration/test_timeouts.py.
 pytestmark = pytest.mark.real_processes
 
 # A job that lives while a test acts on it: it waits 50 ms after each step (debug.step_delay_s), so
@@ -279,27 +280,6 @@ def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint(tmp_path, mea
     assert record["status"] == "completed" and record["restart"] == 1
     assert [start["restart"] for start in record["history"]] == [0]
     assert record["start"]["kind"] == "resume" and record["start"]["step"] % 3 == 0 < record["start"]["step"]
-
-
-@pytest.mark.alone
-def test_a_stopped_rank_times_out_is_killed_and_the_job_recovers(tmp_path, measured):
-    """SIGSTOP on rank 1: rank 0 gives up after comm.train_timeout_seconds; the launcher kills the
-    stopped rank (SIGTERM would wait for it to be continued) and restarts."""
-    args = [*RESTART_JOB, "--comm.train_timeout_seconds", "5", "--checkpoint.interval", "2", "--training.steps", "6"]
-    started = time.perf_counter()
-    result, processes = run_with_signal(tmp_path, [*args], signal.SIGSTOP, at_step=3)
-    measured(f"rank 1 stopped at step 3 of 6, 5 s train timeout: recovered in {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, describe(result)
-    # Rank 0 times out in a training collective (exit 1) or, when it reached the step-4 save first,
-    # in the save's collectives (exit 2 from the checkpoint, which names the timeout and is restarted).
-    died = ("rank 0 died (exit 1: " in result.stderr
-            or "rank 0 died (exit 2: checkpoint step-4 could not be written" in result.stderr)
-    assert died and "restart 1 of 3 from the latest checkpoint" in result.stderr, describe(result)
-    assert ("(a peer did not join a collective within the timeout: comm.train_timeout_seconds = 5 s, "
-            "comm.init_timeout_seconds = 300 s until the first step is done; rank 1 had stopped answering: it was "
-            "stopped (SIGSTOP or a debugger) and killed by the launcher)") in result.stderr, describe(result)
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
-    assert not [pid for pid in processes if alive(pid)]
 
 
 def test_a_trainer_started_without_the_launcher_refuses_a_linked_record(tmp_path):

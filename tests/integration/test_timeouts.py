@@ -1,21 +1,30 @@
-"""comm.train_timeout_seconds reaches the mesh's subgroups, not only the default process group.
+"""Collectives against comm.train_timeout_seconds, each with nothing beside it (`alone`,
+tests/machine_share.py): a slow healthy collective on a loaded machine must not reach the timeout.
 
-The test runs this file under torchrun with 4 gloo ranks and the trainer's mesh (dp_shard=2 x tp=2).
-After process_setup.set_collective_timeout(2), rank 1 stays away for 6 s while rank 0 waits for it in a
+The timeout reaches the mesh's subgroups, not only the default process group: this file runs under
+torchrun with 4 gloo ranks and the trainer's mesh (dp_shard=2 x tp=2). After
+process_setup.set_collective_timeout(2), rank 1 stays away for 6 s while rank 0 waits for it in a
 tensor-parallel all-reduce and rank 3 in a data-parallel (flattened mesh) all-reduce: both must
 give up after about 2 s, not wait for rank 1.
+
+A rank that hangs (SIGSTOP) in a job of the launcher: its peer gives up at the train timeout, the
+launcher kills the stopped rank and restarts the job from its latest checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.test_run_safety import RESTART_JOB, alive, run_with_signal
+from tests.launch import describe, read_metrics
 
 # A collective timed out against a deadline: nothing beside it (tests/machine_share.py).
 pytestmark = pytest.mark.alone
@@ -67,6 +76,27 @@ def test_subgroup_collective_times_out_at_train_timeout(tmp_path, measured):
         measured(f"train timeout {TRAIN_TIMEOUT_S} s, peer {LATE_BY_S} s late: the {dim} all-reduce gave up after "
                  f"{result['elapsed_s']:.2f} s")
     assert time.perf_counter() - started < 60
+
+
+@pytest.mark.real_processes  # the launcher's ranks are stopped and killed
+def test_a_stopped_rank_times_out_is_killed_and_the_job_recovers(tmp_path, measured):
+    """SIGSTOP on rank 1: rank 0 gives up after comm.train_timeout_seconds; the launcher kills the
+    stopped rank (SIGTERM would wait for it to be continued) and restarts."""
+    args = [*RESTART_JOB, "--comm.train_timeout_seconds", "5", "--checkpoint.interval", "2", "--training.steps", "6"]
+    started = time.perf_counter()
+    result, processes = run_with_signal(tmp_path, [*args], signal.SIGSTOP, at_step=3)
+    measured(f"rank 1 stopped at step 3 of 6, 5 s train timeout: recovered in {time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, describe(result)
+    # Rank 0 times out in a training collective (exit 1) or, when it reached the step-4 save first,
+    # in the save's collectives (exit 2 from the checkpoint, which names the timeout and is restarted).
+    died = ("rank 0 died (exit 1: " in result.stderr
+            or "rank 0 died (exit 2: checkpoint step-4 could not be written" in result.stderr)
+    assert died and "restart 1 of 3 from the latest checkpoint" in result.stderr, describe(result)
+    assert ("(a peer did not join a collective within the timeout: comm.train_timeout_seconds = 5 s, "
+            "comm.init_timeout_seconds = 300 s until the first step is done; rank 1 had stopped answering: it was "
+            "stopped (SIGSTOP or a debugger) and killed by the launcher)") in result.stderr, describe(result)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
+    assert not [pid for pid in processes if alive(pid)]
 
 
 if __name__ == "__main__":

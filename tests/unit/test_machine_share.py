@@ -2,7 +2,7 @@
 side and beside a big test; a big test waits for its slots and is not overtaken, and waits for
 another big test without holding up the one-slot tests; a test marked `alone` has the machine to
 itself; a worker keeps its slots for its next test only when that one is big and wants as many; the
-files of big tests form one chain, handed to one worker."""
+files of big tests form one chain, handed to one worker, the files of `alone` tests at its start."""
 
 from __future__ import annotations
 
@@ -123,6 +123,20 @@ def test_a_worker_keeps_its_slots_after_a_short_big_test_for_a_next_as_big_and_o
     assert log == ["other in", "other out"]
 
 
+def test_an_alone_test_after_an_alone_test_keeps_every_slot_however_long_the_first_ran(tmp_path, monkeypatch):
+    """Two deadline tests in a row: the second starts at once, where giving the slots back would
+    let the others start tests it must then wait for (a drain)."""
+    worker = SlotLocks(tmp_path, slots=3)
+    worker.take(3)
+    assert worker.keep_for(3, 10 * SHORT_TEST_S)
+    assert not worker.keep_for(2, 10 * SHORT_TEST_S)  # a big test that is not `alone`: after a long test, released
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + STREAK_S)
+    assert not worker.keep_for(3, 0.1)  # for at most STREAK_S
+    monkeypatch.undo()
+    worker.release()
+
+
 class FakeItem:
     def __init__(self, path: str, mark=None):
         self.path = Path(path)
@@ -166,6 +180,7 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
         "/repo/tests/protocol/test_plan.py": [None] * 3,
         "/repo/tests/integration/test_mostly_one_slot.py": [big, None, None],
         "/repo/tests/integration/test_long.py": [None],
+        "/repo/tests/integration/test_matrix.py": [big, big, big, big],
         "/repo/tests/integration/test_deadlines.py": [pytest.mark.alone.mark],
         "/repo/tests/protocol/test_real_plans.py": [big, big, None],
         "/repo/tests/slurm/test_cluster.py": [big, None, None, pytest.mark.chain.mark],  # one big test of 4, marked
@@ -176,8 +191,9 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
         item.index = index
     ordered = in_file_order(items, lambda item: slots_of(item, 2, 3), 3, Path("/repo/tests"))
     paths = list(dict.fromkeys(str(item.path) for item in ordered))
-    chain = ["/repo/tests/integration/test_deadlines.py", "/repo/tests/slurm/test_cluster.py",
-             "/repo/tests/protocol/test_real_plans.py"]
+    # The files of `alone` tests first (one drain for all of them), then by folder and size.
+    chain = ["/repo/tests/integration/test_deadlines.py", "/repo/tests/integration/test_matrix.py",
+             "/repo/tests/slurm/test_cluster.py", "/repo/tests/protocol/test_real_plans.py"]
     assert paths == [*chain, "/repo/tests/integration/test_mostly_one_slot.py", "/repo/tests/integration/test_long.py",
                      "/repo/tests/protocol/test_plan.py", "/repo/tests/unit/test_many.py",
                      "/repo/tests/unit/test_few.py", "/elsewhere/test_outside.py"]
