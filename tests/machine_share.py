@@ -32,9 +32,8 @@ marked `chain` (pytestmark) that have one such test, form one chain (one work un
 WHOLE_MACHINE_CHAIN), which one worker runs from the start, one file after the other (the files of
 `alone` tests first, at the start, where the others have run no long test yet: one short drain for
 all of them; then its integration files before its SLURM file, which loads what the compile matrix
-compiled): the
-others' one-slot tests run beside each of its tests, where files of big tests handed to
-several workers would wait for each other with nothing beside them. The other files follow,
+compiled): the others' one-slot tests run beside each of its tests, where files of big tests handed
+to several workers would wait for each other with nothing beside them. The other files follow,
 integration tests before the protocol's and the unit tests, each folder's files with the most tests
 first. The long one-slot files (a power study, the GPU suite's smoke run) then start early, and the
 many short unit tests fill the end, where the workers would otherwise wait for one long test.
