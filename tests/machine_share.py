@@ -18,10 +18,10 @@ takes its slots while holding a turnstile lock, so a test waiting for several sl
 overtaken by one-slot tests; locks held by a process die with it. A test that wants more than half
 of the slots (a 2-core test on 2 cores) first takes the `big` lock, without the turnstile: two of
 them cannot run together anyway, and one waiting for the other at the turnstile would leave the
-third slot idle. A worker holding several slots keeps them for its next test when that one wants
-as many and the test it just ran was short (under SHORT_TEST_S), or when both are `alone`, for at
-most STREAK_S: a file of short multi-process tests (or of checks of one module-scoped run), or the
-`alone` tests one after the other, then wait for the others once, not before each test. That wait
+third slot idle. A worker holding a big test's slots keeps them for its next test when that one wants
+as many and the test it just ran was short (under SHORT_TEST_S), for at most STREAK_S, and always
+when both are `alone`: a file of short multi-process tests (or of checks of one module-scoped run),
+or the `alone` tests one after the other, then wait for the others once, not before each test. That wait
 (the drain) costs the machine what the others' running tests leave idle: up to a long test's
 length at one core. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
@@ -120,13 +120,13 @@ class SlotLocks:
             self.big.close()
             self.big = None
 
-    def keep_for(self, wanted: int, last_test_s: float) -> bool:
+    def keep_for(self, wanted: int, last_test_s: float, both_alone: bool = False) -> bool:
         """Whether the next test, which wants `wanted` slots, keeps what this worker holds (the
-        module docstring says when)."""
+        module docstring says when); `both_alone`: it and the test just run are `alone`."""
         if self.big is None or len(self.held) != min(wanted, len(self.slots)):
             return False
-        every_slot = len(self.held) == len(self.slots)  # an `alone` test after an `alone` test
-        return (every_slot or last_test_s < SHORT_TEST_S) and time.monotonic() - self.taken_at < STREAK_S
+        # Between two `alone` tests the others would only start tests the second must wait for.
+        return both_alone or (last_test_s < SHORT_TEST_S and time.monotonic() - self.taken_at < STREAK_S)
 
     @staticmethod
     def _try_lock(path: Path):
@@ -147,9 +147,13 @@ def cores_of(item: pytest.Item) -> int:
     return int(mark.args[0]) if mark is not None else 1
 
 
+def is_alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None
+
+
 def slots_of(item: pytest.Item, cores: int, slots: int) -> int:
     """The slots a test holds on a machine of `cores` cores and `slots` slots."""
-    return slots if item.get_closest_marker("alone") else min(cores_of(item), cores)
+    return slots if is_alone(item) else min(cores_of(item), cores)
 
 
 def run_folder(testrunuid: str) -> Path:
@@ -266,8 +270,7 @@ def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
         path, tests = path_and_tests
         folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
         rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-        every_slot = all(slots_of_test(test) >= slots for test in tests)
-        return (not in_chain(tests[0]), not every_slot, rank, -len(tests))
+        return (not in_chain(tests[0]), not all(is_alone(test) for test in tests), rank, -len(tests))
 
     return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 
@@ -285,7 +288,8 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if locks is not None:
             seconds = time.monotonic() - started
-            if nextitem is None or not locks.keep_for(slots_of(nextitem, cores, slots), seconds):
+            both_alone = nextitem is not None and is_alone(item) and is_alone(nextitem)
+            if nextitem is None or not locks.keep_for(slots_of(nextitem, cores, slots), seconds, both_alone):
                 locks.release()
 
 

@@ -123,16 +123,18 @@ def test_a_worker_keeps_its_slots_after_a_short_big_test_for_a_next_as_big_and_o
     assert log == ["other in", "other out"]
 
 
-def test_an_alone_test_after_an_alone_test_keeps_every_slot_however_long_the_first_ran(tmp_path, monkeypatch):
+def test_an_alone_test_after_an_alone_test_keeps_every_slot_however_long_they_ran(tmp_path, monkeypatch):
     """Two deadline tests in a row: the second starts at once, where giving the slots back would
     let the others start tests it must then wait for (a drain)."""
     worker = SlotLocks(tmp_path, slots=3)
     worker.take(3)
-    assert worker.keep_for(3, 10 * SHORT_TEST_S)
-    assert not worker.keep_for(2, 10 * SHORT_TEST_S)  # a big test that is not `alone`: after a long test, released
+    assert worker.keep_for(3, 10 * SHORT_TEST_S, both_alone=True)
+    # Big tests that hold every slot but are not `alone` (cores(2) with TEST_SLOTS=2): after a long one, released.
+    assert not worker.keep_for(3, 10 * SHORT_TEST_S)
     now = time.monotonic()
     monkeypatch.setattr(time, "monotonic", lambda: now + STREAK_S)
-    assert not worker.keep_for(3, 0.1)  # for at most STREAK_S
+    assert worker.keep_for(3, 0.1, both_alone=True)  # past STREAK_S too: the others would only delay the next
+    assert not worker.keep_for(3, 0.1)  # where a streak of other big tests ends
     monkeypatch.undo()
     worker.release()
 
@@ -201,6 +203,9 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
     for path in paths:  # a file's tests stay together and in their order
         indexes = [item.index for item in ordered if str(item.path) == path]
         assert indexes == sorted(indexes) and indexes == list(range(indexes[0], indexes[0] + len(indexes)))
+    # With 2 slots on 2 cores (TEST_SLOTS=2) a cores(2) test holds every slot too: the `alone` file is still first.
+    ordered = in_file_order(items, lambda item: slots_of(item, 2, 2), 2, Path("/repo/tests"))
+    assert str(ordered[0].path) == "/repo/tests/integration/test_deadlines.py"
     # On a machine of 4 cores (6 slots) a cores(2) test holds a third of it: only `alone` chains.
     ordered = in_file_order(items, lambda item: slots_of(item, 4, 6), 6, Path("/repo/tests"))
     assert {str(item.path) for item in ordered if in_chain(item)} == {"/repo/tests/integration/test_deadlines.py"}
