@@ -18,12 +18,12 @@ takes its slots while holding a turnstile lock, so a test waiting for several sl
 overtaken by one-slot tests; locks held by a process die with it. A test that wants more than half
 of the slots (a 2-core test on 2 cores) first takes the `big` lock, without the turnstile: two of
 them cannot run together anyway, and one waiting for the other at the turnstile would leave the
-third slot idle. A worker holding a big test's slots keeps them for its next test when that one wants
-as many and the test it just ran was short (under SHORT_TEST_S), for at most STREAK_S, and always
-when both are `alone`: a file of short multi-process tests (or of checks of one module-scoped run),
-or the `alone` tests one after the other, then wait for the others once, not before each test. That wait
-(the drain) costs the machine what the others' running tests leave idle: up to a long test's
-length at one core. Without xdist nothing is locked.
+third slot idle. A worker holding a big test's slots keeps them for its next test when that one
+wants as many and the test it just ran was short (under SHORT_TEST_S), for at most STREAK_S, and
+always when both are `alone`: a file of short multi-process tests (or of checks of one
+module-scoped run), or the `alone` tests one after the other, then wait for the others once, not
+before each test. That wait (the drain) costs the machine what the others' running tests leave
+idle: up to a long test's length at one core. Without xdist nothing is locked.
 TEST_CORES sets the number of cores (default: those this process may run on).
 
 Which worker runs what: xdist's loadfile hands out whole files, in the order of the collection,
