@@ -46,6 +46,17 @@ if action == "frozen":
 if action == "limit":
     import resource
     print("files", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+if action == "burn":  # CPU seconds here and in a child it waits for
+    def burn(seconds):
+        start = time.process_time()
+        while time.process_time() - start < seconds:
+            pass
+    child = os.fork()
+    if child == 0:
+        burn(float(sys.argv[2]))
+        os._exit(0)
+    burn(float(sys.argv[2]))
+    os.waitpid(child, 0)
 if action == "wait":
     signal.signal(signal.SIGUSR1, lambda *_: sys.exit(7))
     open(sys.argv[2], "w").write(str(os.getpid()))
@@ -65,7 +76,8 @@ def warm(tmp_path_factory):
     code_folder = code
     (code / "probe.py").write_text(PROBE)
     (code / "counted.py").write_text(COUNTED)
-    env = {**os.environ, "PYTHONPATH": str(code), "COUNT_FILE": str(folder / "count")}
+    env = {**os.environ, "PYTHONPATH": str(code), "COUNT_FILE": str(folder / "count"),
+           "TEST_CPU_LOG": str(folder / "cpu.jsonl")}
     # multiprocessing imported before they fork, as the suite's servers have (torch imports it).
     servers = start_servers(folder, [PRELOADED, "counted", "multiprocessing.forkserver"], 2, env,
                             folder / "servers.log")
@@ -78,6 +90,7 @@ def warm(tmp_path_factory):
         client = str(write_client(folder))
         code = code_folder
         log = folder / "servers.log"
+        cpu_log = folder / "cpu.jsonl"
 
         def env(self, **extra):
             return {**env, "TEST_WARM_PYTHON": str(folder), "TEST_WARM_PYTHON_SLOTS": "2", **extra}
@@ -114,6 +127,17 @@ def test_a_fork_starts_with_the_servers_imports_out_of_the_collectors_sight(warm
     real = subprocess.run([REAL_PYTHON, "-m", "probe", "frozen"], cwd=tmp_path, env=warm.env(), capture_output=True,
                           text=True, timeout=60)
     assert said(real)[0] == "real" and "frozen 0" in real.stdout
+
+
+def test_a_forks_cpu_and_its_childrens_are_logged_with_the_test_that_started_it(warm):
+    """TEST_CPU_LOG: the forks run outside the tests' process tree, so the server counts them."""
+    test = "tests/unit/test_warm_python.py::a_test[with (a) parameter]"
+    result = warm.run("-m", "probe", "burn", "0.3", env=warm.env(PYTEST_CURRENT_TEST=f"{test} (call)"))
+    assert said(result)[0] == "forked", result.stderr
+    lines = [json.loads(line) for line in warm.cpu_log.read_text().splitlines()]
+    (burnt,) = [line for line in lines if line["test"] == test]
+    assert burnt["fork"] == "module probe"
+    assert 0.6 <= burnt["cpu"] < 1.5  # 0.3 s in the fork and 0.3 s in its child
 
 
 def test_exit_codes_exceptions_and_deaths_by_signal_are_the_processs(warm):

@@ -173,29 +173,29 @@ def relay(connection: socket.socket, start_env: dict[str, str]) -> None:
             for fd in fds:
                 os.close(fd)
             connection.sendall(f"ok {pid}\n".encode())
-            relay_until_exit(connection, pid)
+            log_cpu(request, relay_until_exit(connection, pid))
     except BaseException:  # noqa: BLE001 (a relay must never return into the server's loop)
         traceback.print_exc()
         code = 1
     os._exit(code)
 
 
-def relay_until_exit(connection: socket.socket, pid: int) -> None:
+def relay_until_exit(connection: socket.socket, pid: int) -> resource.struct_rusage:
     """Signals from the client to the process; its exit status to the client. A client that
-    goes away (killed) takes the process with it."""
+    goes away (killed) takes the process with it. Returns what the process (and the children it
+    waited for) used."""
     exited = os.pidfd_open(pid)
     pending = b""
     while True:
         ready, _, _ = select.select([connection, exited], [], [])
         if exited in ready:
-            _, status = os.waitpid(pid, 0)
+            _, status, usage = os.wait4(pid, 0)
             connection.sendall(f"exit {status}\n".encode())
-            return
+            return usage
         data = connection.recv(4096)
         if not data:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return
+            return os.wait4(pid, 0)[2]
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
@@ -203,6 +203,21 @@ def relay_until_exit(connection: socket.socket, pid: int) -> None:
                 os.kill(pid, int(line.split()[1]))
             except ProcessLookupError:
                 pass
+
+
+def log_cpu(request: dict, usage: resource.struct_rusage) -> None:
+    """With TEST_CPU_LOG=FILE (tests/machine_share.py), a JSON line per fork: the CPU seconds it
+    and the children it waited for used, and the test whose process started it (a module-scoped
+    fixture's processes count for the test that set it up). A fork runs outside the tests' process
+    tree, so their own CPU count cannot see it; benchmarks/suite_cpu.py adds the two."""
+    path = os.environ.get("TEST_CPU_LOG")
+    if not path:
+        return
+    test = request["env"].get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    line = json.dumps({"fork": " ".join(request["main"]), "test": test,
+                       "cpu": round(usage.ru_utime + usage.ru_stime, 3)})
+    with open(path, "a") as log:
+        log.write(line + "\n")
 
 
 def refusal(request: dict, start_env: dict[str, str]) -> str:
