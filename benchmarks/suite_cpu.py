@@ -11,8 +11,9 @@ the fork and of the children it waited for, and the test that started it). The f
 the suite's work (the launchers and ranks of the tests' runs), and no test process can see them:
 this adds the two. A module-scoped fixture's processes count for the test that set it up, and a
 multiprocessing fork server (`code (python -c)`), which serves a process's later children, for
-the test that started it; a test that runs pytest itself (the GPU suite's smoke run) adds its
-inner tests' lines. What neither counts: the servers themselves, pytest's collection, SLURM's daemons and the processes its
+the test that started it; a fork whose environment was copied before its test began (a module's
+constant) counts as "(outside any test)"; a test that runs pytest itself (the GPU suite's smoke
+run) adds its inner tests' lines. What neither counts: the servers themselves, pytest's collection, SLURM's daemons and the processes its
 jobs start outside the warm Python; the machine's busy seconds (the run's last line) include them.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter, defaultdict
+from pathlib import Path
 
 from common import table  # noqa: I001 (sets sys.path)
 
@@ -62,14 +64,16 @@ def by_kind(forks: list[dict]) -> dict[str, tuple[float, int]]:
     """What the forks ran ('module trainer.train', 'script ...', 'code ...') -> CPU, count."""
     kinds = defaultdict(lambda: [0.0, 0])
     for fork in forks:
-        kind = fork["fork"] if not fork["fork"].startswith("code ") else "code (python -c)"
+        how, _, what = fork["fork"].partition(" ")
+        # A script by its file name (tests write theirs into their own folders); code by its form.
+        kind = {"code": "code (python -c)", "script": f"script {Path(what).name}"}.get(how, fork["fork"])
         kinds[kind][0] += fork["cpu"]
         kinds[kind][1] += 1
     return {kind: (cpu, count) for kind, (cpu, count) in kinds.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log", help="the TEST_CPU_LOG file of one run")
     parser.add_argument("--top", type=int, default=30, help="rows of each table (default 30)")
     args = parser.parse_args()
@@ -77,7 +81,8 @@ def main() -> None:
     totals = per_test(tests, forks)
     own, forked = sum(e["own"] for e in totals.values()), sum(e["forks"] for e in totals.values())
     print(f"{len(tests)} tests: {own:,.0f} CPU-seconds in the tests' processes, {forked:,.0f} in "
-          f"{len(forks)} forks of the warm Python, {own + forked:,.0f} in all\n")
+          f"{len(forks)} forks of the warm Python, {own + forked:,.0f} in all (the run's last line, the machine's busy "
+          "CPU-seconds, also counts the servers, the collection and SLURM's daemons)\n")
     kinds = sorted(by_kind(forks).items(), key=lambda item: -item[1][0])[:args.top]
     print(table(["forks of", "CPU-s", "count", "CPU-s each"],
                 [[kind, f"{cpu:,.1f}", count, f"{cpu / count:.2f}"] for kind, (cpu, count) in kinds]))

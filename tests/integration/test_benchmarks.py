@@ -140,14 +140,16 @@ def test_suite_cpu_adds_each_tests_forks_to_its_own_processes(tmp_path):
              {"fork": "module trainer.launch", "test": "tests/a.py::test_one", "cpu": 0.25},
              {"fork": "module trainer.train", "test": "tests/a.py::test_one", "cpu": 2.0},
              {"fork": "module trainer.train", "test": "tests/a.py::test_one", "cpu": 2.0},
-             {"fork": "code from multiprocessing.forkserver import main; main(3)", "test": "", "cpu": 0.5}]
+             {"fork": "code from multiprocessing.forkserver import main; main(3)", "test": "", "cpu": 0.5},
+             {"fork": "script /tmp/b0/probe.py", "test": "tests/b.py::test_two[x]", "cpu": 0.125},
+             {"fork": "script /tmp/b1/probe.py", "test": "tests/b.py::test_two[x]", "cpu": 0.125}]
     log = tmp_path / "cpu.jsonl"
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = run_script("suite_cpu.py", str(log))
-    assert out.splitlines()[0] == ("2 tests: 2 CPU-seconds in the tests' processes, 5 in 4 forks of the warm Python, "
-                                   "7 in all")
+    assert out.splitlines()[0].startswith("2 tests: 2 CPU-seconds in the tests' processes, 5 in 6 forks of the warm "
+                                          "Python, 7 in all")
     kinds, files, tests = (table_rows(part) for part in out.split("\n\n")[1:])
     assert kinds == [["module trainer.train", "4.0", "2", "2.00"], ["code (python -c)", "0.5", "1", "0.50"],
-                     ["module trainer.launch", "0.2", "1", "0.25"]]
-    assert files == [["tests/a.py", "4.8"], ["tests/b.py", "1.5"], ["(outside any test)", "0.5"]]
+                     ["module trainer.launch", "0.2", "1", "0.25"], ["script probe.py", "0.2", "2", "0.12"]]
+    assert files == [["tests/a.py", "4.8"], ["tests/b.py", "1.8"], ["(outside any test)", "0.5"]]
     assert tests[0] == ["tests/a.py::test_one", "4.8", "0.5", "4.2", "3", "3.0"]
