@@ -13,8 +13,10 @@ this adds the two. A module-scoped fixture's processes count for the test that s
 multiprocessing fork server (`code (python -c)`), which serves a process's later children, for
 the test that started it; a fork whose environment was copied before its test began (a module's
 constant) counts as "(outside any test)"; a test that runs pytest itself (the GPU suite's smoke
-run) adds its inner tests' lines. What neither counts: the servers themselves, pytest's collection, SLURM's daemons and the processes its
-jobs start outside the warm Python; the machine's busy seconds (the run's last line) include them.
+run) adds its inner tests' lines. What neither counts: the servers themselves, pytest's
+collection, SLURM's daemons and the processes its jobs start outside the warm Python; the
+machine's busy seconds (the run's last line) include them. A line that is not the log's (a run
+killed mid-write, another file) is refused with its file and line number.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ def read(path: str) -> tuple[dict[str, dict], list[dict]]:
     """The test lines by node id, and the fork lines."""
     tests, forks = {}, []
     with open(path) as log:
-        for line in log:
-            record = json.loads(line)
-            if "fork" in record:
-                forks.append(record)
-            else:
-                tests[record["test"]] = record
+        for number, line in enumerate(log, 1):
+            try:
+                record = json.loads(line)
+                if "fork" in record:
+                    forks.append({"fork": str(record["fork"]), "test": str(record["test"]),
+                                  "cpu": float(record["cpu"])})
+                else:
+                    tests[str(record["test"])] = {"wall": float(record["wall"]), "cpu": float(record["cpu"])}
+            except (ValueError, TypeError, KeyError) as error:
+                raise SystemExit(f"{path}:{number}: not a TEST_CPU_LOG line ({error!r}): {line[:200].rstrip()}")
     return tests, forks
 
 

@@ -153,3 +153,8 @@ def test_suite_cpu_adds_each_tests_forks_to_its_own_processes(tmp_path):
                      ["module trainer.launch", "0.2", "1", "0.25"], ["script probe.py", "0.2", "2", "0.12"]]
     assert files == [["tests/a.py", "4.8"], ["tests/b.py", "1.8"], ["(outside any test)", "0.5"]]
     assert tests[0] == ["tests/a.py::test_one", "4.8", "0.5", "4.2", "3", "3.0"]
+
+    log.write_text(log.read_text() + '{"test": "tests/c.py::test_cut", "wall": 1.0, "cp')  # a run killed mid-write
+    refused = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suite_cpu.py"), str(log)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and f"{log}:9: not a TEST_CPU_LOG line" in refused.stderr, refused.stderr
