@@ -173,29 +173,31 @@ def relay(connection: socket.socket, start_env: dict[str, str]) -> None:
             for fd in fds:
                 os.close(fd)
             connection.sendall(f"ok {pid}\n".encode())
-            log_cpu(request, relay_until_exit(connection, pid))
+            relay_until_exit(connection, pid, request)
     except BaseException:  # noqa: BLE001 (a relay must never return into the server's loop)
         traceback.print_exc()
         code = 1
     os._exit(code)
 
 
-def relay_until_exit(connection: socket.socket, pid: int) -> resource.struct_rusage:
+def relay_until_exit(connection: socket.socket, pid: int, request: dict) -> None:
     """Signals from the client to the process; its exit status to the client. A client that
-    goes away (killed) takes the process with it. Returns what the process (and the children it
-    waited for) used."""
+    goes away (killed) takes the process with it. The CPU log's line is written before the
+    client learns of the exit, so whoever waited for the process finds it."""
     exited = os.pidfd_open(pid)
     pending = b""
     while True:
         ready, _, _ = select.select([connection, exited], [], [])
         if exited in ready:
             _, status, usage = os.wait4(pid, 0)
+            log_cpu(request, usage)
             connection.sendall(f"exit {status}\n".encode())
-            return usage
+            return
         data = connection.recv(4096)
         if not data:
             os.kill(pid, signal.SIGKILL)
-            return os.wait4(pid, 0)[2]
+            log_cpu(request, os.wait4(pid, 0)[2])
+            return
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
