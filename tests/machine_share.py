@@ -37,6 +37,10 @@ to several workers would wait for each other with nothing beside them. The other
 integration tests before the protocol's and the unit tests, each folder's files with the most tests
 first. The long one-slot files (a power study, the GPU suite's smoke run) then start early, and the
 many short unit tests fill the end, where the workers would otherwise wait for one long test.
+Where pytest's cache (.pytest_cache) holds the seconds each test took when it last ran, the files
+outside the chain go longest first instead (the seconds of the tests this run selected), whatever
+their folder: a long file of few tests (flex attention's compiled kernel) no longer starts last.
+Every run with the cache on records its tests' seconds; a checkout without it keeps the order above.
 """
 
 from __future__ import annotations
@@ -235,10 +239,33 @@ def work_unit(nodeid: str, chain: frozenset) -> str:
 FOLDER_ORDER = ("integration", "slurm", "protocol", "unit")
 
 
+# In pytest's cache: node id -> the seconds the test took (setup, call and teardown) when it last ran.
+SECONDS_KEY = "machine_share/test_seconds"
+_seconds_this_run: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _seconds_this_run[report.nodeid] = _seconds_this_run.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """The process that reports the run (xdist's controller, or the only one) adds this run's
+    seconds to the cache's; the tests of files that no longer exist are dropped."""
+    cache = getattr(session.config, "cache", None)
+    if cache is None or hasattr(session.config, "workerinput") or not _seconds_this_run:
+        return
+    root = session.config.rootpath
+    known = {**cache.get(SECONDS_KEY, {}), **{test: round(s, 2) for test, s in _seconds_this_run.items()}}
+    cache.set(SECONDS_KEY, {test: s for test, s in known.items() if (root / test.split("::", 1)[0]).is_file()})
+
+
 @pytest.hookimpl(trylast=True)  # after the fast tier has chosen its tests (tests/conftest.py)
 def pytest_collection_modifyitems(config, items):
     cores, slots = machine_cores(), machine_slots()
-    items[:] = in_file_order(items, lambda item: slots_of(item, cores, slots), slots, Path(__file__).parent)
+    cache = getattr(config, "cache", None)
+    seconds = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    items[:] = in_file_order(items, lambda item: slots_of(item, cores, slots), slots, Path(__file__).parent,
+                             seconds)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         chain = "\n".join(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items if in_chain(item)))
@@ -254,9 +281,12 @@ def in_chain(item) -> bool:
     return item.stash.get(IN_CHAIN, False)
 
 
-def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
-    """The files in the order the module docstring gives; the tests of a file keep theirs. The
-    files of the chain (first) are marked in their tests' stash (IN_CHAIN)."""
+def in_file_order(items: list, slots_of_test, slots: int, suite: Path,
+                  seconds: dict[str, float] | None = None) -> list:
+    """The files in the order the module docstring gives, with `seconds` (node id -> the seconds its
+    test last took) where known; the tests of a file keep theirs. The files of the chain (first)
+    are marked in their tests' stash (IN_CHAIN)."""
+    seconds = seconds or {}
     files: dict[Path, list] = {}
     for item in items:
         files.setdefault(Path(item.path), []).append(item)
@@ -270,7 +300,9 @@ def in_file_order(items: list, slots_of_test, slots: int, suite: Path) -> list:
         path, tests = path_and_tests
         folder = path.relative_to(suite).parts[0] if path.is_relative_to(suite) else ""
         rank = FOLDER_ORDER.index(folder) if folder in FOLDER_ORDER else len(FOLDER_ORDER)
-        return (not in_chain(tests[0]), not all(is_alone(test) for test in tests), rank, -len(tests))
+        if in_chain(tests[0]):  # one work unit: its files' order is the compile cache's (FOLDER_ORDER)
+            return (False, not all(is_alone(test) for test in tests), rank, 0.0, -len(tests))
+        return (True, True, 0, -sum(seconds.get(test.nodeid, 0.0) for test in tests), rank, -len(tests))
 
     return [item for _, tests in sorted(files.items(), key=order) for item in tests]
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tests.machine_share import (SHORT_TEST_S, STREAK_S, WHOLE_MACHINE_CHAIN, SlotLocks, in_chain, in_file_order,
-                                 machine_busy_seconds, machine_slots, machine_use, slots_of, work_unit)
+from tests import machine_share
+from tests.machine_share import (SECONDS_KEY, SHORT_TEST_S, STREAK_S, WHOLE_MACHINE_CHAIN, SlotLocks, in_chain,
+                                 in_file_order, machine_busy_seconds, machine_slots, machine_use, slots_of, work_unit)
 
 
 def hold_in_thread(folder: Path, slots: int, log: list, name: str, release: threading.Event):
@@ -140,8 +142,9 @@ def test_an_alone_test_after_an_alone_test_keeps_every_slot_however_long_they_ra
 
 
 class FakeItem:
-    def __init__(self, path: str, mark=None):
+    def __init__(self, path: str, mark=None, name: str = "test"):
         self.path = Path(path)
+        self.nodeid = f"{path}::{name}"
         self._mark = mark
         self.stash = pytest.Stash()
 
@@ -209,6 +212,60 @@ def test_the_files_of_big_tests_come_first_as_one_chain_then_integration_protoco
     # On a machine of 4 cores (6 slots) a cores(2) test holds a third of it: only `alone` chains.
     ordered = in_file_order(items, lambda item: slots_of(item, 4, 6), 6, Path("/repo/tests"))
     assert {str(item.path) for item in ordered if in_chain(item)} == {"/repo/tests/integration/test_deadlines.py"}
+
+
+def test_with_the_seconds_of_a_last_run_the_files_outside_the_chain_go_longest_first():
+    big = pytest.mark.cores(2).mark
+    files = {  # path -> [(mark, the seconds its test last took, None: not known)]
+        "/repo/tests/integration/test_matrix.py": [(big, 1.0), (big, 1.0)],
+        "/repo/tests/slurm/test_cluster.py": [(big, 90.0)],
+        "/repo/tests/integration/test_launches.py": [(None, 3.0), (None, 4.0)],
+        "/repo/tests/protocol/test_plans.py": [(None, 2.0)] * 3,
+        "/repo/tests/unit/test_compiled_kernel.py": [(None, 20.0), (None, None)],
+        "/repo/tests/unit/test_new.py": [(None, None)] * 4,
+        "/repo/tests/integration/test_new_too.py": [(None, None)],
+    }
+    items, seconds = [], {}
+    for path, tests in files.items():
+        for index, (mark, last) in enumerate(tests):
+            items.append(FakeItem(path, mark, f"test_{index}"))
+            if last is not None:
+                seconds[items[-1].nodeid] = last
+    ordered = in_file_order(items, lambda item: slots_of(item, 2, 3), 3, Path("/repo/tests"), seconds)
+    paths = list(dict.fromkeys(str(item.path) for item in ordered))
+    # The chain first, in its folder order whatever its seconds; then 20, 7 and 6 s; then the
+    # files without seconds, by folder and size.
+    assert paths == ["/repo/tests/integration/test_matrix.py", "/repo/tests/slurm/test_cluster.py",
+                     "/repo/tests/unit/test_compiled_kernel.py", "/repo/tests/integration/test_launches.py",
+                     "/repo/tests/protocol/test_plans.py", "/repo/tests/integration/test_new_too.py",
+                     "/repo/tests/unit/test_new.py"]
+    # Without them, the order of a fresh checkout.
+    ordered = in_file_order(items, lambda item: slots_of(item, 2, 3), 3, Path("/repo/tests"))
+    assert list(dict.fromkeys(str(item.path) for item in ordered))[2:] == [
+        "/repo/tests/integration/test_launches.py", "/repo/tests/integration/test_new_too.py",
+        "/repo/tests/protocol/test_plans.py", "/repo/tests/unit/test_new.py", "/repo/tests/unit/test_compiled_kernel.py"]
+
+
+class FakeCache(dict):
+    def set(self, key, value):
+        self[key] = value
+
+
+def test_a_run_adds_its_tests_seconds_to_pytests_cache(tmp_path, monkeypatch):
+    """Setup, call and teardown summed; the seconds of tests this run did not run are kept (the fast
+    tier runs some of a file's tests), those of files that are gone dropped; a worker writes nothing."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    cache = FakeCache({SECONDS_KEY: {"tests/test_a.py::test_kept": 5.0, "tests/test_a.py::test_run": 1.0,
+                                     "tests/test_gone.py::test_x": 3.0}})
+    monkeypatch.setattr(machine_share, "_seconds_this_run", {})
+    for duration in (0.5, 2.0, 0.25):
+        machine_share.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/test_a.py::test_run", duration=duration))
+    worker = SimpleNamespace(config=SimpleNamespace(cache=cache, rootpath=tmp_path, workerinput={}))
+    machine_share.pytest_sessionfinish(worker)
+    assert cache[SECONDS_KEY]["tests/test_a.py::test_run"] == 1.0
+    machine_share.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(cache=cache, rootpath=tmp_path)))
+    assert cache[SECONDS_KEY] == {"tests/test_a.py::test_kept": 5.0, "tests/test_a.py::test_run": 2.75}
 
 
 def test_the_chain_is_one_work_unit_and_every_other_file_its_own():

@@ -19,7 +19,7 @@ import pytest
 
 from tests.warm_python import REAL_PYTHON, start_servers, write_client
 from tests.warm_python.client import running
-from tests.warm_python.server import ORDER_INDEPENDENT, VECTOR_ISA_FOLDER
+from tests.warm_python.server import ORDER_INDEPENDENT, READ_AT_START, VECTOR_ISA_FOLDER, read_at_start
 
 # Imported by the servers only: a process that has it in sys.modules at its start is a fork.
 PRELOADED = "xml.dom.minidom"
@@ -192,6 +192,16 @@ def test_what_a_fork_could_not_reproduce_runs_in_a_real_interpreter(warm, change
     result = warm.run("-m", "probe", env=warm.env(**change))
     assert result.returncode == 0 and said(result)[0] == "real", result
     assert reason in warm.log.read_text()
+
+
+def test_a_packages_settings_are_a_forks_own_unless_the_server_imported_the_package(warm):
+    """W&B's and Hugging Face's settings are read when their packages are imported, which the
+    servers have not done (the suite's import torch and the trainer): the fork reads them itself."""
+    result = warm.run("-m", "probe", env=warm.env(WANDB_MODE="offline", HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0 and said(result)[0] == "forked", result
+    assert "WANDB" not in read_at_start({"torch", "trainer"})
+    assert "WANDB" in read_at_start({"torch", "wandb"}) and "HF_" in read_at_start({"datasets"})
+    assert read_at_start(set()) == READ_AT_START
 
 
 @pytest.mark.parametrize("file, reason", [("sitecustomize.py", "holds a sitecustomize"),

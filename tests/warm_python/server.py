@@ -43,7 +43,12 @@ import types
 # Read when the interpreter or a module starts (torch, its compilers, OpenMP, the locale,
 # sys.path): a request whose value differs is refused, as the fork would keep this server's.
 READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "ATEN_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "NCCL", "GLOO",
-                 "TRITON", "LD_", "LC_", "LANG", "TZ", "HF_", "TRANSFORMERS", "TOKENIZERS", "WANDB")
+                 "TRITON", "LD_", "LC_", "LANG", "TZ")
+# ... and these, read when the packages beside them are imported: refused only where this server
+# imported one of those, else the fork reads them at its own import, as a fresh interpreter does (a
+# run logging to W&B offline, a dataset read with HF_HUB_OFFLINE set).
+READ_AT_IMPORT = {"HF_": ("huggingface_hub", "datasets", "transformers"), "TRANSFORMERS": ("transformers",),
+                  "TOKENIZERS": ("tokenizers",), "WANDB": ("wandb",)}
 # ... except these, read when they are used: the elastic agent's settings for its ranks, the
 # compile cache folder (read at each compile; the trainer sets it per rank itself), the CUDA
 # allocator's settings (read when it starts), -u's variable
@@ -222,11 +227,18 @@ def log_cpu(request: dict, usage: resource.struct_rusage) -> None:
         log.write(line + "\n")
 
 
+def read_at_start(imported) -> tuple[str, ...]:
+    """The prefixes of the settings that the modules `imported` (this server's) have read."""
+    return READ_AT_START + tuple(prefix for prefix, packages in READ_AT_IMPORT.items()
+                                 if any(package in imported for package in packages))
+
+
 def refusal(request: dict, start_env: dict[str, str]) -> str:
     """Why a fork of this server would not be the interpreter the request starts ('' when it would)."""
     env = request["env"]
+    read = read_at_start(sys.modules)
     for name in sorted(set(env) | set(start_env)):
-        if (name.startswith(READ_AT_START) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ
+        if (name.startswith(read) and not name.startswith(READ_WHEN_USED) and name not in NOT_READ
                 and name not in SET_AGAIN):
             if env.get(name) != start_env.get(name):
                 return f"{name} differs"
