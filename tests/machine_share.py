@@ -248,6 +248,23 @@ def pytest_runtest_logreport(report):
     _seconds_this_run[report.nodeid] = _seconds_this_run.get(report.nodeid, 0.0) + report.duration
 
 
+def last_seconds(config) -> dict[str, float]:
+    """The cache's seconds per test; a value that is not such a table (a damaged or foreign file)
+    counts as none, and an entry that is not a number is left out."""
+    cache = getattr(config, "cache", None)
+    known = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    if not isinstance(known, dict):
+        return {}
+    return {test: float(s) for test, s in known.items() if isinstance(s, (int, float)) and not isinstance(s, bool)}
+
+
+def pytest_configure_node(node):
+    """xdist's controller reads the seconds once and hands them to every worker: workers that read
+    the file themselves could see two versions of it (another run in this checkout writing it as
+    they collect), order the files differently, and xdist would stop the run."""
+    node.workerinput[SECONDS_KEY] = last_seconds(node.config)
+
+
 def pytest_sessionfinish(session):
     """The process that reports the run (xdist's controller, or the only one) adds this run's
     seconds to the cache's; the tests of files that no longer exist are dropped."""
@@ -255,15 +272,15 @@ def pytest_sessionfinish(session):
     if cache is None or hasattr(session.config, "workerinput") or not _seconds_this_run:
         return
     root = session.config.rootpath
-    known = {**cache.get(SECONDS_KEY, {}), **{test: round(s, 2) for test, s in _seconds_this_run.items()}}
+    known = {**last_seconds(session.config), **{test: round(s, 2) for test, s in _seconds_this_run.items()}}
     cache.set(SECONDS_KEY, {test: s for test, s in known.items() if (root / test.split("::", 1)[0]).is_file()})
 
 
 @pytest.hookimpl(trylast=True)  # after the fast tier has chosen its tests (tests/conftest.py)
 def pytest_collection_modifyitems(config, items):
     cores, slots = machine_cores(), machine_slots()
-    cache = getattr(config, "cache", None)
-    seconds = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    workerinput = getattr(config, "workerinput", None)
+    seconds = workerinput.get(SECONDS_KEY, {}) if workerinput is not None else last_seconds(config)
     items[:] = in_file_order(items, lambda item: slots_of(item, cores, slots), slots, Path(__file__).parent,
                              seconds)
     workerinput = getattr(config, "workerinput", None)

@@ -268,6 +268,19 @@ def test_a_run_adds_its_tests_seconds_to_pytests_cache(tmp_path, monkeypatch):
     assert cache[SECONDS_KEY] == {"tests/test_a.py::test_kept": 5.0, "tests/test_a.py::test_run": 2.75}
 
 
+@pytest.mark.parametrize("stored, read", [
+    ({"t.py::a": 1.5, "t.py::b": 2}, {"t.py::a": 1.5, "t.py::b": 2.0}),
+    ({"t.py::a": 1.5, "t.py::b": "long", "t.py::c": None, "t.py::d": True}, {"t.py::a": 1.5}),
+    (["t.py::a", 1.5], {}),
+    ("damaged", {}),
+])
+def test_a_damaged_or_foreign_table_of_seconds_counts_as_none(stored, read):
+    """What another program (or a hand) left under the cache's key orders nothing and stops nothing."""
+    config = SimpleNamespace(cache=FakeCache({SECONDS_KEY: stored}))
+    assert machine_share.last_seconds(config) == read
+    assert machine_share.last_seconds(SimpleNamespace()) == {}  # the cache plugin off
+
+
 def test_the_chain_is_one_work_unit_and_every_other_file_its_own():
     chain = frozenset({"tests/slurm/test_cluster.py", "tests/integration/test_deadlines.py"})
     assert work_unit("tests/slurm/test_cluster.py::test_a", chain) == WHOLE_MACHINE_CHAIN
