@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.launch import TINY_JOB, run_many
 from trainer.models.llama3.args import get_flavor
@@ -198,6 +199,8 @@ def test_a_float8_layout_trains_like_one_process_to_float8s_rounding(layout, res
              f"2 x {allowed[0]:.1e}, {allowed[1]:.1e}); float8 vs high precision in one process: {float8_effect[0]:.1e}, "
              f"{float8_effect[1]:.1e}")
     assert "float8: 28 linear layers in float8" in results[layout]["log"]
+    # On a CPU with AMX, oneDNN's reference float8 matmul is kept out (trainer/float8.py).
+    assert ("float8 on a CPU with AMX: oneDNN off" in results[layout]["log"]) == torch.cpu._is_amx_tile_supported()
     assert ("float8 layers' inputs gathered in float8" in results[layout]["log"]) == (layout in FLOAT8_GATHERS)
     # Float8 is on: this run is further from high precision than fp32 rounding moves a layout.
     assert gaps(run, curve(results[high_precision]))[0] >= 1e-5
