@@ -111,24 +111,26 @@ def check_kernels(device, emulate: bool) -> None:
                           "quantize.linear.float8.emulate (slow, for testing) or take float8 out of model.converters")
 
 
-def keep_matmuls_off_onednn(device) -> bool:
+def set_onednn(device, float8_on: bool) -> bool:
     """On a CPU with AMX, torch hands float8 matmuls (torch._scaled_mm) to oneDNN, which has no
     float8 matmul kernel and runs its reference one (its verbose log says `ref:any`): 69 ms for a
     256 x 64 x 256 product that float32 computes in 0.24 ms (torch 2.13). With oneDNN off, torch
     computes them as it does on every other CPU: a float32 matmul of the operands times their
-    scales. So a float8 run on such a CPU turns oneDNN off for its process, and says so; what else
-    oneDNN would compute in a training step (bfloat16 and float16 matmuls) then takes torch's own
-    CPU kernels. Called by the trainer's process only: the setting is process-wide. True where it
-    turned oneDNN off."""
+    scales. So a float8 run on such a CPU turns oneDNN off, and says so; what else oneDNN would
+    compute in its training step (bfloat16 and float16 matmuls) then takes torch's own CPU kernels.
+    A setting of the process: set at every build on a CPU (on for a run without float8, torch's
+    default), so a run never inherits another's. True where float8's matmuls keep off oneDNN."""
     import torch
 
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    if device.type != "cpu" or not torch.backends.mkldnn.enabled or not amx():
+    if device.type != "cpu":
         return False
-    torch.backends.mkldnn.enabled = False
-    logger.info("float8 on a CPU with AMX: oneDNN off for this process (its float8 matmul here is a reference "
-                "kernel, hundreds of times slower than float32); torch computes the float8 matmuls in float32")
-    return True
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    off = float8_on and amx()
+    torch.backends.mkldnn.enabled = not off
+    if off:
+        logger.info("float8 on a CPU with AMX: oneDNN off for this run (its float8 matmul here is a reference "
+                    "kernel, hundreds of times slower than float32); torch computes the float8 matmuls in float32")
+    return off
 
 
 def convert(model, config, fsdp_shards: int, device) -> Float8Conversion:

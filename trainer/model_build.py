@@ -37,8 +37,7 @@ def build_on_meta(config, dims, mesh, device: torch.device, model_args) -> Paral
         model = Transformer(model_args)
     # model.converters: before the parallelisms, which then shard the float8 layers.
     conversion = float8.convert(model, config, dims.dp_shard_cp, device) if float8.enabled(config) else None
-    if conversion is not None:
-        float8.keep_matmuls_off_onednn(device)
+    float8.set_onednn(device, float8_on=conversion is not None)
     parallel = parallelize(model, dims, mesh, config, device)
     parallel.float8 = conversion
     if parallel.stage_plan is not None:

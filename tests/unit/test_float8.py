@@ -180,19 +180,22 @@ def onednn_setting():
     torch.backends.mkldnn.enabled = before
 
 
-@pytest.mark.parametrize("device, amx, turned_off", [("cpu", True, True), ("cpu", False, False), ("cuda", True, False)])
-def test_a_float8_run_turns_onednn_off_only_on_a_cpu_with_amx(device, amx, turned_off, monkeypatch, onednn_setting):
+@pytest.mark.parametrize("device, float8_on, amx, onednn", [
+    ("cpu", True, True, False), ("cpu", True, False, True), ("cpu", False, True, True), ("cuda", True, True, "kept")])
+def test_onednn_is_off_only_for_float8_on_a_cpu_with_amx_and_each_build_sets_it(device, float8_on, amx, onednn,
+                                                                               monkeypatch, onednn_setting):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    torch.backends.mkldnn.enabled = True
-    assert float8.keep_matmuls_off_onednn(torch.device(device)) is turned_off
-    assert torch.backends.mkldnn.enabled is not turned_off
+    for before in (True, False):  # what an earlier run in the same process left
+        torch.backends.mkldnn.enabled = before
+        assert float8.set_onednn(torch.device(device), float8_on) is (onednn is False)
+        assert torch.backends.mkldnn.enabled is (before if onednn == "kept" else onednn)
 
 
 def test_then_no_float8_matmul_runs_on_onednn(onednn_setting, capfd):
     """On this machine's CPU, whichever it is: after the trainer's setting, a float8 matmul runs no
     oneDNN primitive (on a CPU with AMX it ran oneDNN's reference kernel, 69 ms against 0.24 ms in
     float32 for 256 x 64 x 256), and computes the float32 product of its float8 operands."""
-    float8.keep_matmuls_off_onednn(torch.device("cpu"))
+    float8.set_onednn(torch.device("cpu"), float8_on=True)
     a = torch.randn(32, 64).to(torch.float8_e4m3fn)
     one = torch.tensor(1.0)
     capfd.readouterr()
