@@ -283,7 +283,6 @@ def pytest_collection_modifyitems(config, items):
     seconds = workerinput.get(SECONDS_KEY, {}) if workerinput is not None else last_seconds(config)
     items[:] = in_file_order(items, lambda item: slots_of(item, cores, slots), slots, Path(__file__).parent,
                              seconds)
-    workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         chain = "\n".join(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items if in_chain(item)))
         written = run_folder(workerinput["testrunuid"]) / f"{CHAIN_FILES}.{workerinput['workerid']}"

@@ -111,6 +111,13 @@ def check_kernels(device, emulate: bool) -> None:
                           "quantize.linear.float8.emulate (slow, for testing) or take float8 out of model.converters")
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX, as torch's cpuinfo sees it (False where torch cannot say)."""
+    import torch
+
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
 def set_onednn(device, float8_on: bool) -> bool:
     """On a CPU with AMX, torch hands float8 matmuls (torch._scaled_mm) to oneDNN, which has no
     float8 matmul kernel and runs its reference one (its verbose log says `ref:any`): 69 ms for a
@@ -124,8 +131,7 @@ def set_onednn(device, float8_on: bool) -> bool:
 
     if device.type != "cpu":
         return False
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    off = float8_on and amx()
+    off = float8_on and cpu_has_amx()
     torch.backends.mkldnn.enabled = not off
     if off:
         logger.info("float8 on a CPU with AMX: oneDNN off for this run (its float8 matmul here is a reference "

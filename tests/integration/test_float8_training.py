@@ -44,9 +44,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
-import torch
 
 from tests.launch import TINY_JOB, run_many
+from trainer.float8 import cpu_has_amx
 from trainer.models.llama3.args import get_flavor
 from trainer.models.llama3.hf_config import hf_config
 
@@ -200,7 +200,7 @@ def test_a_float8_layout_trains_like_one_process_to_float8s_rounding(layout, res
              f"{float8_effect[1]:.1e}")
     assert "float8: 28 linear layers in float8" in results[layout]["log"]
     # On a CPU with AMX, oneDNN's reference float8 matmul is kept out (trainer/float8.py).
-    assert ("float8 on a CPU with AMX: oneDNN off" in results[layout]["log"]) == torch.cpu._is_amx_tile_supported()
+    assert ("float8 on a CPU with AMX: oneDNN off" in results[layout]["log"]) == cpu_has_amx()
     assert ("float8 layers' inputs gathered in float8" in results[layout]["log"]) == (layout in FLOAT8_GATHERS)
     # Float8 is on: this run is further from high precision than fp32 rounding moves a layout.
     assert gaps(run, curve(results[high_precision]))[0] >= 1e-5
