@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer.local_shards import scale_gradients_
+
 
 class LossScaleError(RuntimeError):
     """Gradients overflow even at the smallest allowed scale: not a float16 range problem."""
@@ -67,10 +69,7 @@ def unscale_gradients(parameters, scale: float) -> None:
     """Divide every gradient by the loss scale, in place (inf and NaN stay non-finite).
 
     Multiplying by 1/S is exact: S is a power of two."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    if local:
-        torch._foreach_mul_(local, 1.0 / scale)
+    scale_gradients_([p.grad for p in parameters if p.grad is not None], 1.0 / scale)
 
 
 def build_loss_scaler(config, param_dtype: torch.dtype) -> DynamicLossScaler | None:

@@ -11,12 +11,21 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.config.manager import to_dict
+from trainer.local_shards import StepOnLocalShards, scale_gradients_
 
 logger = logging.getLogger(__name__)
 
 
+class AdamW(StepOnLocalShards, torch.optim.AdamW):
+    """torch's AdamW, stepping on the local shards of sharded parameters (trainer/local_shards.py)."""
+
+
+class Adam(StepOnLocalShards, torch.optim.Adam):
+    """torch's Adam, stepping on the local shards of sharded parameters (trainer/local_shards.py)."""
+
+
 # The optimizers optimizer.name accepts. initialize_state relies on their state starting at zero.
-OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+OPTIMIZERS = {"AdamW": AdamW, "Adam": Adam}
 
 
 def new_optimizer(named_parameters, cfg) -> torch.optim.Optimizer:
@@ -298,5 +307,7 @@ def clip_grad_norm(parameters, max_norm: float, reduce: NormReduction = NormRedu
         torch.distributed.all_reduce(squared, group=reduce.group)
     norm = squared.sqrt()
     if max_norm > 0 and parameters:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm.float(), foreach=True)
+        # torch.nn.utils.clip_grads_with_norm_'s factor, applied to the local shards
+        factor = torch.clamp(float(max_norm) / (norm.float() + 1e-6), max=1.0)
+        scale_gradients_([p.grad for p in parameters], factor)
     return norm

@@ -59,7 +59,7 @@ def test_scheduler_applies_factor_of_each_step():
 def test_optimizer_from_config(name, cls):
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = build_optimizer([("w", param)], Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2))
-    assert type(optimizer) is cls
+    assert cls in type(optimizer).__bases__  # torch's, stepping on local shards (trainer/local_shards.py)
     group = optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.5, (0.8, 0.9), 1e-6, 0.2)
 
