@@ -4,8 +4,8 @@ Adam's and AdamW's step, gradient clipping and loss unscaling treat every elemen
 a DTensor they run the same operation on each rank's local shard. Run through DTensor, each of
 those foreach operations first has its sharding worked out, once per process for every distinct
 list of parameter layouts, and looked up over every parameter at every later step. On 2 ranks of
-the tiny model, 5 steps took 0.49 CPU-seconds after the imports under FSDP and 1.22 under TP
-through DTensor, 0.28 and 0.73 on the local shards. Run on the local tensors, the same kernels
+the tiny model, 5 steps took 0.50 CPU-seconds a rank after the imports under FSDP and 1.35 under
+TP through DTensor, 0.29 and 0.86 on the local shards. Run on the local tensors, the same kernels
 see the same tensors in the same order, so the numbers are bitwise those of the DTensor path
 (tests/unit/test_local_shards.py compares the two).
 
