@@ -62,6 +62,13 @@ def test_overhead_and_profile_scripts_run():
     assert phases[:2] == ["data loader", "forward + backward"] and phases[-1] == "step"
 
 
+def test_optimizer_update_benchmark_times_both_paths():
+    out = run_script("optimizer_update.py", "--layouts", "FSDP", "--steps", "1")
+    rows = table_rows(out)
+    assert [row[:2] for row in rows] == [["FSDP", "local shards"], ["FSDP", "DTensor"]]
+    assert all(float(cell) >= 0 for row in rows for cell in row[2:])
+
+
 def test_memory_phases_reads_the_resident_set_after_each_phase():
     out = run_script("memory_phases.py", "--nproc", "1", "--flavor", "tiny", "--steps", "1")
     rows = table_rows(out)
