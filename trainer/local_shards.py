@@ -61,11 +61,12 @@ class StepOnLocalShards:
     """Mixin for a torch optimizer whose step is elementwise (Adam, AdamW): `step` runs on the
     local shards of DTensor parameters (module docstring), with their gradients' and state's
     local shards; state the step creates (the first step) is kept as DTensors, so checkpoints
-    see the same optimizer state either way."""
+    see the same optimizer state either way. A step given a closure goes through DTensor."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        views = shard_views(self)
+        # A closure recomputes the gradients inside torch's step, after the shards took theirs.
+        views = shard_views(self) if closure is None else None
         if not views:
             return super().step(closure)
         saved_state, saved_params = self.state, [group["params"] for group in self.param_groups]

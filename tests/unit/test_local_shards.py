@@ -2,7 +2,8 @@
 what torch's Adam, AdamW and clip_grads_with_norm_ give through DTensor, on 2 gloo ranks: uneven
 row shards, column shards, a replicated parameter and a plain one, for every optimizer.implementation;
 the state stays DTensors of each parameter's layout; no DTensor operation runs in a local step;
-and a gradient of another layout (a Partial sum) makes the whole step go through DTensor."""
+and a gradient of another layout (a Partial sum), or a closure, makes the whole step go through
+DTensor."""
 
 from __future__ import annotations
 
@@ -126,3 +127,21 @@ def test_a_first_step_state_is_made_a_dtensor_of_the_parameters_layout(one_rank_
     assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == (Shard(0),)
     assert not isinstance(state["step"], DTensor) and state["step"].item() == 1.0
     assert param._local_tensor.grad is None and param.grad is not None  # the parameter keeps its gradient
+
+
+def test_a_step_with_a_closure_uses_the_gradients_the_closure_computes(one_rank_mesh):
+    """A closure recomputes the gradients inside the step, after shards would have taken theirs:
+    such a step goes through DTensor, and equals torch's."""
+    results = []
+    for optimizer_class in (OPTIMIZERS["AdamW"], torch.optim.AdamW):
+        param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), one_rank_mesh, [Shard(0)]))
+        optimizer = optimizer_class([param], lr=0.1)
+        param.grad = distribute_tensor(torch.full((4, 2), -1.0), one_rank_mesh, [Shard(0)])  # stale
+
+        def closure():
+            param.grad = distribute_tensor(torch.arange(8.0).view(4, 2), one_rank_mesh, [Shard(0)])
+            return torch.tensor(0.0)
+
+        optimizer.step(closure)
+        results.append(param.to_local().detach().clone())
+    assert torch.equal(results[0], results[1])
