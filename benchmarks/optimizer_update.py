@@ -103,7 +103,8 @@ def run_layout(nproc: int, overrides: list[str], steps: int) -> list[dict]:
         done = subprocess.run(command, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
                               text=True, timeout=600)
         if done.returncode != 0:
-            raise SystemExit(f"{' '.join(overrides)}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise SystemExit(f"{' '.join(overrides)}: exit {done.returncode}\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
         return json.loads(result.read_text())
 
 

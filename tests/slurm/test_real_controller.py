@@ -195,8 +195,9 @@ def test_a_job_at_its_time_limit_saves_requeues_itself_and_resumes_onto_the_same
     job's start; it saves and stops (exit 75), the job requeues itself and resumes from that
     checkpoint, maybe more than once. The job waits 120 ms after each step (debug.step_delay_s), so
     its 38 s cost a core 2 s, not 38. With 80 ms (27 s of training) a start of 3 s on a fast
-    machine ended the run at the 30 s mark, before the signal, once in four runs. The same run made locally at the same time, uninterrupted and
-    without the wait, is the reference: every step's loss and gradient norm are equal."""
+    machine ended the run at the 30 s mark, before the signal, once in four runs. The same run
+    made locally at the same time, uninterrupted and without the wait, is the reference: every
+    step's loss and gradient norm are equal."""
     steps, delay = 300, 0.12  # about 38 s with the wait (and 7 ms a step on an idle core) after a start of 3 to 7 s
     # No seed job: both runs initialize the same weights from debug.seed (init is layout-invariant).
     limited = small_plan(tmp_path, '[slurm.train]\ndevice = "cpu"\ntime = "1"\nsave_before_limit = 30\n',
